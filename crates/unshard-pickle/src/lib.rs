@@ -21,6 +21,76 @@
 //! Every resource a hostile file could inflate is bounded by [`Limits`]: node count,
 //! container length, total string/bytes payload, memo size and mark-stack depth.
 //! Errors carry the byte offset and opcode at which parsing stopped.
+//!
+//! # Using it
+//!
+//! ```
+//! // pickle.dumps({'w': [1, 2]}, protocol=2)
+//! let data = b"\x80\x02}q\x00X\x01\x00\x00\x00wq\x01]q\x02(K\x01K\x02es.";
+//! let pickle = unshard_pickle::parse(data)?;
+//! let w = pickle.dict_get(pickle.root(), "w").expect("key w");
+//! let items: Vec<i64> = pickle
+//!     .items(w)
+//!     .unwrap_or_default()
+//!     .iter()
+//!     .filter_map(|&id| pickle.as_int(id))
+//!     .collect();
+//! assert_eq!(items, [1, 2]);
+//! assert_eq!(pickle.describe(w), "list(2 items)");
+//! # Ok::<(), unshard_pickle::Error>(())
+//! ```
+//!
+//! # Decisions
+//!
+//! * **Python semantics where they are data.** Dict keys that Python would find equal
+//!   (`1`, `True`, `1.0`; equal strings) are merged as `SETITEM` does in Python, so the
+//!   reader sees the same dict as `pickle.load`. Python 2 `str` (`STRING`, `BINSTRING`,
+//!   `SHORT_BINSTRING`) is read as latin-1 text, like `encoding='latin1'`, so byte
+//!   values survive. Integers that fit in an i64 are [`Value::Int`] whatever opcode
+//!   carried them; `INT 01`/`INT 00` are booleans.
+//! * **Mark stack, not sentinels.** `MARK` records the stack height, and pops may not
+//!   cross the innermost mark, as in CPython's `_pickle.c`.
+//! * **Inert calls.** `REDUCE`, `NEWOBJ`, `NEWOBJ_EX`, `INST` and `OBJ` make
+//!   [`Value::Object`]s, except for the pure builtins listed above. `BUILD` stores its
+//!   state on an object and is ignored on plain values (every torch state dict is an
+//!   `OrderedDict` with a `_metadata` attribute set by `BUILD`).
+//! * **Unsupported.** `EXT1/2/4` need the extension registry of the writing process and
+//!   `NEXT_BUFFER`/`READONLY_BUFFER` need out-of-band buffers; both are errors, as is a
+//!   `PROTO` above 5.
+//! * **No recursion.** Parsing is a loop over opcodes, dropping a [`Pickle`] drops one
+//!   flat vector, and [`Pickle::describe`] looks one level deep. 100 000 nested tuples
+//!   are fine.
+//! * **End of input.** A pickle ends at `STOP`; bytes after it are not looked at
+//!   ([`parse_prefix`] returns where they start, for the legacy torch format that puts
+//!   several pickles back to back).
+
+mod access;
+mod builtins;
+mod error;
+mod keys;
+mod literal;
+mod machine;
+mod opcode;
+
+pub use access::ObjectRef;
+pub use error::{Error, ErrorKind};
+
+/// Parses one pickle with the default [`Limits`]. The input must hold a whole pickle,
+/// ending at `STOP`; bytes after `STOP` are ignored.
+pub fn parse(data: &[u8]) -> Result<Pickle, Error> {
+    parse_prefix(data, &Limits::default()).map(|(pickle, _)| pickle)
+}
+
+/// Parses one pickle with the given limits. Bytes after `STOP` are ignored.
+pub fn parse_with_limits(data: &[u8], limits: &Limits) -> Result<Pickle, Error> {
+    parse_prefix(data, limits).map(|(pickle, _)| pickle)
+}
+
+/// Parses the pickle at the start of `data` and returns it with the offset just after
+/// its `STOP`, where the next pickle (or raw data) begins.
+pub fn parse_prefix(data: &[u8], limits: &Limits) -> Result<(Pickle, usize), Error> {
+    machine::Machine::new(data, limits).run()
+}
 
 /// Index of a node in a [`Pickle`] arena.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -56,7 +126,10 @@ pub enum Value {
     Set(Vec<NodeId>),
     FrozenSet(Vec<NodeId>),
     /// A class or function reference from `GLOBAL`/`STACK_GLOBAL`. Never resolved.
-    Global { module: String, name: String },
+    Global {
+        module: String,
+        name: String,
+    },
     /// The result of applying a callable that is not one of the interpreted builtins.
     Object {
         kind: ObjectKind,
@@ -75,16 +148,42 @@ pub enum Value {
     PersistentId(NodeId),
 }
 
+impl Value {
+    /// The Python type name of the value, for messages: `"dict"`, `"str"`, `"object"`, ...
+    pub fn type_name(&self) -> &'static str {
+        match self {
+            Value::None => "None",
+            Value::Bool(_) => "bool",
+            Value::Int(_) | Value::BigInt(_) => "int",
+            Value::Float(_) => "float",
+            Value::Str(_) => "str",
+            Value::Bytes(_) => "bytes",
+            Value::Tuple(_) => "tuple",
+            Value::List(_) => "list",
+            Value::Dict(_) => "dict",
+            Value::Set(_) => "set",
+            Value::FrozenSet(_) => "frozenset",
+            Value::Global { .. } => "global",
+            Value::Object { .. } => "object",
+            Value::PersistentId(_) => "persistent id",
+        }
+    }
+}
+
 /// Resource bounds for one parse. The defaults comfortably hold real checkpoints
 /// (a 1T-parameter state dict has well under a million nodes) while keeping a
 /// hostile file from allocating more than a few hundred MB or running for long.
 #[derive(Clone, Debug)]
 pub struct Limits {
-    /// Maximum number of nodes in the arena.
+    /// Maximum number of nodes in the arena. Also bounds the value stack and the total
+    /// number of entries over all containers (so that copies such as `set(list)`
+    /// repeated many times cannot multiply memory). Clamped to `u32::MAX`.
     pub max_nodes: usize,
     /// Maximum number of items in one container (tuple, list, dict, set, args).
+    /// Clamped to `u32::MAX`.
     pub max_container_len: usize,
-    /// Maximum total bytes of all `Str`/`Bytes`/`BigInt` payloads together.
+    /// Maximum total bytes of all `Str`/`Bytes`/`BigInt` payloads together (global
+    /// names included).
     pub max_payload_bytes: usize,
     /// Maximum number of memo entries.
     pub max_memo: usize,

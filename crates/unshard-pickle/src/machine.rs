@@ -1,0 +1,927 @@
+//! The pickle virtual machine: reads opcodes and builds the arena, one opcode at a time.
+//!
+//! The machine follows CPython's `_pickle.c` unpickler, with three differences that
+//! make it inert and bounded:
+//!
+//! * Globals are never imported and calls are never made (see [`crate::builtins`] for
+//!   the few that are interpreted as data). Everything else becomes an `Object` node.
+//! * The memo maps keys to [`NodeId`]s in a `HashMap`, so a `LONG_BINPUT 4000000000`
+//!   costs one entry, not a four-billion-slot vector.
+//! * Every allocation is charged to [`Limits`] *before* it is made, and every length
+//!   field is checked against the bytes left in the input before anything is copied.
+//!   Each opcode does work proportional to its own argument or to the values it takes
+//!   off the stack (which earlier opcodes paid for), so parsing is linear in the input.
+//!
+//! Marks are kept CPython-style: the mark stack records stack heights, and the height
+//! of the topmost mark is a fence that ordinary pops may not cross.
+
+use std::collections::HashMap;
+
+use crate::builtins::{self, Builtin};
+use crate::keys::KeyIndex;
+use crate::literal;
+use crate::opcode::{self as op, name as op_name};
+use crate::{Error, ErrorKind, Limits, NodeId, ObjectKind, Pickle, Value};
+
+type Result<T> = std::result::Result<T, ErrorKind>;
+
+/// The unpickler state while one pickle is read.
+pub(crate) struct Machine<'a> {
+    data: &'a [u8],
+    /// Offset of the next unread byte.
+    pos: usize,
+    limits: Limits,
+    /// The opcode being executed, for error messages.
+    op: u8,
+    nodes: Vec<Value>,
+    stack: Vec<NodeId>,
+    /// Stack heights at each open `MARK`, innermost last.
+    marks: Vec<usize>,
+    memo: HashMap<u64, NodeId>,
+    keys: KeyIndex,
+    /// Bytes of string, bytes and big-integer payload allocated so far.
+    payload: usize,
+    /// Container entries allocated so far, over all containers.
+    items: usize,
+}
+
+impl<'a> Machine<'a> {
+    pub fn new(data: &'a [u8], limits: &Limits) -> Self {
+        let mut limits = limits.clone();
+        // Node ids and indexed positions are u32.
+        let max_u32 = u32::MAX as usize;
+        limits.max_nodes = limits.max_nodes.min(max_u32);
+        limits.max_container_len = limits.max_container_len.min(max_u32);
+        Machine {
+            data,
+            pos: 0,
+            limits,
+            op: 0,
+            nodes: Vec::new(),
+            stack: Vec::new(),
+            marks: Vec::new(),
+            memo: HashMap::new(),
+            keys: KeyIndex::new(),
+            payload: 0,
+            items: 0,
+        }
+    }
+
+    /// Runs up to and including `STOP`; returns the pickle and the offset after `STOP`.
+    pub fn run(mut self) -> std::result::Result<(Pickle, usize), Error> {
+        loop {
+            let offset = self.pos;
+            let Some(&op) = self.data.get(offset) else {
+                return Err(Error {
+                    offset,
+                    opcode: None,
+                    kind: ErrorKind::NoStop,
+                });
+            };
+            self.pos += 1;
+            self.op = op;
+            match self.step(op) {
+                Ok(None) => {}
+                Ok(Some(root)) => {
+                    let pickle = Pickle {
+                        nodes: self.nodes,
+                        root,
+                    };
+                    return Ok((pickle, self.pos));
+                }
+                Err(kind) => {
+                    return Err(Error {
+                        offset,
+                        opcode: Some(op),
+                        kind,
+                    })
+                }
+            }
+        }
+    }
+
+    /// Executes one opcode; returns the root at `STOP`.
+    fn step(&mut self, code: u8) -> Result<Option<NodeId>> {
+        match code {
+            op::PROTO => {
+                let [version] = self.take_array()?;
+                if version > op::HIGHEST_PROTOCOL {
+                    return Err(ErrorKind::UnsupportedProtocol(version));
+                }
+            }
+            op::FRAME => {
+                // Frames only group opcodes for buffered readers; the whole input is
+                // already in memory. The length must still be honest.
+                self.take_len_u64()?;
+            }
+            op::STOP => return self.pop().map(Some),
+
+            op::MARK => self.mark()?,
+            op::POP => self.pop_or_unmark()?,
+            op::POP_MARK => {
+                self.pop_mark()?;
+            }
+            op::DUP => self.push(self.peek()?)?,
+
+            op::NONE => self.push_value(Value::None)?,
+            op::NEWTRUE => self.push_value(Value::Bool(true))?,
+            op::NEWFALSE => self.push_value(Value::Bool(false))?,
+            op::INT => self.text_int()?,
+            op::LONG => self.text_long()?,
+            op::BININT => {
+                let v = i32::from_le_bytes(self.take_array()?);
+                self.push_value(Value::Int(v.into()))?;
+            }
+            op::BININT1 => {
+                let [v] = self.take_array()?;
+                self.push_value(Value::Int(v.into()))?;
+            }
+            op::BININT2 => {
+                let v = u16::from_le_bytes(self.take_array()?);
+                self.push_value(Value::Int(v.into()))?;
+            }
+            op::LONG1 => {
+                let [len] = self.take_array()?;
+                self.binary_long(len.into())?;
+            }
+            op::LONG4 => {
+                let len = self.take_len_i32()?;
+                self.binary_long(len)?;
+            }
+            op::FLOAT => {
+                let line = self.take_line()?;
+                let v = literal::parse_float(line).map_err(ErrorKind::BadLiteral)?;
+                self.push_value(Value::Float(v))?;
+            }
+            op::BINFLOAT => {
+                let v = f64::from_be_bytes(self.take_array()?);
+                self.push_value(Value::Float(v))?;
+            }
+
+            op::STRING => {
+                let line = self.take_line()?;
+                let bytes = literal::parse_quoted_string(line).map_err(ErrorKind::BadLiteral)?;
+                self.push_latin1(&bytes)?;
+            }
+            op::BINSTRING => {
+                let len = self.take_len_i32()?;
+                let bytes = self.take(len)?;
+                self.push_latin1(bytes)?;
+            }
+            op::SHORT_BINSTRING => {
+                let [len] = self.take_array()?;
+                let bytes = self.take(len.into())?;
+                self.push_latin1(bytes)?;
+            }
+            op::UNICODE => {
+                let line = self.take_line()?;
+                self.charge_payload(line.len())?;
+                let text =
+                    literal::parse_raw_unicode_escape(line).map_err(ErrorKind::BadLiteral)?;
+                self.push_value(Value::Str(text))?;
+            }
+            op::SHORT_BINUNICODE => {
+                let [len] = self.take_array()?;
+                self.binary_str(len.into())?;
+            }
+            op::BINUNICODE => {
+                let len = self.take_len_u32()?;
+                self.binary_str(len)?;
+            }
+            op::BINUNICODE8 => {
+                let len = self.take_len_u64()?;
+                self.binary_str(len)?;
+            }
+            op::SHORT_BINBYTES => {
+                let [len] = self.take_array()?;
+                self.binary_bytes(len.into())?;
+            }
+            op::BINBYTES => {
+                let len = self.take_len_u32()?;
+                self.binary_bytes(len)?;
+            }
+            op::BINBYTES8 | op::BYTEARRAY8 => {
+                let len = self.take_len_u64()?;
+                self.binary_bytes(len)?;
+            }
+
+            op::EMPTY_TUPLE => self.push_value(Value::Tuple(Vec::new()))?,
+            op::TUPLE => {
+                let items = self.pop_mark()?;
+                self.push_container(Value::Tuple, items)?;
+            }
+            op::TUPLE1 => self.tuple_of(1)?,
+            op::TUPLE2 => self.tuple_of(2)?,
+            op::TUPLE3 => self.tuple_of(3)?,
+            op::EMPTY_LIST => self.push_value(Value::List(Vec::new()))?,
+            op::LIST => {
+                let items = self.pop_mark()?;
+                self.push_container(Value::List, items)?;
+            }
+            op::APPEND => {
+                let item = self.pop()?;
+                let target = self.peek()?;
+                self.append(target, vec![item])?;
+            }
+            op::APPENDS => {
+                let items = self.pop_mark()?;
+                let target = self.peek()?;
+                self.append(target, items)?;
+            }
+            op::EMPTY_DICT => self.push_value(Value::Dict(Vec::new()))?,
+            op::DICT => {
+                let flat = self.pop_mark()?;
+                let pairs = pairs_of(&flat)?;
+                let dict = self.new_node(Value::Dict(Vec::new()))?;
+                self.set_items(dict, pairs)?;
+                self.push(dict)?;
+            }
+            op::SETITEM => {
+                let value = self.pop()?;
+                let key = self.pop()?;
+                let target = self.peek()?;
+                self.set_items(target, vec![(key, value)])?;
+            }
+            op::SETITEMS => {
+                let flat = self.pop_mark()?;
+                let pairs = pairs_of(&flat)?;
+                let target = self.peek()?;
+                self.set_items(target, pairs)?;
+            }
+            op::EMPTY_SET => self.push_value(Value::Set(Vec::new()))?,
+            op::ADDITEMS => {
+                let items = self.pop_mark()?;
+                let target = self.peek()?;
+                self.add_items(target, &items)?;
+            }
+            op::FROZENSET => {
+                let items = self.pop_mark()?;
+                let set = self.new_node(Value::FrozenSet(Vec::new()))?;
+                self.add_items(set, &items)?;
+                self.push(set)?;
+            }
+
+            op::PUT => {
+                let line = self.take_line()?;
+                let key = literal::parse_memo_key(line).map_err(ErrorKind::BadLiteral)?;
+                self.memo_put(key)?;
+            }
+            op::BINPUT => {
+                let [key] = self.take_array()?;
+                self.memo_put(key.into())?;
+            }
+            op::LONG_BINPUT => {
+                let key = u32::from_le_bytes(self.take_array()?);
+                self.memo_put(key.into())?;
+            }
+            op::MEMOIZE => self.memo_put(self.memo.len() as u64)?,
+            op::GET => {
+                let line = self.take_line()?;
+                let key = literal::parse_memo_key(line).map_err(ErrorKind::BadLiteral)?;
+                self.memo_get(key)?;
+            }
+            op::BINGET => {
+                let [key] = self.take_array()?;
+                self.memo_get(key.into())?;
+            }
+            op::LONG_BINGET => {
+                let key = u32::from_le_bytes(self.take_array()?);
+                self.memo_get(key.into())?;
+            }
+
+            op::GLOBAL => {
+                let global = self.text_global()?;
+                self.push(global)?;
+            }
+            op::STACK_GLOBAL => self.stack_global()?,
+            op::REDUCE => {
+                let args = self.pop()?;
+                let callable = self.pop()?;
+                self.apply(ObjectKind::Reduce, callable, args)?;
+            }
+            op::NEWOBJ => {
+                let args = self.pop()?;
+                let class = self.pop()?;
+                self.apply(ObjectKind::NewObj, class, args)?;
+            }
+            op::NEWOBJ_EX => {
+                let kwargs = self.pop()?;
+                let args = self.pop()?;
+                let class = self.pop()?;
+                // Keyword arguments are dropped (see `ObjectKind::NewObj`), but must
+                // still be what Python requires.
+                match self.node(kwargs) {
+                    Some(Value::Dict(_)) => {}
+                    other => {
+                        return Err(ErrorKind::WrongType {
+                            expected: "a dict of keyword arguments",
+                            found: type_name(other),
+                        })
+                    }
+                }
+                self.apply(ObjectKind::NewObj, class, args)?;
+            }
+            op::INST => {
+                let class = self.text_global()?;
+                let items = self.pop_mark()?;
+                let args = self.new_container(Value::Tuple, items)?;
+                self.apply(ObjectKind::Inst, class, args)?;
+            }
+            op::OBJ => {
+                let mut items = self.pop_mark()?;
+                if items.is_empty() {
+                    return Err(ErrorKind::StackUnderflow);
+                }
+                let class = items.remove(0);
+                let args = self.new_container(Value::Tuple, items)?;
+                self.apply(ObjectKind::Inst, class, args)?;
+            }
+            op::BUILD => {
+                let state = self.pop()?;
+                let target = self.peek()?;
+                // Only opaque objects keep their state. For plain values BUILD sets
+                // Python attributes (e.g. `_metadata` on a torch state dict), which a
+                // data reader has no use for.
+                if let Some(Value::Object { state: slot, .. }) = self.node_mut(target) {
+                    *slot = Some(state);
+                }
+            }
+            op::PERSID => {
+                let line = self.take_line()?;
+                if !line.is_ascii() {
+                    return Err(ErrorKind::BadLiteral(format!(
+                        "persistent id {} is not ASCII",
+                        literal::preview(line)
+                    )));
+                }
+                self.charge_payload(line.len())?;
+                let pid = self.new_node(Value::Str(literal::latin1(line)))?;
+                self.push_value(Value::PersistentId(pid))?;
+            }
+            op::BINPERSID => {
+                let pid = self.pop()?;
+                self.push_value(Value::PersistentId(pid))?;
+            }
+
+            op::EXT1 | op::EXT2 | op::EXT4 | op::NEXT_BUFFER | op::READONLY_BUFFER => {
+                return Err(ErrorKind::UnsupportedOpcode(op_name(code).unwrap_or("?")));
+            }
+            other => return Err(ErrorKind::UnknownOpcode(other)),
+        }
+        Ok(None)
+    }
+
+    // ---- reading the input ----
+
+    fn remaining(&self) -> usize {
+        self.data.len().saturating_sub(self.pos)
+    }
+
+    /// The next `len` bytes; `Truncated` if the input is shorter.
+    fn take(&mut self, len: usize) -> Result<&'a [u8]> {
+        if len > self.remaining() {
+            return Err(ErrorKind::Truncated);
+        }
+        let data: &'a [u8] = self.data;
+        let end = self.pos + len;
+        let bytes = data.get(self.pos..end).ok_or(ErrorKind::Truncated)?;
+        self.pos = end;
+        Ok(bytes)
+    }
+
+    fn take_array<const N: usize>(&mut self) -> Result<[u8; N]> {
+        self.take(N)?.try_into().map_err(|_| ErrorKind::Truncated)
+    }
+
+    /// A 4-byte unsigned length, checked against the input left.
+    fn take_len_u32(&mut self) -> Result<usize> {
+        let len = u32::from_le_bytes(self.take_array()?);
+        self.checked_len(len.into())
+    }
+
+    /// A 4-byte signed length (`BINSTRING`, `LONG4`), checked against the input left.
+    fn take_len_i32(&mut self) -> Result<usize> {
+        let len = i32::from_le_bytes(self.take_array()?);
+        let len = u64::try_from(len).map_err(|_| ErrorKind::NegativeArgument(len.into()))?;
+        self.checked_len(len)
+    }
+
+    /// An 8-byte length, checked against the input left.
+    fn take_len_u64(&mut self) -> Result<usize> {
+        let len = u64::from_le_bytes(self.take_array()?);
+        self.checked_len(len)
+    }
+
+    /// A length that must not exceed the bytes left: no allocation is ever sized by a
+    /// length the input cannot back.
+    fn checked_len(&self, len: u64) -> Result<usize> {
+        usize::try_from(len)
+            .ok()
+            .filter(|&len| len <= self.remaining())
+            .ok_or(ErrorKind::Truncated)
+    }
+
+    /// A protocol-0 argument: the bytes up to the next newline, which is consumed.
+    fn take_line(&mut self) -> Result<&'a [u8]> {
+        let data: &'a [u8] = self.data;
+        let rest = data.get(self.pos..).unwrap_or_default();
+        let len = rest
+            .iter()
+            .position(|&b| b == b'\n')
+            .ok_or(ErrorKind::Truncated)?;
+        self.pos += len + 1;
+        Ok(rest.get(..len).unwrap_or_default())
+    }
+
+    // ---- budgets ----
+
+    fn charge_payload(&mut self, bytes: usize) -> Result<()> {
+        let limit = self.limits.max_payload_bytes;
+        self.payload = self
+            .payload
+            .checked_add(bytes)
+            .filter(|&total| total <= limit)
+            .ok_or(ErrorKind::LimitExceeded {
+                what: "bytes of string and bytes payload",
+                limit,
+            })?;
+        Ok(())
+    }
+
+    /// Charges `count` new container entries against the arena-wide bound
+    /// (`max_nodes`), which keeps copies such as `set(list)` from multiplying memory.
+    fn charge_items(&mut self, count: usize) -> Result<()> {
+        let limit = self.limits.max_nodes;
+        self.items = self
+            .items
+            .checked_add(count)
+            .filter(|&total| total <= limit)
+            .ok_or(ErrorKind::LimitExceeded {
+                what: "container items in total",
+                limit,
+            })?;
+        Ok(())
+    }
+
+    // ---- the arena and the stack ----
+
+    fn node(&self, id: NodeId) -> Option<&Value> {
+        self.nodes.get(id.0 as usize)
+    }
+
+    fn node_mut(&mut self, id: NodeId) -> Option<&mut Value> {
+        self.nodes.get_mut(id.0 as usize)
+    }
+
+    fn new_node(&mut self, value: Value) -> Result<NodeId> {
+        let limit = self.limits.max_nodes;
+        let id = u32::try_from(self.nodes.len())
+            .ok()
+            .filter(|&n| (n as usize) < limit)
+            .ok_or(ErrorKind::LimitExceeded {
+                what: "nodes",
+                limit,
+            })?;
+        self.nodes.push(value);
+        Ok(NodeId(id))
+    }
+
+    /// A new container node holding `items`, charged to the limits.
+    fn new_container(
+        &mut self,
+        make: fn(Vec<NodeId>) -> Value,
+        items: Vec<NodeId>,
+    ) -> Result<NodeId> {
+        check_len(0, items.len(), self.limits.max_container_len)?;
+        self.charge_items(items.len())?;
+        self.new_node(make(items))
+    }
+
+    fn push(&mut self, id: NodeId) -> Result<()> {
+        let limit = self.limits.max_nodes;
+        if self.stack.len() >= limit {
+            return Err(ErrorKind::LimitExceeded {
+                what: "stack entries",
+                limit,
+            });
+        }
+        self.stack.push(id);
+        Ok(())
+    }
+
+    fn push_value(&mut self, value: Value) -> Result<()> {
+        let id = self.new_node(value)?;
+        self.push(id)
+    }
+
+    fn push_container(&mut self, make: fn(Vec<NodeId>) -> Value, items: Vec<NodeId>) -> Result<()> {
+        let id = self.new_container(make, items)?;
+        self.push(id)
+    }
+
+    /// Height below which ordinary pops may not reach: the innermost mark.
+    fn fence(&self) -> usize {
+        self.marks.last().copied().unwrap_or(0)
+    }
+
+    fn pop(&mut self) -> Result<NodeId> {
+        if self.stack.len() <= self.fence() {
+            return Err(ErrorKind::StackUnderflow);
+        }
+        self.stack.pop().ok_or(ErrorKind::StackUnderflow)
+    }
+
+    fn peek(&self) -> Result<NodeId> {
+        if self.stack.len() <= self.fence() {
+            return Err(ErrorKind::StackUnderflow);
+        }
+        self.stack.last().copied().ok_or(ErrorKind::StackUnderflow)
+    }
+
+    fn mark(&mut self) -> Result<()> {
+        let limit = self.limits.max_marks;
+        if self.marks.len() >= limit {
+            return Err(ErrorKind::LimitExceeded {
+                what: "nested marks",
+                limit,
+            });
+        }
+        self.marks.push(self.stack.len());
+        Ok(())
+    }
+
+    /// Removes the innermost mark and returns the values above it.
+    fn pop_mark(&mut self) -> Result<Vec<NodeId>> {
+        let height = self.marks.pop().ok_or(ErrorKind::MarkMissing)?;
+        if height > self.stack.len() {
+            return Err(ErrorKind::StackUnderflow);
+        }
+        Ok(self.stack.split_off(height))
+    }
+
+    /// `POP`: like CPython, a `POP` right after a `MARK` discards the mark.
+    fn pop_or_unmark(&mut self) -> Result<()> {
+        if self.marks.last() == Some(&self.stack.len()) {
+            self.marks.pop();
+            return Ok(());
+        }
+        self.pop().map(drop)
+    }
+
+    // ---- scalar opcodes ----
+
+    fn text_int(&mut self) -> Result<()> {
+        let line = self.take_line()?;
+        // Protocol 0 of Python 2.2 and later spells booleans as INT 01 / INT 00.
+        let value = match line {
+            b"01" => Value::Bool(true),
+            b"00" => Value::Bool(false),
+            _ => literal::parse_int(line).map_err(ErrorKind::BadLiteral)?,
+        };
+        self.push_int(value)
+    }
+
+    fn text_long(&mut self) -> Result<()> {
+        let line = self.take_line()?;
+        let digits = line.strip_suffix(b"L").unwrap_or(line);
+        let value = literal::parse_int(digits).map_err(ErrorKind::BadLiteral)?;
+        self.push_int(value)
+    }
+
+    fn binary_long(&mut self, len: usize) -> Result<()> {
+        let bytes = self.take(len)?;
+        if len > 8 {
+            self.charge_payload(len)?;
+        }
+        self.push_int(literal::int_from_le(bytes))
+    }
+
+    fn push_int(&mut self, value: Value) -> Result<()> {
+        if let Value::BigInt(bytes) = &value {
+            self.charge_payload(bytes.len())?;
+        }
+        self.push_value(value)
+    }
+
+    fn binary_str(&mut self, len: usize) -> Result<()> {
+        let bytes = self.take(len)?;
+        self.charge_payload(len)?;
+        let text = std::str::from_utf8(bytes).map_err(|_| ErrorKind::InvalidUtf8)?;
+        self.push_value(Value::Str(text.to_owned()))
+    }
+
+    fn binary_bytes(&mut self, len: usize) -> Result<()> {
+        let bytes = self.take(len)?;
+        self.charge_payload(len)?;
+        self.push_value(Value::Bytes(bytes.to_vec()))
+    }
+
+    /// A Python 2 `str`, read as latin-1 text.
+    fn push_latin1(&mut self, bytes: &[u8]) -> Result<()> {
+        self.charge_payload(bytes.len())?;
+        self.push_value(Value::Str(literal::latin1(bytes)))
+    }
+
+    // ---- containers ----
+
+    fn tuple_of(&mut self, count: usize) -> Result<()> {
+        let above_fence = self.stack.len().saturating_sub(self.fence());
+        if above_fence < count {
+            return Err(ErrorKind::StackUnderflow);
+        }
+        let items = self.stack.split_off(self.stack.len() - count);
+        self.push_container(Value::Tuple, items)
+    }
+
+    fn append(&mut self, target: NodeId, items: Vec<NodeId>) -> Result<()> {
+        let name = self.op_name();
+        let limit = self.limits.max_container_len;
+        self.charge_items(items.len())?;
+        let list = match self.node_mut(target) {
+            Some(Value::List(list)) => list,
+            Some(Value::Object { list_items, .. }) => list_items,
+            other => {
+                return Err(ErrorKind::NotAContainer {
+                    op: name,
+                    found: type_name(other.map(|v| &*v)),
+                })
+            }
+        };
+        check_len(list.len(), items.len(), limit)?;
+        list.extend(items);
+        Ok(())
+    }
+
+    /// `SETITEM(S)` and `DICT`: into a dict with Python's key replacement, or onto an
+    /// object's `dict_items` in order.
+    fn set_items(&mut self, target: NodeId, pairs: Vec<(NodeId, NodeId)>) -> Result<()> {
+        let name = self.op_name();
+        let limit = self.limits.max_container_len;
+        match self.node_mut(target) {
+            Some(Value::Dict(_)) => {
+                for (key, value) in pairs {
+                    self.dict_insert(target, key, value)?;
+                }
+                Ok(())
+            }
+            Some(Value::Object { dict_items, .. }) => {
+                check_len(dict_items.len(), pairs.len(), limit)?;
+                dict_items.extend(pairs.iter().copied());
+                self.charge_items(pairs.len())
+            }
+            other => Err(ErrorKind::NotAContainer {
+                op: name,
+                found: type_name(other.map(|v| &*v)),
+            }),
+        }
+    }
+
+    fn dict_insert(&mut self, dict: NodeId, key: NodeId, value: NodeId) -> Result<()> {
+        let Some(Value::Dict(pairs)) = self.nodes.get(dict.0 as usize) else {
+            return Err(ErrorKind::NotAContainer {
+                op: self.op_name(),
+                found: type_name(self.node(dict)),
+            });
+        };
+        let len = pairs.len();
+        let existing = self
+            .keys
+            .find(&self.nodes, dict, len, |i| pairs.get(i).map(|p| p.0), key);
+        if let Some(i) = existing {
+            if let Some(Value::Dict(pairs)) = self.node_mut(dict) {
+                if let Some(pair) = pairs.get_mut(i) {
+                    pair.1 = value;
+                }
+            }
+            return Ok(());
+        }
+        check_len(len, 1, self.limits.max_container_len)?;
+        self.charge_items(1)?;
+        if let Some(Value::Dict(pairs)) = self.node_mut(dict) {
+            pairs.push((key, value));
+        }
+        self.keys.added(&self.nodes, dict, len, key);
+        Ok(())
+    }
+
+    /// `ADDITEMS` (onto a set) and `FROZENSET` / `set(..)` (into a new set): adds the
+    /// items that are not already present.
+    fn add_items(&mut self, set: NodeId, items: &[NodeId]) -> Result<()> {
+        for &item in items {
+            let members = match self.nodes.get(set.0 as usize) {
+                Some(Value::Set(members)) => members,
+                Some(Value::FrozenSet(members)) if self.op != op::ADDITEMS => members,
+                other => {
+                    return Err(ErrorKind::NotAContainer {
+                        op: self.op_name(),
+                        found: type_name(other),
+                    })
+                }
+            };
+            let len = members.len();
+            let existing = self
+                .keys
+                .find(&self.nodes, set, len, |i| members.get(i).copied(), item);
+            if existing.is_some() {
+                continue;
+            }
+            check_len(len, 1, self.limits.max_container_len)?;
+            self.charge_items(1)?;
+            if let Some(Value::Set(members) | Value::FrozenSet(members)) = self.node_mut(set) {
+                members.push(item);
+            }
+            self.keys.added(&self.nodes, set, len, item);
+        }
+        Ok(())
+    }
+
+    // ---- memo ----
+
+    fn memo_put(&mut self, key: u64) -> Result<()> {
+        let top = self.peek()?;
+        let limit = self.limits.max_memo;
+        if self.memo.len() >= limit && !self.memo.contains_key(&key) {
+            return Err(ErrorKind::LimitExceeded {
+                what: "memo entries",
+                limit,
+            });
+        }
+        self.memo.insert(key, top);
+        Ok(())
+    }
+
+    fn memo_get(&mut self, key: u64) -> Result<()> {
+        let id = *self.memo.get(&key).ok_or(ErrorKind::MemoMissing(key))?;
+        self.push(id)
+    }
+
+    // ---- globals and calls ----
+
+    /// `GLOBAL` / `INST` argument: module and name on two lines, as a new global node.
+    fn text_global(&mut self) -> Result<NodeId> {
+        let module = self.take_line()?;
+        let name = self.take_line()?;
+        self.charge_payload(module.len() + name.len())?;
+        let module = std::str::from_utf8(module).map_err(|_| ErrorKind::InvalidUtf8)?;
+        let name = std::str::from_utf8(name).map_err(|_| ErrorKind::InvalidUtf8)?;
+        self.new_node(Value::Global {
+            module: module.to_owned(),
+            name: name.to_owned(),
+        })
+    }
+
+    fn stack_global(&mut self) -> Result<()> {
+        let name = self.pop()?;
+        let module = self.pop()?;
+        let (Some(Value::Str(module)), Some(Value::Str(name))) =
+            (self.node(module), self.node(name))
+        else {
+            let found = match self.node(module) {
+                Some(Value::Str(_)) => type_name(self.node(name)),
+                other => type_name(other),
+            };
+            return Err(ErrorKind::WrongType {
+                expected: "str module and name",
+                found,
+            });
+        };
+        let global = Value::Global {
+            module: module.clone(),
+            name: name.clone(),
+        };
+        self.charge_payload(module.len() + name.len())?;
+        self.push_value(global)
+    }
+
+    /// `REDUCE`, `NEWOBJ(_EX)`, `INST`, `OBJ`: the value of a recognised builtin, or an
+    /// opaque object recording the call.
+    fn apply(&mut self, kind: ObjectKind, callable: NodeId, args: NodeId) -> Result<()> {
+        let items = match self.node(args) {
+            Some(Value::Tuple(items)) => items,
+            other => {
+                return Err(ErrorKind::WrongType {
+                    expected: "a tuple of arguments",
+                    found: type_name(other),
+                })
+            }
+        };
+        let id = match builtins::recognize(&self.nodes, kind, callable, items) {
+            Some(builtin) => self.builtin(builtin)?,
+            None => self.new_node(Value::Object {
+                kind,
+                callable,
+                args,
+                state: None,
+                list_items: Vec::new(),
+                dict_items: Vec::new(),
+            })?,
+        };
+        self.push(id)
+    }
+
+    /// Carries out a recognised builtin call, charging its copies.
+    fn builtin(&mut self, builtin: Builtin) -> Result<NodeId> {
+        match builtin {
+            Builtin::EmptyDict => self.new_node(Value::Dict(Vec::new())),
+            Builtin::DictFrom(source) => {
+                let pairs = match self.node(source) {
+                    Some(Value::Dict(pairs)) => pairs.clone(),
+                    _ => Vec::new(),
+                };
+                // The source is already deduplicated, so its pairs move over as they are.
+                self.charge_items(pairs.len())?;
+                self.new_node(Value::Dict(pairs))
+            }
+            Builtin::Set { frozen, from } => {
+                let items = match from.and_then(|id| self.node(id)) {
+                    Some(
+                        Value::List(items)
+                        | Value::Tuple(items)
+                        | Value::Set(items)
+                        | Value::FrozenSet(items),
+                    ) => items.clone(),
+                    _ => Vec::new(),
+                };
+                let set = self.new_node(if frozen {
+                    Value::FrozenSet(Vec::new())
+                } else {
+                    Value::Set(Vec::new())
+                })?;
+                self.add_items(set, &items)?;
+                Ok(set)
+            }
+            Builtin::EmptyBytes => self.new_node(Value::Bytes(Vec::new())),
+            Builtin::BytesOf(source) => {
+                let len = match self.node(source) {
+                    Some(Value::Bytes(b)) => b.len(),
+                    _ => 0,
+                };
+                self.charge_payload(len)?;
+                let bytes = match self.node(source) {
+                    Some(Value::Bytes(b)) => b.clone(),
+                    _ => Vec::new(),
+                };
+                self.new_node(Value::Bytes(bytes))
+            }
+            Builtin::Latin1(source) => {
+                let text = match self.node(source) {
+                    Some(Value::Str(s)) => s.as_str(),
+                    _ => "",
+                };
+                // The recogniser checked every code point is below 256.
+                let bytes: Vec<u8> = text.chars().map(|c| u32::from(c) as u8).collect();
+                self.charge_payload(bytes.len())?;
+                self.new_node(Value::Bytes(bytes))
+            }
+            Builtin::Attribute { owner, attr } => {
+                let (Some(Value::Global { module, name }), Some(Value::Str(attr))) =
+                    (self.node(owner), self.node(attr))
+                else {
+                    return Err(ErrorKind::WrongType {
+                        expected: "a global and an attribute name",
+                        found: type_name(self.node(owner)),
+                    });
+                };
+                let global = Value::Global {
+                    module: module.clone(),
+                    name: format!("{name}.{attr}"),
+                };
+                self.charge_payload(module.len() + name.len() + attr.len() + 1)?;
+                self.new_node(global)
+            }
+        }
+    }
+
+    fn op_name(&self) -> &'static str {
+        op_name(self.op).unwrap_or("?")
+    }
+}
+
+/// Splits the flat `k, v, k, v` values of `DICT` / `SETITEMS` into pairs.
+fn pairs_of(flat: &[NodeId]) -> Result<Vec<(NodeId, NodeId)>> {
+    if flat.len() % 2 != 0 {
+        return Err(ErrorKind::OddItemCount(flat.len()));
+    }
+    Ok(flat
+        .chunks_exact(2)
+        .filter_map(|pair| match pair {
+            [k, v] => Some((*k, *v)),
+            _ => None,
+        })
+        .collect())
+}
+
+/// Whether a container of `len` entries may take `more`.
+fn check_len(len: usize, more: usize, limit: usize) -> Result<()> {
+    match len.checked_add(more) {
+        Some(total) if total <= limit => Ok(()),
+        _ => Err(ErrorKind::LimitExceeded {
+            what: "items in one container",
+            limit,
+        }),
+    }
+}
+
+fn type_name(value: Option<&Value>) -> &'static str {
+    value.map_or("missing value", Value::type_name)
+}
