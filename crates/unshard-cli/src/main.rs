@@ -1,1 +1,178 @@
-fn main(){}
+//! The `unshard` command: a thin layer over the library. It parses arguments,
+//! renders progress and errors, and maps outcomes to exit codes (0 success,
+//! 1 failure, 2 bad usage).
+
+use std::io::{IsTerminal, Write};
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand, ValueEnum};
+use unshard::merge::{self, MergeOptions};
+use unshard::plan::{DtypeChoice, PlanOptions};
+use unshard::source::OpenOptions;
+use unshard::{DType, Error};
+
+mod inspect;
+mod output;
+
+/// Turn distributed-training checkpoints into Hugging Face model directories.
+///
+/// unshard reads what PyTorch FSDP, FSDP2 and torch.save leave on disk, without
+/// Python and without executing the pickle, and writes sharded safetensors with
+/// config, generation config and tokenizer, in bounded memory.
+#[derive(Parser, Debug)]
+#[command(name = "unshard", version, about, long_about = None, propagate_version = true)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// Merge a training checkpoint (onto a base model) into a Hugging Face directory.
+    Merge(MergeArgs),
+    /// Show what a checkpoint, safetensors file or model directory holds.
+    Inspect(InspectArgs),
+}
+
+#[derive(Clone, Copy, Debug, ValueEnum)]
+enum DtypeArg {
+    /// The base config's dtype, else the base weights', else the checkpoint's.
+    Auto,
+    Float16,
+    Bfloat16,
+    Float32,
+}
+
+#[derive(clap::Args, Debug)]
+struct MergeArgs {
+    /// The checkpoint: a torch.save file (policy.pt, pytorch_model.bin, ...), a
+    /// torch.distributed.checkpoint directory, or a directory of per-rank files.
+    checkpoint: PathBuf,
+
+    /// The Hugging Face model directory training started from: supplies config.json,
+    /// tokenizer files, the dtype, and any weights the checkpoint lacks.
+    #[arg(long, value_name = "DIR")]
+    base: Option<PathBuf>,
+
+    /// Where to write the model directory (created; must be empty or absent).
+    #[arg(long, short, value_name = "DIR")]
+    output: PathBuf,
+
+    /// dtype of the floating-point tensors written.
+    #[arg(long, value_enum, default_value = "auto")]
+    dtype: DtypeArg,
+
+    /// Largest shard file: decimal units as transformers (5GB = 5e9 bytes), or
+    /// binary units (GiB, MiB). A tensor larger than this gets a shard of its own.
+    #[arg(long, default_value = "5GB", value_name = "SIZE")]
+    max_shard_size: String,
+
+    /// Fail when the base has tensors the checkpoint lacks (instead of copying them).
+    #[arg(long)]
+    strict: bool,
+
+    /// Write inf where a cast to float16 overflows (instead of failing).
+    #[arg(long)]
+    allow_overflow: bool,
+
+    /// Dotted path of the state dict inside the pickle (e.g. `state`, `model.module`).
+    /// By default unshard finds it.
+    #[arg(long, value_name = "PATH")]
+    key: Option<String>,
+
+    /// Rename tensors: a regular expression and its replacement (`$1` for groups),
+    /// applied after wrapper prefixes are stripped. Repeatable.
+    #[arg(long, value_name = "REGEX=REPLACEMENT")]
+    rename: Vec<String>,
+
+    /// Replace a non-empty output directory.
+    #[arg(long)]
+    force: bool,
+
+    /// No progress bar and no summary; errors only.
+    #[arg(long, short)]
+    quiet: bool,
+}
+
+#[derive(clap::Args, Debug)]
+struct InspectArgs {
+    /// A torch.save file, a .safetensors file, or a model directory.
+    path: PathBuf,
+
+    /// Print one JSON object instead of a table (schema in the README).
+    #[arg(long)]
+    json: bool,
+
+    /// Dotted path of the state dict inside the pickle.
+    #[arg(long, value_name = "PATH")]
+    key: Option<String>,
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    output::install_signal_handlers();
+    let result = match cli.command {
+        Command::Merge(args) => run_merge(args),
+        Command::Inspect(args) => inspect::run(&args.path, args.key, args.json),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            output::print_error(&e);
+            match e.downcast_ref::<Error>() {
+                Some(Error::Usage(_)) => ExitCode::from(2),
+                _ => ExitCode::from(1),
+            }
+        }
+    }
+}
+
+fn run_merge(args: MergeArgs) -> anyhow::Result<()> {
+    let max_shard_size = merge::parse_size(&args.max_shard_size)
+        .filter(|&s| s > 0)
+        .ok_or_else(|| {
+            Error::Usage(format!(
+                "--max-shard-size '{}' is not a size (examples: 5GB, 500MB, 2GiB)",
+                args.max_shard_size
+            ))
+        })?;
+    let mut renames = Vec::new();
+    for r in &args.rename {
+        let (re, rep) = r
+            .split_once('=')
+            .ok_or_else(|| Error::Usage(format!("--rename '{r}' must be REGEX=REPLACEMENT")))?;
+        let re = regex::Regex::new(re).map_err(|e| {
+            Error::Usage(format!("--rename '{r}': invalid regular expression: {e}"))
+        })?;
+        renames.push((re, rep.to_string()));
+    }
+    let dtype = match args.dtype {
+        DtypeArg::Auto => DtypeChoice::Auto,
+        DtypeArg::Float16 => DtypeChoice::Fixed(DType::F16),
+        DtypeArg::Bfloat16 => DtypeChoice::Fixed(DType::BF16),
+        DtypeArg::Float32 => DtypeChoice::Fixed(DType::F32),
+    };
+    let opts = MergeOptions {
+        checkpoint: args.checkpoint,
+        base: args.base,
+        output: args.output,
+        open: OpenOptions { key: args.key },
+        plan: PlanOptions {
+            dtype,
+            strict: args.strict,
+            renames,
+            max_shard_size,
+        },
+        force: args.force,
+        allow_overflow: args.allow_overflow,
+    };
+    let progress = output::Bar::new(!args.quiet && std::io::stderr().is_terminal());
+    let outcome = merge::merge(&opts, &progress)?;
+    if !args.quiet {
+        let mut err = std::io::stderr().lock();
+        output::print_merge_summary(&mut err, &opts, &outcome)?;
+        err.flush()?;
+    }
+    Ok(())
+}

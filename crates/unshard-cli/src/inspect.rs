@@ -1,0 +1,129 @@
+//! `unshard inspect`: what an input holds, as a table or as JSON.
+
+use std::collections::BTreeMap;
+use std::io::Write;
+use std::path::Path;
+
+use unshard::report::human_bytes;
+use unshard::source::{self, Checkpoint, OpenOptions};
+
+pub fn run(path: &Path, key: Option<String>, json: bool) -> anyhow::Result<()> {
+    let ckpt = source::open(path, &OpenOptions { key })?;
+    let mut out = std::io::stdout().lock();
+    if json {
+        serde_json::to_writer_pretty(&mut out, &to_json(&ckpt))?;
+        writeln!(out)?;
+    } else {
+        print_table(&mut out, &ckpt)?;
+    }
+    Ok(())
+}
+
+fn dtype_histogram(ckpt: &Checkpoint) -> BTreeMap<&'static str, usize> {
+    let mut h = BTreeMap::new();
+    for t in &ckpt.tensors {
+        *h.entry(t.dtype.safetensors_name()).or_insert(0) += 1;
+    }
+    h
+}
+
+/// The stable JSON schema documented in the README.
+pub fn to_json(ckpt: &Checkpoint) -> serde_json::Value {
+    let tensors: Vec<serde_json::Value> = ckpt
+        .tensors
+        .iter()
+        .map(|t| {
+            let mut v = serde_json::json!({
+                "name": t.name,
+                "dtype": t.dtype.safetensors_name(),
+                "shape": t.shape,
+                "bytes": t.nbytes(),
+            });
+            if let Some(l) = &t.layout {
+                v["layout"] = serde_json::Value::String(l.clone());
+            }
+            v
+        })
+        .collect();
+    serde_json::json!({
+        "format": ckpt.format.id(),
+        "path": ckpt.path.display().to_string(),
+        "key": ckpt.key,
+        "tensors": tensors,
+        "total_tensors": ckpt.tensors.len(),
+        "total_parameters": ckpt.total_parameters(),
+        "total_bytes": ckpt.total_bytes(),
+        "dtypes": dtype_histogram(ckpt),
+        "non_tensor": ckpt.extras.iter().map(|e| serde_json::json!({"name": e.name, "kind": e.kind})).collect::<Vec<_>>(),
+        "notes": ckpt.notes,
+    })
+}
+
+fn print_table(w: &mut dyn Write, ckpt: &Checkpoint) -> std::io::Result<()> {
+    let at = match &ckpt.key {
+        Some(k) => format!(", tensors under '{k}'"),
+        None => String::new(),
+    };
+    writeln!(w, "{}: {}{at}", ckpt.path.display(), ckpt.format)?;
+    let name_w = ckpt
+        .tensors
+        .iter()
+        .map(|t| t.name.len())
+        .max()
+        .unwrap_or(4)
+        .clamp(4, 72);
+    let shapes: Vec<String> = ckpt
+        .tensors
+        .iter()
+        .map(|t| format!("{:?}", t.shape))
+        .collect();
+    let shape_w = shapes.iter().map(String::len).max().unwrap_or(5).max(5);
+    writeln!(
+        w,
+        "  {:name_w$}  {:8}  {:shape_w$}  {:>10}",
+        "name", "dtype", "shape", "size"
+    )?;
+    for (t, shape) in ckpt.tensors.iter().zip(&shapes) {
+        write!(
+            w,
+            "  {:name_w$}  {:8}  {:shape_w$}  {:>10}",
+            t.name,
+            t.dtype.safetensors_name(),
+            shape,
+            human_bytes(t.nbytes())
+        )?;
+        if let Some(l) = &t.layout {
+            write!(w, "  {l}")?;
+        }
+        writeln!(w)?;
+    }
+    let hist: Vec<String> = dtype_histogram(ckpt)
+        .iter()
+        .map(|(d, n)| format!("{d}: {n}"))
+        .collect();
+    writeln!(
+        w,
+        "{} tensors, {} parameters, {} ({})",
+        ckpt.tensors.len(),
+        ckpt.total_parameters(),
+        human_bytes(ckpt.total_bytes()),
+        hist.join(", ")
+    )?;
+    if !ckpt.extras.is_empty() {
+        writeln!(w, "non-tensor entries (not weights; ignored by merge):")?;
+        let ew = ckpt
+            .extras
+            .iter()
+            .map(|e| e.name.len())
+            .max()
+            .unwrap_or(0)
+            .min(48);
+        for e in &ckpt.extras {
+            writeln!(w, "  {:ew$}  {}", e.name, e.kind)?;
+        }
+    }
+    for n in &ckpt.notes {
+        writeln!(w, "note: {n}")?;
+    }
+    Ok(())
+}

@@ -1,0 +1,200 @@
+//! Format detection: from the bytes and the directory layout, never from a flag.
+
+use std::fmt;
+use std::path::Path;
+use std::sync::Arc;
+
+use super::{hf_dir, legacy, safetensors, torch, Blob, Checkpoint};
+use crate::{Error, Result};
+
+/// The kinds of input unshard reads.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Format {
+    /// A `torch.save` zip archive (torch >= 1.6).
+    TorchZip,
+    /// A legacy `torch.save` stream (`_use_new_zipfile_serialization=False`).
+    TorchLegacy,
+    /// A single `.safetensors` file.
+    Safetensors,
+    /// A Hugging Face model directory.
+    HfDir,
+    /// A torch.distributed.checkpoint directory (`.metadata` + `*.distcp`).
+    Dcp,
+    /// One `torch.save` file per rank (verl's `model_world_size_N_rank_R.pt`).
+    Ranks,
+}
+
+impl Format {
+    /// A stable identifier (used in `inspect --json`).
+    pub fn id(self) -> &'static str {
+        match self {
+            Format::TorchZip => "torch-zip",
+            Format::TorchLegacy => "torch-legacy",
+            Format::Safetensors => "safetensors",
+            Format::HfDir => "hf-dir",
+            Format::Dcp => "dcp",
+            Format::Ranks => "ranks",
+        }
+    }
+}
+
+impl fmt::Display for Format {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Format::TorchZip => "torch.save zip archive",
+            Format::TorchLegacy => "legacy torch.save stream",
+            Format::Safetensors => "safetensors file",
+            Format::HfDir => "Hugging Face model directory",
+            Format::Dcp => "torch.distributed.checkpoint directory",
+            Format::Ranks => "per-rank torch.save files",
+        })
+    }
+}
+
+/// How to read an input.
+#[derive(Clone, Debug, Default)]
+pub struct OpenOptions {
+    /// Dotted path of the tensor dict inside a pickle (`--key`).
+    pub key: Option<String>,
+}
+
+/// Opens any supported input and describes its tensors.
+pub fn open(path: &Path, opts: &OpenOptions) -> Result<Checkpoint> {
+    let meta = std::fs::metadata(path).map_err(|e| Error::io("open", path, e))?;
+    if meta.is_dir() {
+        return open_dir(path, opts);
+    }
+    let blob = Arc::new(Blob::open(path)?);
+    let data = blob.bytes();
+    if data.starts_with(b"PK\x03\x04") || data.starts_with(b"PK\x05\x06") {
+        let payload = torch::read_zip_payload(path, data, 0)?;
+        return from_payload(path, super::Format::TorchZip, blob.clone(), payload, opts);
+    }
+    if legacy::is_legacy(data) {
+        let payload = legacy::read_legacy_payload(path, data)?;
+        return from_payload(path, Format::TorchLegacy, blob.clone(), payload, opts);
+    }
+    if safetensors::looks_like_safetensors(data) {
+        let header = safetensors::read_header(path, data)?;
+        let tensors = safetensors::sources(0, &header);
+        return Ok(Checkpoint {
+            format: Format::Safetensors,
+            path: path.to_path_buf(),
+            files: vec![blob],
+            key: None,
+            tensors,
+            extras: header
+                .metadata
+                .iter()
+                .map(|(k, v)| super::Extra {
+                    name: format!("__metadata__.{k}"),
+                    kind: format!("str '{v}'"),
+                })
+                .collect(),
+            notes: Vec::new(),
+        });
+    }
+    Err(unknown(path, data))
+}
+
+fn from_payload(
+    path: &Path,
+    format: Format,
+    blob: Arc<Blob>,
+    payload: torch::TorchPayload,
+    opts: &OpenOptions,
+) -> Result<Checkpoint> {
+    let found = torch::find_tensors(&payload.pickle, path, opts.key.as_deref())?;
+    let tensors = torch::plain_sources(&payload, 0, &found)?;
+    let mut notes = Vec::new();
+    if tensors.iter().any(|t| t.layout.is_some()) {
+        notes.push("this file holds one rank's shards of distributed tensors; pass the directory of all rank files to merge them".into());
+    }
+    Ok(Checkpoint {
+        format,
+        path: path.to_path_buf(),
+        files: vec![blob],
+        key: found.key,
+        tensors,
+        extras: found.extras,
+        notes,
+    })
+}
+
+fn open_dir(path: &Path, _opts: &OpenOptions) -> Result<Checkpoint> {
+    if path.join(".metadata").is_file() {
+        return Err(Error::Unsupported {
+            path: path.to_path_buf(),
+            what: "a torch.distributed.checkpoint directory".into(),
+            hint: Some("support for DCP directories is in progress".into()),
+        });
+    }
+    if hf_dir::is_hf_dir(path) {
+        let dir = hf_dir::HfDir::open(path)?;
+        return match dir.weights()? {
+            Some(c) => Ok(c),
+            None => Err(Error::NoTensors {
+                path: path.to_path_buf(),
+                at: None,
+                hint: Some("the directory has a config.json but no weight files".into()),
+            }),
+        };
+    }
+    let mut names: Vec<String> = std::fs::read_dir(path)
+        .map_err(|e| Error::io("list", path, e))?
+        .filter_map(|e| e.ok())
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .collect();
+    names.sort();
+    Err(Error::UnknownFormat {
+        path: path.to_path_buf(),
+        found: if names.is_empty() {
+            "an empty directory".into()
+        } else {
+            format!(
+                "a directory holding {}",
+                crate::report::list_some(&names, 8)
+            )
+        },
+    })
+}
+
+/// Says what an unreadable file looks like.
+fn unknown(path: &Path, data: &[u8]) -> Error {
+    if data.len() > 262 && &data[257..262] == b"ustar" {
+        return Error::Unsupported {
+            path: path.to_path_buf(),
+            what: "the tar-based torch.save format of torch < 0.4".into(),
+            hint: Some("load it with an old torch and save it again with a recent one".into()),
+        };
+    }
+    if data.starts_with(b"PYTORCH1") {
+        return Error::Unsupported {
+            path: path.to_path_buf(),
+            what: "the preview-release PYTORCH1 archive format".into(),
+            hint: None,
+        };
+    }
+    if data.starts_with(&[0x80]) {
+        return Error::UnknownFormat {
+            path: path.to_path_buf(),
+            found: "a bare pickle without torch's container (pickle.dump, not torch.save)".into(),
+        };
+    }
+    let found = if data.is_empty() {
+        "the file is empty".to_string()
+    } else if data
+        .iter()
+        .take(512)
+        .all(|b| b.is_ascii_graphic() || b.is_ascii_whitespace())
+    {
+        "it looks like text".to_string()
+    } else {
+        let head: Vec<String> = data.iter().take(8).map(|b| format!("{b:02x}")).collect();
+        format!("unrecognised leading bytes {}", head.join(" "))
+    };
+    Error::UnknownFormat {
+        path: path.to_path_buf(),
+        found,
+    }
+}

@@ -1,0 +1,251 @@
+//! Hugging Face model directories: `config.json`, weights in any of the layouts
+//! `save_pretrained` writes (single or sharded safetensors, `pytorch_model.bin`
+//! single or sharded), or none at all, plus the small files that travel with a
+//! model (generation config, tokenizer, chat template).
+//!
+//! Weights are read lazily: opening a directory parses headers and pickles only.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use super::{safetensors, torch, Blob, Checkpoint, Format, TensorSource};
+use crate::{Error, Result};
+
+/// Files larger than this are never copied into an output directory as "extras".
+pub const MAX_EXTRA_FILE: u64 = 256 * 1024 * 1024;
+
+/// Which kind of weight files a directory holds.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum WeightFormat {
+    Safetensors,
+    TorchBin,
+}
+
+/// A model directory, opened.
+#[derive(Debug)]
+pub struct HfDir {
+    pub path: PathBuf,
+    /// `config.json`, parsed (key order kept).
+    pub config: Option<serde_json::Map<String, serde_json::Value>>,
+    pub weight_format: Option<WeightFormat>,
+    /// Weight files in load order.
+    pub weight_files: Vec<PathBuf>,
+    /// Non-weight files to carry into an output directory (config.json excluded).
+    pub extra_files: Vec<PathBuf>,
+    /// Files left out, with the reason.
+    pub skipped: Vec<(PathBuf, String)>,
+}
+
+/// Whether a file name is a weight or index file (never copied as an extra).
+pub fn is_weight_file(name: &str) -> bool {
+    const EXT: &[&str] = &[
+        ".safetensors",
+        ".bin",
+        ".pt",
+        ".pth",
+        ".ckpt",
+        ".h5",
+        ".msgpack",
+        ".gguf",
+        ".onnx",
+        ".distcp",
+        ".npz",
+    ];
+    EXT.iter().any(|e| name.ends_with(e)) || name.ends_with(".index.json") || name == ".metadata"
+}
+
+/// Whether a directory looks like a model directory.
+pub fn is_hf_dir(path: &Path) -> bool {
+    [
+        "config.json",
+        "model.safetensors",
+        "model.safetensors.index.json",
+        "pytorch_model.bin",
+        "pytorch_model.bin.index.json",
+    ]
+    .iter()
+    .any(|f| path.join(f).is_file())
+}
+
+impl HfDir {
+    /// Opens a model directory: reads config.json and finds the weight files.
+    pub fn open(path: &Path) -> Result<HfDir> {
+        let config = match std::fs::read_to_string(path.join("config.json")) {
+            Ok(text) => Some(serde_json::from_str(&text).map_err(|e| {
+                Error::corrupt(path.join("config.json"), format!("not a JSON object: {e}"))
+            })?),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
+            Err(e) => return Err(Error::io("read", path.join("config.json"), e)),
+        };
+        let (weight_format, weight_files) = find_weights(path)?;
+        let mut extra_files = Vec::new();
+        let mut skipped = Vec::new();
+        let mut entries: Vec<_> = std::fs::read_dir(path)
+            .map_err(|e| Error::io("list", path, e))?
+            .filter_map(|e| e.ok())
+            .collect();
+        entries.sort_by_key(|e| e.file_name());
+        for entry in entries {
+            let p = entry.path();
+            let name = entry.file_name().to_string_lossy().into_owned();
+            if name == "config.json" || name.starts_with('.') {
+                continue;
+            }
+            let meta = std::fs::metadata(&p).map_err(|e| Error::io("read the size of", &p, e))?;
+            if meta.is_dir() {
+                skipped.push((p, "a directory".into()));
+            } else if is_weight_file(&name) {
+                continue;
+            } else if meta.len() > MAX_EXTRA_FILE {
+                skipped.push((
+                    p,
+                    format!(
+                        "{} bytes, larger than the {} MiB limit for extra files",
+                        meta.len(),
+                        MAX_EXTRA_FILE >> 20
+                    ),
+                ));
+            } else {
+                extra_files.push(p);
+            }
+        }
+        Ok(HfDir {
+            path: path.to_path_buf(),
+            config,
+            weight_format,
+            weight_files,
+            extra_files,
+            skipped,
+        })
+    }
+
+    /// Opens the weights as a checkpoint (headers and pickles only), or `None` for a
+    /// config-only directory.
+    pub fn weights(&self) -> Result<Option<Checkpoint>> {
+        let Some(format) = self.weight_format else {
+            return Ok(None);
+        };
+        let mut files = Vec::new();
+        let mut tensors: Vec<TensorSource> = Vec::new();
+        let mut notes = Vec::new();
+        for (id, f) in self.weight_files.iter().enumerate() {
+            let blob = Arc::new(Blob::open(f)?);
+            match format {
+                WeightFormat::Safetensors => {
+                    let header = safetensors::read_header(f, blob.bytes())?;
+                    tensors.extend(safetensors::sources(id, &header));
+                }
+                WeightFormat::TorchBin => {
+                    let payload = torch::read_zip_payload(f, blob.bytes(), 0).or_else(|e| {
+                        if super::legacy::is_legacy(blob.bytes()) {
+                            super::legacy::read_legacy_payload(f, blob.bytes())
+                        } else {
+                            Err(e)
+                        }
+                    })?;
+                    let found = torch::find_tensors(&payload.pickle, f, None)?;
+                    tensors.extend(torch::plain_sources(&payload, id, &found)?);
+                }
+            }
+            files.push(blob);
+        }
+        let mut seen = std::collections::HashSet::new();
+        for t in &tensors {
+            if !seen.insert(t.name.as_str()) {
+                return Err(Error::corrupt(
+                    &self.path,
+                    format!("tensor '{}' appears in more than one weight file", t.name),
+                ));
+            }
+        }
+        if self.weight_files.len() > 1 {
+            notes.push(format!("{} weight shards", self.weight_files.len()));
+        }
+        Ok(Some(Checkpoint {
+            format: Format::HfDir,
+            path: self.path.clone(),
+            files,
+            key: None,
+            tensors,
+            extras: Vec::new(),
+            notes,
+        }))
+    }
+
+    /// The dtype the config declares, and the key it uses (`dtype` in transformers
+    /// >= 4.56, `torch_dtype` before).
+    pub fn config_dtype(&self) -> Option<(&'static str, crate::DType)> {
+        let cfg = self.config.as_ref()?;
+        for key in ["dtype", "torch_dtype"] {
+            if let Some(d) = cfg
+                .get(key)
+                .and_then(|v| v.as_str())
+                .and_then(crate::DType::from_torch_name)
+            {
+                return Some((key, d));
+            }
+        }
+        None
+    }
+}
+
+/// Finds weight files: safetensors index, single safetensors, bin index, single bin.
+fn find_weights(path: &Path) -> Result<(Option<WeightFormat>, Vec<PathBuf>)> {
+    for (index, single, format) in [
+        (
+            "model.safetensors.index.json",
+            "model.safetensors",
+            WeightFormat::Safetensors,
+        ),
+        (
+            "pytorch_model.bin.index.json",
+            "pytorch_model.bin",
+            WeightFormat::TorchBin,
+        ),
+    ] {
+        let index_path = path.join(index);
+        if index_path.is_file() {
+            let text = std::fs::read_to_string(&index_path)
+                .map_err(|e| Error::io("read", &index_path, e))?;
+            let json: serde_json::Value = serde_json::from_str(&text)
+                .map_err(|e| Error::corrupt(&index_path, format!("not valid JSON: {e}")))?;
+            let map = json
+                .get("weight_map")
+                .and_then(|m| m.as_object())
+                .ok_or_else(|| Error::corrupt(&index_path, "no weight_map object"))?;
+            let mut files: Vec<String> = Vec::new();
+            for (name, f) in map {
+                let f = f.as_str().ok_or_else(|| {
+                    Error::corrupt(
+                        &index_path,
+                        format!("weight_map entry '{name}' is not a file name"),
+                    )
+                })?;
+                if f.contains('/') || f.contains('\\') || f == ".." {
+                    return Err(Error::corrupt(
+                        &index_path,
+                        format!("weight_map entry '{name}' points outside the directory: '{f}'"),
+                    ));
+                }
+                if !files.iter().any(|x| x == f) {
+                    files.push(f.to_string());
+                }
+            }
+            files.sort();
+            let files: Vec<PathBuf> = files.into_iter().map(|f| path.join(f)).collect();
+            for f in &files {
+                if !f.is_file() {
+                    return Err(Error::corrupt(
+                        &index_path,
+                        format!("lists {} but the file is missing", f.display()),
+                    ));
+                }
+            }
+            return Ok((Some(format), files));
+        }
+        if path.join(single).is_file() {
+            return Ok((Some(format), vec![path.join(single)]));
+        }
+    }
+    Ok((None, Vec::new()))
+}

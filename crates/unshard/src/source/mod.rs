@@ -1,0 +1,289 @@
+//! Readers: every input format reduces to a list of [`TensorSource`]s.
+//!
+//! A reader parses metadata and *describes* where each tensor's elements are: a
+//! tensor is a list of [`Piece`]s, each a strided box of elements at a byte offset
+//! of an input file, placed at `global_offset` inside the full tensor. A full-state
+//! `.pt` gives one piece per tensor; a DCP chunk or a DTensor shard gives one piece
+//! each. Readers never copy tensor bytes: the engine (`write`) assembles, converts and
+//! writes. Adding a format means writing a reader that produces a [`Checkpoint`].
+
+use std::fs::File;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use crate::{DType, Error, Result};
+
+pub mod detect;
+pub mod hf_dir;
+pub mod legacy;
+pub mod safetensors;
+pub mod torch;
+pub mod zip;
+
+pub use detect::{open, Format, OpenOptions};
+
+/// The bytes of one input file, mapped read-only (or held, for decoded data).
+#[derive(Debug)]
+pub struct Blob {
+    pub path: PathBuf,
+    data: BlobData,
+}
+
+#[derive(Debug)]
+enum BlobData {
+    Mapped(memmap2::Mmap),
+    Owned(Vec<u8>),
+}
+
+impl Blob {
+    /// Maps a file read-only. An empty file gives an empty blob.
+    pub fn open(path: &Path) -> Result<Blob> {
+        let file = File::open(path).map_err(|e| Error::io("open", path, e))?;
+        let len = file
+            .metadata()
+            .map_err(|e| Error::io("read the size of", path, e))?
+            .len();
+        if len == 0 {
+            return Ok(Blob {
+                path: path.to_path_buf(),
+                data: BlobData::Owned(Vec::new()),
+            });
+        }
+        // SAFETY: the map is read-only. If another process truncates the file while it
+        // is mapped, reads past the new end fault (SIGBUS); inputs are checkpoints that
+        // no one is writing, and the README says not to merge a file still being written.
+        let map = unsafe { memmap2::Mmap::map(&file) }.map_err(|e| Error::io("map", path, e))?;
+        Ok(Blob {
+            path: path.to_path_buf(),
+            data: BlobData::Mapped(map),
+        })
+    }
+
+    /// Wraps bytes decoded in memory (e.g. a decompressed DCP chunk).
+    pub fn owned(path: PathBuf, bytes: Vec<u8>) -> Blob {
+        Blob {
+            path,
+            data: BlobData::Owned(bytes),
+        }
+    }
+
+    pub fn bytes(&self) -> &[u8] {
+        match &self.data {
+            BlobData::Mapped(m) => m,
+            BlobData::Owned(v) => v,
+        }
+    }
+
+    pub fn len(&self) -> u64 {
+        self.bytes().len() as u64
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.bytes().is_empty()
+    }
+
+    /// Tells the kernel that a byte range will not be read again, so its pages stop
+    /// counting toward the resident set. A hint: errors are ignored.
+    pub fn release(&self, offset: u64, len: u64) {
+        if let BlobData::Mapped(m) = &self.data {
+            const PAGE: u64 = 4096;
+            let start = offset.div_ceil(PAGE) * PAGE;
+            let end = (offset.saturating_add(len) / PAGE * PAGE).min(m.len() as u64);
+            if end > start {
+                // SAFETY: DONTNEED on a private read-only file mapping only drops
+                // clean pages; later reads fault them back in from the file.
+                let _ = unsafe {
+                    m.unchecked_advise_range(
+                        memmap2::UncheckedAdvice::DontNeed,
+                        start as usize,
+                        (end - start) as usize,
+                    )
+                };
+            }
+        }
+    }
+}
+
+/// Index of a [`Blob`] in [`Checkpoint::files`].
+pub type FileId = usize;
+
+/// A strided box of elements in a file, placed inside a full tensor.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Piece {
+    pub file: FileId,
+    /// Byte offset, in the file, of the piece's first element (index `[0, 0, ...]`).
+    pub byte_offset: u64,
+    /// dtype of the stored elements.
+    pub dtype: DType,
+    /// Shape of the box.
+    pub shape: Vec<u64>,
+    /// Element strides of the box in the file (torch strides; never negative).
+    pub strides: Vec<u64>,
+    /// Where the box's first element sits in the full tensor.
+    pub global_offset: Vec<u64>,
+    /// Elements are stored big-endian and must be byte-swapped.
+    pub big_endian: bool,
+}
+
+impl Piece {
+    /// Number of elements in the box.
+    pub fn numel(&self) -> u64 {
+        self.shape.iter().product()
+    }
+
+    /// Whether the box's elements are laid out contiguously in C order.
+    pub fn is_contiguous(&self) -> bool {
+        let mut expect = 1u64;
+        for (&n, &s) in self.shape.iter().zip(&self.strides).rev() {
+            if n != 1 && s != expect {
+                return false;
+            }
+            expect = expect.saturating_mul(n);
+        }
+        true
+    }
+
+    /// Bytes from `byte_offset` to one past the last element (0 for an empty box).
+    pub fn span_bytes(&self) -> u64 {
+        if self.shape.contains(&0) {
+            return 0;
+        }
+        let last: u64 = self
+            .shape
+            .iter()
+            .zip(&self.strides)
+            .map(|(&n, &s)| (n - 1) * s)
+            .sum();
+        (last + 1) * self.dtype.size() as u64
+    }
+}
+
+/// Which input a set of tensors shares storage with, for tie detection.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct StorageId {
+    pub file: FileId,
+    pub key: String,
+}
+
+/// One tensor of a checkpoint: what it is and where its pieces are.
+#[derive(Clone, Debug)]
+pub struct TensorSource {
+    /// Name relative to the tensor dict found (before any renaming).
+    pub name: String,
+    pub dtype: DType,
+    pub shape: Vec<u64>,
+    pub pieces: Vec<Piece>,
+    /// The storage this tensor views, when it is a single view of one (plain `.pt`):
+    /// two tensors with the same id share memory in torch.
+    pub storage: Option<StorageId>,
+    /// How the tensor was sharded, for `inspect` (e.g. `DTensor Shard(0), 2 ranks`).
+    pub layout: Option<String>,
+}
+
+impl TensorSource {
+    pub fn numel(&self) -> u64 {
+        self.shape.iter().product()
+    }
+    pub fn nbytes(&self) -> u64 {
+        self.numel() * self.dtype.size() as u64
+    }
+}
+
+/// A non-tensor entry found near the tensors (step counters, metrics, optimizer
+/// state), listed by `inspect` and otherwise ignored.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Extra {
+    pub name: String,
+    pub kind: String,
+}
+
+/// Everything a reader found in an input.
+#[derive(Debug)]
+pub struct Checkpoint {
+    pub format: Format,
+    pub path: PathBuf,
+    pub files: Vec<Arc<Blob>>,
+    /// Where the tensor dict was found (`state`, `model.module`); `None` = top level.
+    pub key: Option<String>,
+    pub tensors: Vec<TensorSource>,
+    pub extras: Vec<Extra>,
+    /// Things the reader noticed and the user should know (skipped optimizer state...).
+    pub notes: Vec<String>,
+}
+
+impl Checkpoint {
+    pub fn total_bytes(&self) -> u64 {
+        self.tensors.iter().map(TensorSource::nbytes).sum()
+    }
+    pub fn total_parameters(&self) -> u64 {
+        self.tensors.iter().map(TensorSource::numel).sum()
+    }
+}
+
+/// Checks that a strided box fits inside `storage_bytes` bytes starting at
+/// `storage_offset_bytes`, with overflow-safe arithmetic. Returns the byte span.
+pub fn check_view(
+    shape: &[u64],
+    strides: &[u64],
+    elem: u64,
+    offset_elems: u64,
+    storage_bytes: u64,
+) -> std::result::Result<(), String> {
+    if shape.len() != strides.len() {
+        return Err(format!(
+            "shape {shape:?} and strides {strides:?} have different lengths"
+        ));
+    }
+    let mut numel: u64 = 1;
+    for &n in shape {
+        numel = numel
+            .checked_mul(n)
+            .ok_or_else(|| format!("shape {shape:?} overflows"))?;
+    }
+    numel
+        .checked_mul(elem)
+        .ok_or_else(|| format!("shape {shape:?} is too large"))?;
+    if numel == 0 {
+        return Ok(());
+    }
+    let mut last = offset_elems;
+    for (&n, &s) in shape.iter().zip(strides) {
+        last = (n - 1)
+            .checked_mul(s)
+            .and_then(|x| last.checked_add(x))
+            .ok_or_else(|| format!("strides {strides:?} overflow"))?;
+    }
+    let end = last
+        .checked_add(1)
+        .and_then(|x| x.checked_mul(elem))
+        .ok_or_else(|| "offset overflows".to_string())?;
+    if end > storage_bytes {
+        return Err(format!(
+            "shape {shape:?}, strides {strides:?} and offset {offset_elems} reach byte {end} of a {storage_bytes}-byte storage"
+        ));
+    }
+    Ok(())
+}
+
+/// C-order strides of a shape.
+pub fn contiguous_strides(shape: &[u64]) -> Vec<u64> {
+    let mut strides = vec![0u64; shape.len()];
+    let mut acc = 1u64;
+    for (s, &n) in strides.iter_mut().zip(shape).rev() {
+        *s = acc;
+        acc = acc.saturating_mul(n.max(1));
+    }
+    strides
+}
+
+/// A config directory that travels with a checkpoint and serves as the base config
+/// when `--base` is not given: verl writes one as `huggingface/` beside its rank files.
+pub fn config_dir_for(checkpoint: &Path) -> Option<PathBuf> {
+    let dir = if checkpoint.is_dir() {
+        checkpoint
+    } else {
+        checkpoint.parent()?
+    };
+    let hf = dir.join("huggingface");
+    hf.join("config.json").is_file().then_some(hf)
+}

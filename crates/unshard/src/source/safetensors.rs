@@ -1,0 +1,164 @@
+//! Reading `.safetensors` files (base model weights, or a checkpoint to inspect).
+//!
+//! The header is validated as strictly as the reference reader does (formats.md
+//! §4.2): bounded size, valid JSON, known dtypes, offsets contiguous from 0 with no
+//! gap, no overlap and no trailing bytes, and every extent computed with checked
+//! arithmetic. A violation names the file and the tensor.
+
+use std::path::Path;
+
+use super::{contiguous_strides, FileId, Piece, StorageId, TensorSource};
+use crate::{DType, Error, Result};
+
+/// The reference reader's cap on the header size.
+pub const MAX_HEADER: u64 = 100_000_000;
+
+/// Whether `data` plausibly starts a safetensors file.
+pub fn looks_like_safetensors(data: &[u8]) -> bool {
+    if data.len() < 10 {
+        return false;
+    }
+    let mut n = [0u8; 8];
+    n.copy_from_slice(&data[..8]);
+    let n = u64::from_le_bytes(n);
+    n >= 2 && n <= MAX_HEADER && 8 + n <= data.len() as u64 && data[8] == b'{'
+}
+
+/// One parsed header.
+#[derive(Debug)]
+pub struct Header {
+    /// Byte offset of the data buffer in the file (8 + header length).
+    pub data_start: u64,
+    /// `(name, dtype, shape, begin, end)` in header order, offsets relative to `data_start`.
+    pub tensors: Vec<(String, DType, Vec<u64>, u64, u64)>,
+    pub metadata: Vec<(String, String)>,
+}
+
+/// Parses and validates the header of a safetensors file held in `data`.
+pub fn read_header(path: &Path, data: &[u8]) -> Result<Header> {
+    let len = data.len() as u64;
+    if len < 8 {
+        return Err(Error::corrupt(path, "too short for a safetensors header"));
+    }
+    let mut n = [0u8; 8];
+    n.copy_from_slice(&data[..8]);
+    let n = u64::from_le_bytes(n);
+    if n > MAX_HEADER {
+        return Err(Error::corrupt(
+            path,
+            format!("safetensors header of {n} bytes exceeds the {MAX_HEADER}-byte limit"),
+        ));
+    }
+    if 8 + n > len {
+        return Err(Error::corrupt(
+            path,
+            format!(
+                "safetensors header claims {n} bytes but the file has {len}; the file is truncated"
+            ),
+        ));
+    }
+    let text = std::str::from_utf8(&data[8..(8 + n) as usize])
+        .map_err(|_| Error::corrupt(path, "the safetensors header is not UTF-8"))?;
+    let json: serde_json::Map<String, serde_json::Value> = serde_json::from_str(text.trim_end())
+        .map_err(|e| {
+            Error::corrupt(
+                path,
+                format!("the safetensors header is not a JSON object: {e}"),
+            )
+        })?;
+    let mut tensors = Vec::with_capacity(json.len());
+    let mut metadata = Vec::new();
+    for (name, v) in &json {
+        if name == "__metadata__" {
+            let m = v
+                .as_object()
+                .ok_or_else(|| Error::corrupt(path, "__metadata__ is not an object"))?;
+            for (k, v) in m {
+                let v = v.as_str().ok_or_else(|| {
+                    Error::corrupt(path, format!("__metadata__ value '{k}' is not a string"))
+                })?;
+                metadata.push((k.clone(), v.to_string()));
+            }
+            continue;
+        }
+        let bad = |msg: String| Error::bad_tensor(path, name, msg);
+        let dtype_s = v
+            .get("dtype")
+            .and_then(|d| d.as_str())
+            .ok_or_else(|| bad("no dtype".into()))?;
+        let dtype = DType::from_safetensors_name(dtype_s)
+            .ok_or_else(|| bad(format!("unsupported dtype {dtype_s}")))?;
+        let shape: Vec<u64> = v
+            .get("shape")
+            .and_then(|s| s.as_array())
+            .and_then(|a| a.iter().map(|d| d.as_u64()).collect())
+            .ok_or_else(|| bad("shape is not a list of non-negative ints".into()))?;
+        let offs: Vec<u64> = v
+            .get("data_offsets")
+            .and_then(|s| s.as_array())
+            .and_then(|a| a.iter().map(|d| d.as_u64()).collect())
+            .filter(|o: &Vec<u64>| o.len() == 2)
+            .ok_or_else(|| bad("data_offsets is not [begin, end]".into()))?;
+        tensors.push((name.clone(), dtype, shape, offs[0], offs[1]));
+    }
+    let mut order: Vec<usize> = (0..tensors.len()).collect();
+    order.sort_by_key(|&i| (tensors[i].3, tensors[i].4));
+    let mut expect = 0u64;
+    for &i in &order {
+        let (name, dtype, shape, begin, end) = &tensors[i];
+        let bad = |msg: String| Error::bad_tensor(path, name, msg);
+        if *begin != expect {
+            return Err(bad(format!(
+                "data starts at {begin} but the previous tensor ends at {expect} (gap or overlap)"
+            )));
+        }
+        let nbytes = shape
+            .iter()
+            .try_fold(dtype.size() as u64, |acc, &d| acc.checked_mul(d))
+            .ok_or_else(|| bad(format!("shape {shape:?} overflows")))?;
+        if end.checked_sub(*begin) != Some(nbytes) {
+            return Err(bad(format!(
+                "data_offsets [{begin}, {end}] do not match {nbytes} bytes of {dtype} {shape:?}"
+            )));
+        }
+        expect = *end;
+    }
+    if 8 + n + expect != len {
+        return Err(Error::corrupt(
+            path,
+            format!("tensor data ends at byte {} but the file has {len} bytes; the file is truncated or has trailing bytes", 8 + n + expect),
+        ));
+    }
+    Ok(Header {
+        data_start: 8 + n,
+        tensors,
+        metadata,
+    })
+}
+
+/// Describes every tensor of a safetensors file as a one-piece source.
+pub fn sources(file: FileId, header: &Header) -> Vec<TensorSource> {
+    header
+        .tensors
+        .iter()
+        .map(|(name, dtype, shape, begin, _)| TensorSource {
+            name: name.clone(),
+            dtype: *dtype,
+            shape: shape.clone(),
+            pieces: vec![Piece {
+                file,
+                byte_offset: header.data_start + begin,
+                dtype: *dtype,
+                shape: shape.clone(),
+                strides: contiguous_strides(shape),
+                global_offset: vec![0; shape.len()],
+                big_endian: false,
+            }],
+            storage: Some(StorageId {
+                file,
+                key: name.clone(),
+            }),
+            layout: None,
+        })
+        .collect()
+}
