@@ -462,7 +462,9 @@ pub fn plan(ckpt: &Checkpoint, base: BaseView<'_>, opts: &PlanOptions) -> Result
             .push("no config.json (no --base given): the output has weights only and transformers cannot load it as is".into());
     }
 
-    // 8. Shards and index.
+    // 8. Shards and index. transformers (v5) sorts the state dict by natural key
+    // before splitting it, so shards group tensors as its output does.
+    tensors.sort_by(|a, b| natural_cmp(&a.name, &b.name));
     let (shards, total_size) = shard(&tensors, opts.max_shard_size);
     let index = (shards.len() > 1).then(|| {
         let same_set = base.weights.is_some_and(|w| {
@@ -590,6 +592,49 @@ fn closest<'a>(name: &str, base: impl Iterator<Item = &'a str>) -> Option<String
     best.map(|(b, _)| format!("'{b}'"))
 }
 
+/// transformers' `dot_natural_key` order: components split on `.`; all-digit
+/// components sort first and numerically; others by text, then by trailing number.
+pub fn natural_cmp(a: &str, b: &str) -> std::cmp::Ordering {
+    use std::cmp::Ordering;
+    fn num_cmp(x: &str, y: &str) -> Ordering {
+        let (x, y) = (x.trim_start_matches('0'), y.trim_start_matches('0'));
+        x.len().cmp(&y.len()).then_with(|| x.cmp(y))
+    }
+    fn is_num(s: &str) -> bool {
+        !s.is_empty() && s.bytes().all(|c| c.is_ascii_digit())
+    }
+    let mut xa = a.split('.');
+    let mut xb = b.split('.');
+    loop {
+        let (pa, pb) = match (xa.next(), xb.next()) {
+            (None, None) => return Ordering::Equal,
+            (None, Some(_)) => return Ordering::Less,
+            (Some(_), None) => return Ordering::Greater,
+            (Some(pa), Some(pb)) => (pa, pb),
+        };
+        let ord = match (is_num(pa), is_num(pb)) {
+            (true, true) => num_cmp(pa, pb),
+            (true, false) => Ordering::Less,
+            (false, true) => Ordering::Greater,
+            (false, false) => {
+                let ta = pa.trim_end_matches(|c: char| c.is_ascii_digit());
+                let tb = pb.trim_end_matches(|c: char| c.is_ascii_digit());
+                let (da, db) = (&pa[ta.len()..], &pb[tb.len()..]);
+                ta.cmp(tb)
+                    .then_with(|| match (da.is_empty(), db.is_empty()) {
+                        (true, true) => Ordering::Equal,
+                        (true, false) => Ordering::Less,
+                        (false, true) => Ordering::Greater,
+                        (false, false) => num_cmp(da, db),
+                    })
+            }
+        };
+        if ord != Ordering::Equal {
+            return ord;
+        }
+    }
+}
+
 /// Splits tensors into shards as huggingface_hub does (formats.md §4.3), then lays
 /// out each file: header in safetensors' canonical order (dtype descending, then
 /// name), data in that order.
@@ -715,6 +760,34 @@ mod tests {
         assert!(is_nonpersistent_buffer("transformer.h.0.attn.masked_bias").is_some());
         assert!(is_nonpersistent_buffer("transformer.h.0.attn.c_attn.bias").is_none());
         assert!(is_nonpersistent_buffer("model.layers.0.self_attn.q_proj.bias").is_none());
+    }
+
+    #[test]
+    fn natural_order_compares_numbers_numerically() {
+        let mut v = vec![
+            "model.layers.10.w",
+            "model.layers.2.w",
+            "lm_head.weight",
+            "model.norm.weight",
+            "model.embed_tokens.weight",
+            "a.shard_11",
+            "a.shard_2",
+            "a.shard",
+        ];
+        v.sort_by(|a, b| natural_cmp(a, b));
+        assert_eq!(
+            v,
+            vec![
+                "a.shard",
+                "a.shard_2",
+                "a.shard_11",
+                "lm_head.weight",
+                "model.embed_tokens.weight",
+                "model.layers.2.w",
+                "model.layers.10.w",
+                "model.norm.weight"
+            ]
+        );
     }
 
     #[test]

@@ -117,13 +117,6 @@ fn parent_of(out: &Path) -> PathBuf {
 /// interrupted runs left beside it. Returns the removed paths.
 pub fn check_output(out: &Path, opts: &WriteOptions) -> Result<Vec<PathBuf>> {
     let parent = parent_of(out);
-    if !parent.is_dir() {
-        return Err(Error::Output {
-            path: out.to_path_buf(),
-            msg: format!("the parent directory {} does not exist", parent.display()),
-            hint: Some("create it first".into()),
-        });
-    }
     let out_abs = absolute(out);
     for p in &opts.protected {
         let p_abs = absolute(p);
@@ -211,7 +204,10 @@ fn absolute(p: &Path) -> PathBuf {
 
 /// Creates the staging directory for `out`.
 pub fn create_staging(out: &Path) -> Result<Staging> {
-    let path = parent_of(out).join(format!("{}{}", staging_prefix(out), std::process::id()));
+    let parent = parent_of(out);
+    std::fs::create_dir_all(&parent)
+        .map_err(|e| Error::io("create the output's parent directory", &parent, e))?;
+    let path = parent.join(format!("{}{}", staging_prefix(out), std::process::id()));
     let _ = std::fs::remove_dir_all(&path);
     std::fs::create_dir(&path).map_err(|e| Error::io("create the staging directory", &path, e))?;
     Ok(Staging {
@@ -508,6 +504,43 @@ fn fill_window(
         }
     }
     Ok(stats)
+}
+
+/// Reads a whole tensor into memory in C order, converted to `to`. For tests,
+/// `verify` and `diff` on tensors of reasonable size; merging streams instead.
+pub fn read_tensor(
+    files: &[Arc<Blob>],
+    source: &crate::source::TensorSource,
+    to: DType,
+) -> Result<(Vec<u8>, ConvertStats)> {
+    let t = PlannedTensor {
+        name: source.name.clone(),
+        origin: Origin::Checkpoint,
+        source: source.clone(),
+        dtype: to,
+    };
+    let n = source.numel();
+    let mut out = vec![0u8; (n * to.size() as u64) as usize];
+    let stats = fill_window(&t, files, 0, n, &mut out)?;
+    Ok((out, stats))
+}
+
+/// Reads elements `[e0, e1)` of a tensor (C order), converted to `to`, into `out`.
+pub fn read_tensor_range(
+    files: &[Arc<Blob>],
+    source: &crate::source::TensorSource,
+    to: DType,
+    e0: u64,
+    e1: u64,
+    out: &mut [u8],
+) -> Result<ConvertStats> {
+    let t = PlannedTensor {
+        name: source.name.clone(),
+        origin: Origin::Checkpoint,
+        source: source.clone(),
+        dtype: to,
+    };
+    fill_window(&t, files, e0, e1, out)
 }
 
 fn convert_run(src: &[u8], from: DType, dst: &mut [u8], to: DType) -> ConvertStats {
