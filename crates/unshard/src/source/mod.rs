@@ -240,9 +240,16 @@ pub fn check_view(
             .checked_mul(n)
             .ok_or_else(|| format!("shape {shape:?} overflows"))?;
     }
-    numel
+    let bytes = numel
         .checked_mul(elem)
         .ok_or_else(|| format!("shape {shape:?} is too large"))?;
+    // Stride-0 (broadcast) views can describe huge tensors over a tiny storage; a real
+    // checkpoint never expands a storage a thousandfold, a hostile one might.
+    if bytes > storage_bytes.saturating_mul(1024).max(1 << 30) {
+        return Err(format!(
+            "shape {shape:?} would materialise {bytes} bytes from a {storage_bytes}-byte storage"
+        ));
+    }
     if numel == 0 {
         return Ok(());
     }

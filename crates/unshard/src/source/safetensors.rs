@@ -21,7 +21,7 @@ pub fn looks_like_safetensors(data: &[u8]) -> bool {
     let mut n = [0u8; 8];
     n.copy_from_slice(&data[..8]);
     let n = u64::from_le_bytes(n);
-    n >= 2 && n <= MAX_HEADER && 8 + n <= data.len() as u64 && data[8] == b'{'
+    (2..=MAX_HEADER).contains(&n) && 8 + n <= data.len() as u64 && data[8] == b'{'
 }
 
 /// One parsed header.

@@ -210,8 +210,10 @@ pub(crate) fn dict_get(p: &Pickle, id: NodeId, key: &str) -> Option<NodeId> {
         .map(|(_, v)| *v)
 }
 
-/// `(callable global, args)` of an applied object.
-pub(crate) fn call_of(p: &Pickle, id: NodeId) -> Option<((&str, &str), &[NodeId], Option<NodeId>)> {
+/// An applied object: `(callable global, args, BUILD state)`.
+pub(crate) type Call<'a> = ((&'a str, &'a str), &'a [NodeId], Option<NodeId>);
+
+pub(crate) fn call_of(p: &Pickle, id: NodeId) -> Option<Call<'_>> {
     match p.get(id) {
         Value::Object {
             callable,
@@ -830,8 +832,13 @@ pub fn storage_table(p: &Pickle) -> std::result::Result<Vec<(String, DType, u64)
             _ => return Err("a storage key is not a string".into()),
         };
         let class = global_of(p, t[1]).map(|g| g.1).unwrap_or("?");
-        let dtype = DType::from_storage_class(class)
-            .ok_or_else(|| format!("unsupported storage type {class}"))?;
+        // An untyped storage counts bytes; the tensor's dtype comes from its rebuild call.
+        let dtype = if class == "UntypedStorage" {
+            DType::U8
+        } else {
+            DType::from_storage_class(class)
+                .ok_or_else(|| format!("unsupported storage type {class}"))?
+        };
         let numel = int_of(p, t[4])
             .and_then(|n| u64::try_from(n).ok())
             .ok_or("a storage size is not a non-negative int")?;
