@@ -111,19 +111,9 @@ pub fn print_merge_summary(
         plan.tensors.len(),
         r.from_base.len()
     )?;
-    if !r.renamed.is_empty() {
-        let examples: Vec<String> = r
-            .renamed
-            .iter()
-            .take(3)
-            .map(|(a, b)| format!("{a} -> {b}"))
-            .collect();
-        writeln!(
-            w,
-            "renamed: {} ({})",
-            r.renamed.len(),
-            list_some(&examples, 3)
-        )?;
+    if let Some((a, b)) = r.renamed.first() {
+        let more = if r.renamed.len() > 1 { ", ..." } else { "" };
+        writeln!(w, "renamed: {} ({a} -> {b}{more})", r.renamed.len())?;
     }
     for (name, why) in &r.dropped {
         writeln!(w, "dropped: {name} ({why})")?;
