@@ -28,7 +28,8 @@ pub(crate) enum Builtin {
     /// `bytearray(b)` / `bytes(b)`: a copy of the `Bytes` node.
     BytesOf(NodeId),
     /// `_codecs.encode(s, 'latin1')` or Python 2's `bytearray(s, 'latin-1')`: the code
-    /// points of the `Str` node (all checked to be below 256) as bytes.
+    /// points of the `Str` node as bytes. If one is 256 or more, Python would raise, and
+    /// the call stays an object. (The parser checks, after charging the scan.)
     Latin1(NodeId),
     /// `getattr(<global m.n>, 'attr')`: the global `m` / `n.attr`.
     Attribute { owner: NodeId, attr: NodeId },
@@ -95,10 +96,9 @@ pub(crate) fn recognize(
     }
 }
 
-/// `Latin1(text)` if `text` is a string of code points below 256 and `encoding` names
-/// latin-1.
+/// `Latin1(text)` if `text` is a string and `encoding` names latin-1.
 fn latin1(nodes: &[Value], text: &NodeId, encoding: &NodeId) -> Option<Builtin> {
-    let Some(Value::Str(s)) = nodes.get(text.0 as usize) else {
+    let Some(Value::Str(_)) = nodes.get(text.0 as usize) else {
         return None;
     };
     let Some(Value::Str(encoding)) = nodes.get(encoding.0 as usize) else {
@@ -114,7 +114,7 @@ fn latin1(nodes: &[Value], text: &NodeId, encoding: &NodeId) -> Option<Builtin> 
     ]
     .iter()
     .any(|name| encoding.eq_ignore_ascii_case(name));
-    (is_latin1 && s.chars().all(|c| u32::from(c) < 256)).then_some(Builtin::Latin1(*text))
+    is_latin1.then_some(Builtin::Latin1(*text))
 }
 
 #[cfg(test)]
@@ -166,7 +166,7 @@ mod tests {
         );
         assert_eq!(r(1, &[5]), None);
         assert_eq!(r(4, &[5, 6]), Some(Builtin::Latin1(NodeId(5))));
-        assert_eq!(r(4, &[7, 6]), None);
+        assert_eq!(r(4, &[7, 6]), Some(Builtin::Latin1(NodeId(7))));
         assert_eq!(r(4, &[5]), None);
         assert_eq!(r(8, &[5]), None);
         assert_eq!(

@@ -805,8 +805,12 @@ impl<'a> Machine<'a> {
                 })
             }
         };
-        let id = match builtins::recognize(&self.nodes, kind, callable, items) {
+        let plain = match builtins::recognize(&self.nodes, kind, callable, items) {
             Some(builtin) => self.builtin(builtin)?,
+            None => None,
+        };
+        let id = match plain {
+            Some(id) => id,
             None => self.new_node(Value::Object {
                 kind,
                 callable,
@@ -819,20 +823,34 @@ impl<'a> Machine<'a> {
         self.push(id)
     }
 
-    /// Carries out a recognised builtin call, charging its copies.
-    fn builtin(&mut self, builtin: Builtin) -> Result<NodeId> {
-        match builtin {
-            Builtin::EmptyDict => self.new_node(Value::Dict(Vec::new())),
+    /// Carries out a recognised builtin call, charging its copies and scans, or returns
+    /// `None` if the arguments turn out to be ones Python would reject.
+    fn builtin(&mut self, builtin: Builtin) -> Result<Option<NodeId>> {
+        let id = match builtin {
+            Builtin::EmptyDict => self.new_node(Value::Dict(Vec::new()))?,
             Builtin::DictFrom(source) => {
+                let len = self.dict_items_len(source);
+                self.charge_items(len)?;
                 let pairs = match self.node(source) {
                     Some(Value::Dict(pairs)) => pairs.clone(),
                     _ => Vec::new(),
                 };
                 // The source is already deduplicated, so its pairs move over as they are.
-                self.charge_items(pairs.len())?;
-                self.new_node(Value::Dict(pairs))
+                self.new_node(Value::Dict(pairs))?
             }
             Builtin::Set { frozen, from } => {
+                let items = match from.and_then(|id| self.node(id)) {
+                    Some(
+                        Value::List(items)
+                        | Value::Tuple(items)
+                        | Value::Set(items)
+                        | Value::FrozenSet(items),
+                    ) => items.len(),
+                    _ => 0,
+                };
+                // Charge the whole scan: duplicates are not stored but still cost work,
+                // and the same memoised list can be passed to set() again and again.
+                self.charge_items(items)?;
                 let items = match from.and_then(|id| self.node(id)) {
                     Some(
                         Value::List(items)
@@ -848,47 +866,56 @@ impl<'a> Machine<'a> {
                     Value::Set(Vec::new())
                 })?;
                 self.add_items(set, &items)?;
-                Ok(set)
+                set
             }
-            Builtin::EmptyBytes => self.new_node(Value::Bytes(Vec::new())),
+            Builtin::EmptyBytes => self.new_node(Value::Bytes(Vec::new()))?,
             Builtin::BytesOf(source) => {
-                let len = match self.node(source) {
-                    Some(Value::Bytes(b)) => b.len(),
-                    _ => 0,
-                };
+                let len = self.node(source).map_or(0, payload_len);
                 self.charge_payload(len)?;
                 let bytes = match self.node(source) {
                     Some(Value::Bytes(b)) => b.clone(),
                     _ => Vec::new(),
                 };
-                self.new_node(Value::Bytes(bytes))
+                self.new_node(Value::Bytes(bytes))?
             }
             Builtin::Latin1(source) => {
+                let len = self.node(source).map_or(0, payload_len);
+                self.charge_payload(len)?;
                 let text = match self.node(source) {
                     Some(Value::Str(s)) => s.as_str(),
                     _ => "",
                 };
-                // The recogniser checked every code point is below 256.
+                // In UTF-8, a byte of 0xc4 or more starts a code point of 256 or more.
+                if text.bytes().any(|b| b >= 0xc4) {
+                    // Python raises UnicodeEncodeError: keep the call as an object.
+                    return Ok(None);
+                }
                 let bytes: Vec<u8> = text.chars().map(|c| u32::from(c) as u8).collect();
-                self.charge_payload(bytes.len())?;
-                self.new_node(Value::Bytes(bytes))
+                self.new_node(Value::Bytes(bytes))?
             }
             Builtin::Attribute { owner, attr } => {
+                let len = self.node(owner).map_or(0, payload_len)
+                    + self.node(attr).map_or(0, payload_len);
+                self.charge_payload(len + 1)?;
                 let (Some(Value::Global { module, name }), Some(Value::Str(attr))) =
                     (self.node(owner), self.node(attr))
                 else {
-                    return Err(ErrorKind::WrongType {
-                        expected: "a global and an attribute name",
-                        found: type_name(self.node(owner)),
-                    });
+                    return Ok(None);
                 };
                 let global = Value::Global {
                     module: module.clone(),
                     name: format!("{name}.{attr}"),
                 };
-                self.charge_payload(module.len() + name.len() + attr.len() + 1)?;
-                self.new_node(global)
+                self.new_node(global)?
             }
+        };
+        Ok(Some(id))
+    }
+
+    fn dict_items_len(&self, id: NodeId) -> usize {
+        match self.node(id) {
+            Some(Value::Dict(pairs)) => pairs.len(),
+            _ => 0,
         }
     }
 
@@ -919,6 +946,16 @@ fn check_len(len: usize, more: usize, limit: usize) -> Result<()> {
             what: "items in one container",
             limit,
         }),
+    }
+}
+
+/// Bytes of text a value holds (for charging copies of it).
+fn payload_len(value: &Value) -> usize {
+    match value {
+        Value::Str(s) => s.len(),
+        Value::Bytes(b) | Value::BigInt(b) => b.len(),
+        Value::Global { module, name } => module.len() + name.len(),
+        _ => 0,
     }
 }
 

@@ -95,7 +95,7 @@ fn random_bytes_never_panic() {
         .chain(0x80..=0x98)
         .collect();
     let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
-    for _ in 0..5000 {
+    for _ in 0..20_000 {
         let len = rng.below(200);
         let data: Vec<u8> = (0..len)
             .map(|_| match rng.below(4) {
@@ -112,7 +112,7 @@ fn random_bytes_never_panic() {
 fn mutated_real_pickles_never_panic() {
     let files = committed_pickles();
     let mut rng = Rng(0x0123_4567_89ab_cdef);
-    for _ in 0..4000 {
+    for _ in 0..10_000 {
         let (_, original) = &files[rng.below(files.len())];
         let mut data = original.clone();
         for _ in 0..1 + rng.below(6) {
@@ -232,6 +232,80 @@ fn repeated_set_copies_are_charged() {
 }
 
 #[test]
+fn storing_a_big_memoised_key_again_and_again_stays_cheap() {
+    // Two 4 MB string keys with equal content, stored alternately 100 000 times by
+    // four-byte opcodes: comparing contents each time would be 400 GB of memcmp.
+    let big = 4 << 20;
+    let mut data = b"}".to_vec();
+    for memo in [0u8, 1] {
+        data.extend(b"X");
+        data.extend(u32::try_from(big).expect("fits").to_le_bytes());
+        data.resize(data.len() + big, b'k');
+        data.extend([b'q', memo, b'0']);
+    }
+    for i in 0..100_000u32 {
+        data.extend([b'h', (i % 2) as u8, b'N', b's']);
+    }
+    data.push(b'.');
+    let start = Instant::now();
+    let p = parse(&data).expect("repeated big keys");
+    assert!(start.elapsed() < QUICK, "{:?}", start.elapsed());
+    assert_eq!(p.dict_items(p.root()).map(<[_]>::len), Some(1));
+}
+
+#[test]
+fn encoding_a_big_memoised_string_is_charged_each_time() {
+    // A 256 KB str that is not latin-1 (so the call stays an object), encoded repeatedly.
+    let mut data = b"c_codecs\nencode\nq\0X".to_vec();
+    let text = [vec![b'a'; (256 << 10) - 3], "\u{20ac}".as_bytes().to_vec()].concat();
+    data.extend(u32::try_from(text.len()).expect("fits").to_le_bytes());
+    data.extend(&text);
+    data.extend(b"q\x010X\x06\0\0\0latin1q\x020");
+    for _ in 0..10_000 {
+        data.extend(b"h\0h\x01h\x02\x86R0");
+    }
+    data.extend(b"N.");
+    let limits = Limits {
+        max_payload_bytes: 16 << 20,
+        ..Limits::default()
+    };
+    let start = Instant::now();
+    assert!(matches!(
+        kind_with(&data, &limits),
+        ErrorKind::LimitExceeded {
+            what: "bytes of string and bytes payload",
+            ..
+        }
+    ));
+    assert!(start.elapsed() < QUICK);
+}
+
+#[test]
+fn set_of_a_memoised_list_is_charged_for_every_scan() {
+    // A list holding one node 10 000 times dedupes to a one-item set, but each
+    // set(list) still walks 10 000 items.
+    let mut data = b"]q\0(".to_vec();
+    data.extend(b"Nq\x01");
+    data.extend(b"h\x01".repeat(9_999));
+    data.extend(b"ec__builtin__\nset\nq\x02");
+    for _ in 0..10_000 {
+        data.extend(b"h\x02h\0\x85R0");
+    }
+    data.extend(b"N.");
+    let limits = Limits {
+        max_nodes: 1_000_000,
+        ..Limits::default()
+    };
+    assert_eq!(
+        kind_with(&data, &limits),
+        ErrorKind::LimitExceeded {
+            what: "container items in total",
+            limit: 1_000_000
+        }
+    );
+}
+
+#[test]
 fn huge_declared_lengths_are_truncated_before_allocating() {
     let cases: [&[u8]; 7] = [
         b"\x8d\xff\xff\xff\xff\xff\xff\xff\xff.", // BINUNICODE8
@@ -274,7 +348,7 @@ fn deep_mark_nesting_hits_the_mark_limit() {
 fn hundred_thousand_nested_containers_do_not_overflow_the_stack() {
     // ((((None,),),)...) through TUPLE1.
     let mut data = b"N".to_vec();
-    data.extend(std::iter::repeat(0x85).take(100_000));
+    data.resize(data.len() + 100_000, 0x85);
     data.push(b'.');
     let p = parse(&data).expect("nested tuples");
     assert_eq!(p.describe(p.root()), "tuple(1 item)");
@@ -284,7 +358,7 @@ fn hundred_thousand_nested_containers_do_not_overflow_the_stack() {
     let depth = 90_000;
     let mut data = vec![b'('; depth];
     data.push(b')');
-    data.extend(std::iter::repeat(b't').take(depth));
+    data.resize(data.len() + depth, b't');
     data.push(b'.');
     let p = parse(&data).expect("nested mark tuples");
     assert_eq!(p.len(), depth + 1);
@@ -292,7 +366,7 @@ fn hundred_thousand_nested_containers_do_not_overflow_the_stack() {
     // A list nested 100 000 deep through APPEND.
     let depth = 100_000;
     let mut data = vec![b']'; depth];
-    data.extend(std::iter::repeat(b'a').take(depth - 1));
+    data.resize(data.len() + depth - 1, b'a');
     data.push(b'.');
     let p = parse(&data).expect("nested lists");
     assert_eq!(p.describe(p.root()), "list(1 item)");
@@ -333,14 +407,14 @@ fn huge_memo_keys_cost_one_entry_and_the_memo_is_bounded() {
 #[test]
 fn long_text_with_millions_of_digits_is_refused_quickly() {
     let mut data = b"L".to_vec();
-    data.extend(std::iter::repeat(b'9').take(2_000_000));
+    data.resize(data.len() + 2_000_000, b'9');
     data.extend(b"L\n.");
     let start = Instant::now();
     assert!(matches!(kind(&data), ErrorKind::BadLiteral(_)));
     assert!(start.elapsed() < QUICK);
     // The largest accepted literal converts quickly too.
     let mut data = b"I-".to_vec();
-    data.extend(std::iter::repeat(b'7').take(4300));
+    data.resize(data.len() + 4300, b'7');
     data.extend(b"\n.");
     let p = parse(&data).expect("4300 digits");
     assert!(matches!(p.get(p.root()), Value::BigInt(b) if b.len() < 1800));
