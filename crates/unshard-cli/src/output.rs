@@ -38,10 +38,17 @@ pub fn install_signal_handlers() {
 }
 
 /// A progress bar on stderr, or nothing.
-pub struct Bar(Option<ProgressBar>);
+///
+/// Fault-injection tests set `UNSHARD_TEST_WINDOW_DELAY_MS` to slow every window
+/// down, so that a signal or a truncated input reliably lands mid-write.
+pub struct Bar(Option<ProgressBar>, Option<Duration>);
 
 impl Bar {
     pub fn new(enabled: bool) -> Bar {
+        let delay = std::env::var("UNSHARD_TEST_WINDOW_DELAY_MS")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .map(Duration::from_millis);
         Bar(enabled.then(|| {
             let pb = ProgressBar::new(0);
             pb.set_style(
@@ -53,7 +60,7 @@ impl Bar {
             );
             pb.enable_steady_tick(Duration::from_millis(200));
             pb
-        }))
+        }), delay)
     }
 }
 
@@ -66,6 +73,9 @@ impl Progress for Bar {
     fn advance(&self, bytes: u64) {
         if let Some(pb) = &self.0 {
             pb.inc(bytes);
+        }
+        if let Some(d) = self.1 {
+            std::thread::sleep(d);
         }
     }
     fn finish(&self) {

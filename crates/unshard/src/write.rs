@@ -460,7 +460,6 @@ fn fill_window(
         let data = blob.bytes();
         let isz = p.dtype.size() as u64;
         let (runs, stride) = piece_runs(p, &t.source.shape);
-        let mut touched: Option<(u64, u64)> = None;
         for r in runs {
             let (a, b) = (r.out.max(e0), (r.out + r.len).min(e1));
             if a >= b {
@@ -473,34 +472,40 @@ fn fill_window(
             let first_src = r.src + (a - r.out) * stride;
             let start = p.byte_offset + first_src * isz;
             let dst = &mut out[((a - e0) * osz) as usize..((b - e0) * osz) as usize];
-            let src: &[u8] = if stride == 1 && !p.big_endian {
-                let end = start + count * isz;
-                touched = Some(match touched {
-                    Some((lo, hi)) => (lo.min(start), hi.max(end)),
-                    None => (start, end),
-                });
-                data.get(start as usize..end as usize).ok_or_else(|| {
-                    Error::bad_tensor(&blob.path, &t.name, "data lies past the end of the file")
-                })?
-            } else {
-                scratch.clear();
-                scratch.reserve((count * isz) as usize);
-                for j in 0..count {
-                    let at = (start + j * stride * isz) as usize;
-                    let e = data.get(at..at + isz as usize).ok_or_else(|| {
-                        Error::bad_tensor(&blob.path, &t.name, "data lies past the end of the file")
-                    })?;
-                    scratch.extend_from_slice(e);
+            if stride == 1 {
+                // Contiguous in the source: one positioned read, straight into the
+                // output when no conversion is needed.
+                let nbytes = (count * isz) as usize;
+                if p.dtype == t.dtype && !p.big_endian {
+                    blob.read_at(start, dst)?;
+                    if t.dtype.is_float() {
+                        stats.add(dtype::scan(dst, t.dtype));
+                    }
+                    continue;
                 }
+                scratch.resize(nbytes, 0);
+                blob.read_at(start, &mut scratch)?;
                 if p.big_endian {
                     dtype::byteswap(&mut scratch, isz as usize);
                 }
-                &scratch
-            };
-            stats.add(convert_run(src, p.dtype, dst, t.dtype));
-        }
-        if let Some((lo, hi)) = touched {
-            blob.release(lo, hi - lo);
+                stats.add(convert_run(&scratch, p.dtype, dst, t.dtype));
+                continue;
+            }
+            // Strided (a transposed or expanded view, rare in checkpoints): gather
+            // element by element from the map.
+            scratch.clear();
+            scratch.reserve((count * isz) as usize);
+            for j in 0..count {
+                let at = (start + j * stride * isz) as usize;
+                let e = data.get(at..at + isz as usize).ok_or_else(|| {
+                    Error::bad_tensor(&blob.path, &t.name, "data lies past the end of the file")
+                })?;
+                scratch.extend_from_slice(e);
+            }
+            if p.big_endian {
+                dtype::byteswap(&mut scratch, isz as usize);
+            }
+            stats.add(convert_run(&scratch, p.dtype, dst, t.dtype));
         }
     }
     Ok(stats)

@@ -31,7 +31,9 @@ pub struct Blob {
 
 #[derive(Debug)]
 enum BlobData {
-    Mapped(memmap2::Mmap),
+    /// Metadata is parsed from the map; tensor data is read with `pread` from the
+    /// file, so a file that shrinks under us gives a short read (an error), not SIGBUS.
+    Mapped(memmap2::Mmap, File),
     Owned(Vec<u8>),
 }
 
@@ -49,13 +51,14 @@ impl Blob {
                 data: BlobData::Owned(Vec::new()),
             });
         }
-        // SAFETY: the map is read-only. If another process truncates the file while it
-        // is mapped, reads past the new end fault (SIGBUS); inputs are checkpoints that
-        // no one is writing, and the README says not to merge a file still being written.
+        // SAFETY: the map is read-only and used for metadata (headers, pickles), which
+        // is parsed once up front. If another process truncated the file during that
+        // parse, a read past the new end would fault (SIGBUS); tensor data, read for the
+        // whole length of a merge, goes through `read_at` instead.
         let map = unsafe { memmap2::Mmap::map(&file) }.map_err(|e| Error::io("map", path, e))?;
         Ok(Blob {
             path: path.to_path_buf(),
-            data: BlobData::Mapped(map),
+            data: BlobData::Mapped(map, file),
         })
     }
 
@@ -69,8 +72,38 @@ impl Blob {
 
     pub fn bytes(&self) -> &[u8] {
         match &self.data {
-            BlobData::Mapped(m) => m,
+            BlobData::Mapped(m, _) => m,
             BlobData::Owned(v) => v,
+        }
+    }
+
+    /// Fills `buf` with the bytes at `offset`. A short read means the file shrank
+    /// since it was opened (its extent was validated then) and is an error.
+    pub fn read_at(&self, offset: u64, buf: &mut [u8]) -> Result<()> {
+        use std::os::unix::fs::FileExt;
+        let len = buf.len();
+        let changed = || {
+            Error::corrupt(
+                &self.path,
+                format!(
+                    "cannot read {len} bytes at byte {offset}: the file is shorter than when it was opened (it changed while being read)"
+                ),
+            )
+        };
+        match &self.data {
+            BlobData::Mapped(_, f) => f.read_exact_at(buf, offset).map_err(|e| {
+                if e.kind() == std::io::ErrorKind::UnexpectedEof {
+                    changed()
+                } else {
+                    Error::io("read", &self.path, e)
+                }
+            }),
+            BlobData::Owned(v) => {
+                let start = usize::try_from(offset).ok();
+                let src = start.and_then(|s| v.get(s..s.checked_add(buf.len())?));
+                buf.copy_from_slice(src.ok_or_else(changed)?);
+                Ok(())
+            }
         }
     }
 
@@ -85,7 +118,7 @@ impl Blob {
     /// Tells the kernel that a byte range will not be read again, so its pages stop
     /// counting toward the resident set. A hint: errors are ignored.
     pub fn release(&self, offset: u64, len: u64) {
-        if let BlobData::Mapped(m) = &self.data {
+        if let BlobData::Mapped(m, _) = &self.data {
             const PAGE: u64 = 4096;
             let start = offset.div_ceil(PAGE) * PAGE;
             let end = (offset.saturating_add(len) / PAGE * PAGE).min(m.len() as u64);

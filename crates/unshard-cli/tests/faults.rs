@@ -1,0 +1,242 @@
+//! Fault injection: signals mid-write, a killed run, unwritable outputs, an input
+//! that changes under the reader. The output must appear complete or not at all.
+//!
+//! `UNSHARD_TEST_WINDOW_DELAY_MS` makes the binary sleep after every 8 MiB window so
+//! that a signal reliably arrives while shards are being written.
+#![allow(clippy::unwrap_used)]
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+fn bin() -> &'static str {
+    env!("CARGO_BIN_EXE_unshard")
+}
+
+/// A float32 safetensors checkpoint of `n` tensors of 1 Mi elements (4 MiB each),
+/// so that merging it to bfloat16 takes `n` windows.
+fn big_checkpoint(dir: &Path, n: usize) -> PathBuf {
+    let data: Vec<u8> = (0..(1u32 << 20))
+        .flat_map(|i| (i as f32 * 0.001).to_le_bytes())
+        .collect();
+    let names: Vec<String> = (0..n).map(|i| format!("layers.{i}.weight")).collect();
+    let views: Vec<(String, safetensors::tensor::TensorView<'_>)> = names
+        .iter()
+        .map(|name| {
+            (
+                name.clone(),
+                safetensors::tensor::TensorView::new(
+                    safetensors::Dtype::F32,
+                    vec![1024, 1024],
+                    &data,
+                )
+                .unwrap(),
+            )
+        })
+        .collect();
+    let path = dir.join("big.safetensors");
+    safetensors::serialize_to_file(views, None, &path).unwrap();
+    path
+}
+
+fn names(dir: &Path) -> Vec<String> {
+    let mut v: Vec<String> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    v.sort();
+    v
+}
+
+fn spawn_slow_merge(ckpt: &Path, out: &Path, delay_ms: u64) -> Child {
+    Command::new(bin())
+        .args([
+            "merge",
+            ckpt.to_str().unwrap(),
+            "--dtype",
+            "bfloat16",
+            "-o",
+            out.to_str().unwrap(),
+        ])
+        .env("UNSHARD_TEST_WINDOW_DELAY_MS", delay_ms.to_string())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap()
+}
+
+/// Waits until a staging directory with at least one shard file appears in `parent`.
+fn wait_for_staging(parent: &Path) -> PathBuf {
+    let start = Instant::now();
+    loop {
+        for n in names(parent) {
+            if n.contains(".unshard-tmp-") {
+                let p = parent.join(&n);
+                if std::fs::read_dir(&p)
+                    .map(|mut r| r.next().is_some())
+                    .unwrap_or(false)
+                {
+                    return p;
+                }
+            }
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(30),
+            "no staging directory appeared"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+fn signal(child: &Child, sig: i32) {
+    // SAFETY: sending a signal to our own child process.
+    unsafe {
+        libc::kill(child.id() as i32, sig);
+    }
+}
+
+fn finish(child: Child) -> Output {
+    child.wait_with_output().unwrap()
+}
+
+fn interrupted_run_leaves_nothing(sig: i32) {
+    let inputs = tempfile::tempdir().unwrap();
+    let ckpt = big_checkpoint(inputs.path(), 12);
+    let parent = tempfile::tempdir().unwrap();
+    let out = parent.path().join("out");
+    let child = spawn_slow_merge(&ckpt, &out, 150);
+    wait_for_staging(parent.path());
+    signal(&child, sig);
+    let o = finish(child);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(1), "{err}");
+    assert!(err.contains("interrupted"), "{err}");
+    assert!(
+        names(parent.path()).is_empty(),
+        "left behind: {:?}",
+        names(parent.path())
+    );
+}
+
+#[test]
+fn sigint_mid_write_removes_the_staging_directory() {
+    interrupted_run_leaves_nothing(libc::SIGINT);
+}
+
+#[test]
+fn sigterm_mid_write_removes_the_staging_directory() {
+    interrupted_run_leaves_nothing(libc::SIGTERM);
+}
+
+#[test]
+fn a_killed_run_never_shows_a_half_written_output_and_is_cleaned_next_time() {
+    let inputs = tempfile::tempdir().unwrap();
+    let ckpt = big_checkpoint(inputs.path(), 12);
+    let parent = tempfile::tempdir().unwrap();
+    let out = parent.path().join("out");
+    let mut child = spawn_slow_merge(&ckpt, &out, 150);
+    let staging = wait_for_staging(parent.path());
+    child.kill().unwrap();
+    child.wait().unwrap();
+    assert!(!out.exists(), "a killed run must not leave an output");
+    assert!(
+        staging.exists(),
+        "SIGKILL cannot be caught: the staging directory stays"
+    );
+
+    let o = Command::new(bin())
+        .args([
+            "merge",
+            ckpt.to_str().unwrap(),
+            "--dtype",
+            "bfloat16",
+            "-o",
+            out.to_str().unwrap(),
+        ])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{err}");
+    assert!(err.contains("left by an interrupted run"), "{err}");
+    assert_eq!(names(parent.path()), vec!["out"]);
+    assert!(out.join("model.safetensors").is_file());
+}
+
+#[test]
+fn an_unwritable_output_parent_is_a_clear_error() {
+    let tmp = tempfile::tempdir().unwrap();
+    let file = tmp.path().join("a-file");
+    std::fs::write(&file, "x").unwrap();
+    let fixtures = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures");
+    let ckpt = fixtures.join("ckpt/llama_policy.pt");
+    let out = file.join("out");
+    let o = Command::new(bin())
+        .args(["merge", ckpt.to_str().unwrap(), "-o", out.to_str().unwrap()])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(1), "{err}");
+    assert!(err.contains("a-file"), "{err}");
+    assert_eq!(names(tmp.path()), vec!["a-file"]);
+
+    // A read-only filesystem (root ignores permission bits, so mount one).
+    let ro = tmp.path().join("ro");
+    std::fs::create_dir(&ro).unwrap();
+    let mounted = Command::new("mount")
+        .args([
+            "-t",
+            "tmpfs",
+            "-o",
+            "ro,size=64k",
+            "tmpfs",
+            ro.to_str().unwrap(),
+        ])
+        .status()
+        .map(|s| s.success())
+        .unwrap_or(false);
+    if !mounted {
+        eprintln!("SKIPPED read-only part: cannot mount a tmpfs here (needs root)");
+        return;
+    }
+    let o = Command::new(bin())
+        .args([
+            "merge",
+            ckpt.to_str().unwrap(),
+            "-o",
+            ro.join("out").to_str().unwrap(),
+        ])
+        .output()
+        .unwrap();
+    let left = names(&ro);
+    let _ = Command::new("umount").arg(&ro).status();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(1), "{err}");
+    assert!(err.contains("Read-only file system"), "{err}");
+    assert!(left.is_empty(), "{left:?}");
+}
+
+#[test]
+fn an_input_truncated_during_the_merge_is_an_error_not_a_crash() {
+    let inputs = tempfile::tempdir().unwrap();
+    let ckpt = big_checkpoint(inputs.path(), 12);
+    let parent = tempfile::tempdir().unwrap();
+    let out = parent.path().join("out");
+    let child = spawn_slow_merge(&ckpt, &out, 150);
+    wait_for_staging(parent.path());
+    let f = std::fs::OpenOptions::new().write(true).open(&ckpt).unwrap();
+    f.set_len(1 << 20).unwrap();
+    let o = finish(child);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(
+        o.status.code(),
+        Some(1),
+        "must fail cleanly, not crash: {:?} {err}",
+        o.status
+    );
+    assert!(err.contains("big.safetensors"), "{err}");
+    assert!(
+        names(parent.path()).is_empty(),
+        "left behind: {:?}",
+        names(parent.path())
+    );
+}
