@@ -263,3 +263,48 @@ fn corrupted_bytes_never_panic() {
         }
     }
 }
+
+/// torch on a big-endian machine writes `byteorder = big` and byte-swapped storages;
+/// the values read must be the same numbers.
+#[test]
+fn big_endian_archives_are_byte_swapped() {
+    let ckpt = source::open(
+        &fixtures().join("edge/bigendian.pt"),
+        &OpenOptions::default(),
+    )
+    .unwrap();
+    let bytes = std::fs::read(fixtures().join("edge/bigendian.expected.safetensors")).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    assert_eq!(ckpt.tensors.len(), st.len());
+    for t in &ckpt.tensors {
+        let (got, _) = read_tensor(&ckpt.files, t, t.dtype).unwrap();
+        assert_eq!(got, st.tensor(&t.name).unwrap().data(), "{}", t.name);
+    }
+}
+
+/// Tensors unshard cannot represent are refused with an error naming the key.
+#[test]
+fn unsupported_tensor_kinds_name_the_key() {
+    for (kind, says) in [
+        ("quantized", "quantized"),
+        ("sparse", "sparse"),
+        ("nested", "nested"),
+        ("meta", "meta"),
+        ("neg", "neg"),
+        ("complex", "complex"),
+    ] {
+        let p = fixtures().join(format!("edge/unsupported_{kind}.pt"));
+        let e = source::open(&p, &OpenOptions::default())
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("'bad'") && e.contains(says), "{kind}: {e}");
+        assert!(e.contains(&format!("unsupported_{kind}.pt")), "{e}");
+    }
+    let e = source::open(
+        &fixtures().join("edge/torchscript.pt"),
+        &OpenOptions::default(),
+    )
+    .unwrap_err();
+    assert!(e.to_string().contains("TorchScript"), "{e}");
+    assert!(e.hint().unwrap().contains("state_dict"));
+}

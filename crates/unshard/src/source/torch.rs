@@ -249,6 +249,24 @@ pub(crate) fn dtype_of(p: &Pickle, id: NodeId) -> Option<DType> {
     }
 }
 
+/// The class an object was made from (`NEWOBJ`/`REDUCE` on a global).
+pub(crate) fn class_of(p: &Pickle, id: NodeId) -> Option<(&str, &str)> {
+    call_of(p, id).map(|(class, _, _)| class)
+}
+
+/// A field of an object's `BUILD` state. Dataclasses and plain classes build from
+/// their `__dict__`; classes with `__slots__` build from `(dict or None, {slots})`.
+pub(crate) fn field_of(p: &Pickle, id: NodeId, name: &str) -> Option<NodeId> {
+    let Value::Object { state: Some(s), .. } = p.get(id) else {
+        return None;
+    };
+    match p.get(*s) {
+        Value::Dict(_) => dict_get(p, *s, name),
+        Value::Tuple(parts) => parts.iter().rev().find_map(|&d| dict_get(p, d, name)),
+        _ => None,
+    }
+}
+
 /// A short human description of a value, for `inspect`.
 pub fn describe(p: &Pickle, id: NodeId) -> String {
     match p.get(id) {
@@ -420,7 +438,9 @@ fn rebuild_tensor(
         })?
     } else {
         DType::from_storage_class(storage_class).ok_or_else(|| {
-            if storage_class.starts_with("Q") {
+            if storage_class.starts_with("Complex") {
+                "complex tensors are not supported (no Hugging Face model stores complex weights); save the real and imaginary parts as separate tensors".to_string()
+            } else if storage_class.starts_with("Q") {
                 format!(
                     "quantized storage {storage_class} is not supported; dequantize before saving"
                 )
