@@ -8,9 +8,11 @@
 //! `_rebuild_tensor_v2`, DCP dataclasses, ...) is the caller's job.
 //!
 //! The crate knows nothing about torch. The only calls it interprets are a handful of
-//! pure Python builtins whose result is plain data: `collections.OrderedDict()`,
-//! `set`/`frozenset`, `bytearray`, `_codecs.encode(str, 'latin1')` and
-//! `getattr(<global>, name)` (which yields a nested global name).
+//! pure Python builtins whose result is plain data: `collections.OrderedDict()`
+//! (also `defaultdict(..)` and `Counter(..)`), `set`/`frozenset`, `bytes`/`bytearray`,
+//! `_codecs.encode(str, 'latin1')` and `getattr(<global>, name)` (which yields a
+//! nested global name). Both `builtins` and Python 2's `__builtin__` are accepted; other
+//! global names are kept exactly as written (`copy_reg` is not renamed `copyreg`).
 //!
 //! Values live in an arena and refer to each other by [`NodeId`]. The memo stores ids,
 //! so `BINGET` shares a node instead of copying it, and mutation of a memoised list or
@@ -19,8 +21,11 @@
 //! code that walks it must bound its depth.
 //!
 //! Every resource a hostile file could inflate is bounded by [`Limits`]: node count,
-//! container length, total string/bytes payload, memo size and mark-stack depth.
-//! Errors carry the byte offset and opcode at which parsing stopped.
+//! container length, total container items, total string/bytes payload, memo size and
+//! mark-stack depth. Length fields are checked against the input before anything is
+//! allocated, and no opcode does work that earlier input did not pay for (re-using a
+//! memoised multi-megabyte key is as cheap as re-using a small one), so parsing time is
+//! linear in the input. Errors carry the byte offset and opcode at which parsing stopped.
 //!
 //! # Using it
 //!

@@ -226,7 +226,10 @@ impl<'a> Machine<'a> {
             op::APPENDS => {
                 let items = self.pop_mark()?;
                 let target = self.peek()?;
-                self.append(target, items)?;
+                // An empty batch is a no-op on any target, as in CPython.
+                if !items.is_empty() {
+                    self.append(target, items)?;
+                }
             }
             op::EMPTY_DICT => self.push_value(Value::Dict(Vec::new()))?,
             op::DICT => {
@@ -246,13 +249,17 @@ impl<'a> Machine<'a> {
                 let flat = self.pop_mark()?;
                 let pairs = pairs_of(&flat)?;
                 let target = self.peek()?;
-                self.set_items(target, pairs)?;
+                if !pairs.is_empty() {
+                    self.set_items(target, pairs)?;
+                }
             }
             op::EMPTY_SET => self.push_value(Value::Set(Vec::new()))?,
             op::ADDITEMS => {
                 let items = self.pop_mark()?;
                 let target = self.peek()?;
-                self.add_items(target, &items)?;
+                if !items.is_empty() {
+                    self.add_items(target, &items)?;
+                }
             }
             op::FROZENSET => {
                 let items = self.pop_mark()?;

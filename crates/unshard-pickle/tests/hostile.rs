@@ -542,6 +542,11 @@ fn adding_items_to_a_non_container_is_an_error() {
             found: "frozenset"
         }
     );
+    // An empty batch is a no-op whatever the target, as in CPython.
+    for data in [&b"K\x01(e."[..], b"K\x01(u.", b"K\x01(\x90."] {
+        let p = parse(data).expect("empty batch");
+        assert_eq!(p.as_int(p.root()), Some(1));
+    }
     assert_eq!(
         kind(b"](K\x01\x90."),
         ErrorKind::NotAContainer {
