@@ -55,6 +55,14 @@ pub enum Error {
         msg: String,
     },
 
+    /// A checkpoint made of several files lacks one of them (a rank's file).
+    #[error("{}: {msg}", path.display())]
+    Incomplete {
+        path: PathBuf,
+        msg: String,
+        hint: Option<String>,
+    },
+
     /// No tensors were found where they were looked for.
     #[error("{}: no tensors found{}", path.display(), at.as_ref().map(|k| format!(" under '{k}'")).unwrap_or_default())]
     NoTensors {
@@ -150,6 +158,7 @@ impl Error {
     pub fn hint(&self) -> Option<String> {
         match self {
             Error::Unsupported { hint, .. }
+            | Error::Incomplete { hint, .. }
             | Error::NoTensors { hint, .. }
             | Error::Plan { hint, .. }
             | Error::Output { hint, .. } => hint.clone(),

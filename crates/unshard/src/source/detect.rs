@@ -4,7 +4,7 @@ use std::fmt;
 use std::path::Path;
 use std::sync::Arc;
 
-use super::{hf_dir, legacy, safetensors, torch, Blob, Checkpoint};
+use super::{dcp, hf_dir, legacy, safetensors, sharded, torch, Blob, Checkpoint};
 use crate::{Error, Result};
 
 /// The kinds of input unshard reads.
@@ -121,24 +121,46 @@ fn from_payload(
     })
 }
 
-fn open_dir(path: &Path, _opts: &OpenOptions) -> Result<Checkpoint> {
-    if path.join(".metadata").is_file() {
-        return Err(Error::Unsupported {
-            path: path.to_path_buf(),
-            what: "a torch.distributed.checkpoint directory".into(),
-            hint: Some("support for DCP directories is in progress".into()),
-        });
+fn open_dir(path: &Path, opts: &OpenOptions) -> Result<Checkpoint> {
+    if dcp::is_dcp_dir(path) {
+        return dcp::open(path, opts);
     }
-    if hf_dir::is_hf_dir(path) {
+    let hf = if hf_dir::is_hf_dir(path) {
         let dir = hf_dir::HfDir::open(path)?;
-        return match dir.weights()? {
-            Some(c) => Ok(c),
-            None => Err(Error::NoTensors {
-                path: path.to_path_buf(),
-                at: None,
-                hint: Some("the directory has a config.json but no weight files".into()),
-            }),
-        };
+        if let Some(c) = dir.weights()? {
+            return Ok(c);
+        }
+        true
+    } else {
+        false
+    };
+    if let Some(set) = sharded::find_rank_files(path)? {
+        return sharded::open(&set, opts);
+    }
+    // A trainer's `checkpoint-N/` holding `pytorch_model_fsdp_0/` (and `optimizer_0/`).
+    if let Some((sub, skipped)) = dcp::find_model_subdir(path)? {
+        let mut c = dcp::open(&sub, opts)?;
+        let name = sub
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_default();
+        let mut notes = vec![format!(
+            "read the torch.distributed.checkpoint directory {name}/ inside {}",
+            path.display()
+        )];
+        for s in skipped {
+            notes.push(format!("skipped {s}/ (optimizer state)"));
+        }
+        notes.append(&mut c.notes);
+        c.notes = notes;
+        return Ok(c);
+    }
+    if hf {
+        return Err(Error::NoTensors {
+            path: path.to_path_buf(),
+            at: None,
+            hint: Some("the directory has a config.json but no weight files".into()),
+        });
     }
     let mut names: Vec<String> = std::fs::read_dir(path)
         .map_err(|e| Error::io("list", path, e))?

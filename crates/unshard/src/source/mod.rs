@@ -13,10 +13,12 @@ use std::sync::Arc;
 
 use crate::{DType, Error, Result};
 
+pub mod dcp;
 pub mod detect;
 pub mod hf_dir;
 pub mod legacy;
 pub mod safetensors;
+pub mod sharded;
 pub mod torch;
 pub mod zip;
 
@@ -314,6 +316,122 @@ pub fn contiguous_strides(shape: &[u64]) -> Vec<u64> {
         acc = acc.saturating_mul(n.max(1));
     }
     strides
+}
+
+/// Checks that a tensor's pieces tile it exactly: every box lies inside the tensor,
+/// no two boxes share an element, and together they hold as many elements as the
+/// tensor. The engine writes each output element from the one piece that covers it,
+/// so a gap would leave uninitialised bytes in the output and an overlap would make
+/// the result depend on piece order: both are errors naming the tensor. Empty boxes
+/// (the empty shards of `torch.chunk`) are allowed anywhere inside the bounds.
+pub fn check_coverage(path: &Path, t: &TensorSource) -> Result<()> {
+    let bad = |msg: String| Error::bad_tensor(path, &t.name, msg);
+    let ndim = t.shape.len();
+    let numel = t
+        .shape
+        .iter()
+        .try_fold(1u64, |acc, &n| acc.checked_mul(n))
+        .ok_or_else(|| bad(format!("shape {:?} overflows", t.shape)))?;
+    let mut total: u64 = 0;
+    let mut boxes: Vec<(&[u64], Vec<u64>)> = Vec::with_capacity(t.pieces.len());
+    for p in &t.pieces {
+        let at = |what: &str| {
+            format!(
+                "the chunk at offsets {:?} with sizes {:?} {what}",
+                p.global_offset, p.shape
+            )
+        };
+        if p.shape.len() != ndim || p.global_offset.len() != ndim || p.strides.len() != ndim {
+            return Err(bad(at(&format!(
+                "does not have the tensor's {ndim} dimension(s)"
+            ))));
+        }
+        let mut end = Vec::with_capacity(ndim);
+        let mut volume: u64 = 1;
+        for d in 0..ndim {
+            let e = p.global_offset[d]
+                .checked_add(p.shape[d])
+                .filter(|&e| e <= t.shape[d])
+                .ok_or_else(|| {
+                    bad(at(&format!(
+                        "reaches past the end of dimension {d} (size {})",
+                        t.shape[d]
+                    )))
+                })?;
+            end.push(e);
+            volume = volume
+                .checked_mul(p.shape[d])
+                .ok_or_else(|| bad(at("overflows")))?;
+        }
+        total = total
+            .checked_add(volume)
+            .ok_or_else(|| bad("its chunks overflow".into()))?;
+        if volume > 0 {
+            boxes.push((&p.global_offset, end));
+        }
+    }
+    if let Some((a, b)) = first_overlap(&boxes) {
+        let (sa, ea) = &boxes[a];
+        let (sb, eb) = &boxes[b];
+        return Err(bad(format!(
+            "chunks overlap: [{}] and [{}]",
+            ranges(sa, ea),
+            ranges(sb, eb)
+        )));
+    }
+    if total != numel {
+        return Err(bad(format!(
+            "its chunks cover {total} of its {numel} elements; a chunk or a rank's shard is missing"
+        )));
+    }
+    Ok(())
+}
+
+/// `0..126, 0..64` for a box.
+fn ranges(start: &[u64], end: &[u64]) -> String {
+    start
+        .iter()
+        .zip(end)
+        .map(|(s, e)| format!("{s}..{e}"))
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+/// The first pair of boxes (`start`, exclusive `end`) that share an element. A sweep
+/// along the dimension where the boxes differ most keeps this near-linear for the
+/// usual row or column shards.
+fn first_overlap(boxes: &[(&[u64], Vec<u64>)]) -> Option<(usize, usize)> {
+    let ndim = boxes.first()?.0.len();
+    if boxes.len() < 2 {
+        return None;
+    }
+    let sweep = (0..ndim)
+        .max_by_key(|&d| {
+            let mut starts: Vec<u64> = boxes.iter().map(|b| b.0[d]).collect();
+            starts.sort_unstable();
+            starts.dedup();
+            starts.len()
+        })
+        .unwrap_or(0);
+    let mut order: Vec<usize> = (0..boxes.len()).collect();
+    if ndim > 0 {
+        order.sort_by_key(|&i| boxes[i].0[sweep]);
+    }
+    let mut active: Vec<usize> = Vec::new();
+    for &i in &order {
+        let (start, end) = &boxes[i];
+        if ndim > 0 {
+            active.retain(|&j| boxes[j].1[sweep] > start[sweep]);
+        }
+        for &j in &active {
+            let (s2, e2) = &boxes[j];
+            if (0..ndim).all(|d| start[d] < e2[d] && s2[d] < end[d]) {
+                return Some((j.min(i), j.max(i)));
+            }
+        }
+        active.push(i);
+    }
+    None
 }
 
 /// A config directory that travels with a checkpoint and serves as the base config
