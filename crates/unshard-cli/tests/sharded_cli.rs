@@ -1,0 +1,116 @@
+//! The `unshard` binary on sharded checkpoints: a DCP directory, a verl rank
+//! directory and an accelerate `checkpoint-N/` are taken as they are; a missing
+//! rank is a clear failure that leaves nothing behind.
+#![allow(clippy::unwrap_used)]
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+fn fixtures() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures")
+}
+
+fn unshard(args: &[&std::ffi::OsStr]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_unshard"))
+        .args(args)
+        .output()
+        .unwrap()
+}
+
+fn merge(checkpoint: &Path, base: &Path, out: &Path) -> Output {
+    unshard(&[
+        "merge".as_ref(),
+        checkpoint.as_os_str(),
+        "--base".as_ref(),
+        base.as_os_str(),
+        "--output".as_ref(),
+        out.as_os_str(),
+        "--quiet".as_ref(),
+    ])
+}
+
+#[test]
+fn inspect_json_describes_global_tensors_and_their_sharding() {
+    let out = unshard(&[
+        "inspect".as_ref(),
+        "--json".as_ref(),
+        fixtures().join("sharded/llama_w3_dcp").as_os_str(),
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["format"], "dcp");
+    let tensors = v["tensors"].as_array().unwrap();
+    assert_eq!(tensors.len(), 21);
+    let embed = tensors
+        .iter()
+        .find(|t| t["name"] == "model.embed_tokens.weight")
+        .unwrap();
+    assert_eq!(embed["shape"], serde_json::json!([251, 64]));
+    assert!(
+        embed["layout"].as_str().unwrap().contains("3 chunks"),
+        "{embed}"
+    );
+
+    let out = unshard(&[
+        "inspect".as_ref(),
+        fixtures().join("sharded/llama_hsdp_2x2_ranks").as_os_str(),
+    ]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success());
+    assert!(text.contains("per-rank"), "{text}");
+    assert!(
+        text.contains("DTensor (Replicate(), Shard(0)) on mesh [2, 2]"),
+        "{text}"
+    );
+}
+
+#[test]
+fn merges_a_verl_rank_directory_and_an_accelerate_checkpoint_dir() {
+    let tmp = tempfile::tempdir().unwrap();
+    let expected = fixtures().join("expected/llama_policy_into_llama-bf16/model.safetensors");
+    for input in ["sharded/llama_w2_ranks", "sharded/accelerate_dcp"] {
+        let out = tmp.path().join(input.replace('/', "_"));
+        let r = merge(
+            &fixtures().join(input),
+            &fixtures().join("models/llama-bf16"),
+            &out,
+        );
+        assert!(
+            r.status.success(),
+            "{input}: {}",
+            String::from_utf8_lossy(&r.stderr)
+        );
+        assert!(
+            std::fs::read(out.join("model.safetensors")).unwrap()
+                == std::fs::read(&expected).unwrap(),
+            "{input}: model.safetensors differs from transformers' output"
+        );
+    }
+}
+
+#[test]
+fn a_missing_rank_fails_naming_the_file_and_leaves_nothing() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("out");
+    let r = merge(
+        &fixtures().join("sharded/llama_w2_ranks_missing_rank"),
+        &fixtures().join("models/llama-bf16"),
+        &out,
+    );
+    assert_eq!(r.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&r.stderr);
+    assert!(
+        err.contains("error:") && err.contains("model_world_size_2_rank_1.pt"),
+        "{err}"
+    );
+    assert!(err.contains("hint:"), "{err}");
+    assert_eq!(
+        std::fs::read_dir(tmp.path()).unwrap().count(),
+        0,
+        "left files behind"
+    );
+}
