@@ -6,15 +6,71 @@ use std::path::Path;
 
 use unshard::report::human_bytes;
 use unshard::source::{self, Checkpoint, OpenOptions};
+use unshard::stats::TensorStats;
 
-pub fn run(path: &Path, key: Option<String>, json: bool) -> anyhow::Result<()> {
+pub fn run(path: &Path, key: Option<String>, json: bool, stats: bool) -> anyhow::Result<()> {
     let ckpt = source::open(path, &OpenOptions { key })?;
+    let stats = if stats {
+        Some(unshard::stats::checkpoint_stats(&ckpt)?)
+    } else {
+        None
+    };
     let mut out = std::io::stdout().lock();
     if json {
-        serde_json::to_writer_pretty(&mut out, &to_json(&ckpt))?;
+        let mut v = to_json(&ckpt);
+        if let (Some(stats), Some(tensors)) = (&stats, v["tensors"].as_array_mut()) {
+            for (t, s) in tensors.iter_mut().zip(stats) {
+                t["stats"] = stats_json(s);
+            }
+        }
+        serde_json::to_writer_pretty(&mut out, &v)?;
         writeln!(out)?;
     } else {
         print_table(&mut out, &ckpt)?;
+        if let Some(stats) = &stats {
+            print_stats(&mut out, &ckpt, stats)?;
+        }
+    }
+    Ok(())
+}
+
+/// `--stats` in JSON: non-finite statistics (no finite values) become `null`.
+fn stats_json(s: &TensorStats) -> serde_json::Value {
+    let f = |v: f64| serde_json::Number::from_f64(v).map_or(serde_json::Value::Null, Into::into);
+    serde_json::json!({
+        "mean": f(s.mean), "std": f(s.std), "min": f(s.min), "max": f(s.max),
+        "nan": s.nan, "inf": s.inf,
+    })
+}
+
+/// `--stats` as a table: over finite values; NaN and inf are counted.
+fn print_stats(w: &mut dyn Write, ckpt: &Checkpoint, stats: &[TensorStats]) -> std::io::Result<()> {
+    let name_w = ckpt
+        .tensors
+        .iter()
+        .map(|t| t.name.len())
+        .max()
+        .unwrap_or(4)
+        .clamp(4, 72);
+    writeln!(
+        w,
+        "statistics (finite values; std with correction 1, as torch.std):"
+    )?;
+    writeln!(
+        w,
+        "  {:name_w$}  {:>12}  {:>12}  {:>12}  {:>12}  non-finite",
+        "name", "mean", "std", "min", "max"
+    )?;
+    for (t, s) in ckpt.tensors.iter().zip(stats) {
+        write!(
+            w,
+            "  {:name_w$}  {:>12.5e}  {:>12.5e}  {:>12.5e}  {:>12.5e}",
+            t.name, s.mean, s.std, s.min, s.max
+        )?;
+        if s.nan + s.inf > 0 {
+            write!(w, "  {} NaN, {} inf", s.nan, s.inf)?;
+        }
+        writeln!(w)?;
     }
     Ok(())
 }

@@ -12,8 +12,10 @@ use unshard::plan::{DtypeChoice, PlanOptions};
 use unshard::source::OpenOptions;
 use unshard::{DType, Error};
 
+mod diff_cmd;
 mod inspect;
 mod output;
+mod verify_cmd;
 
 /// Turn distributed-training checkpoints into Hugging Face model directories.
 ///
@@ -33,6 +35,10 @@ enum Command {
     Merge(MergeArgs),
     /// Show what a checkpoint, safetensors file or model directory holds.
     Inspect(InspectArgs),
+    /// Check that a model directory holds exactly what merging a checkpoint gives.
+    Verify(verify_cmd::VerifyArgs),
+    /// Compare two checkpoints or model directories tensor by tensor.
+    Diff(diff_cmd::DiffArgs),
 }
 
 #[derive(Clone, Copy, Debug, ValueEnum)]
@@ -90,6 +96,15 @@ struct MergeArgs {
     #[arg(long)]
     force: bool,
 
+    /// Read the written output back and check it against the checkpoint (as
+    /// `unshard verify` does) before moving it into place.
+    #[arg(long)]
+    verify: bool,
+
+    /// Fail, writing nothing, if any tensor holds NaN or inf (instead of warning).
+    #[arg(long)]
+    fail_on_nonfinite: bool,
+
     /// No progress bar and no summary; errors only.
     #[arg(long, short)]
     quiet: bool,
@@ -107,6 +122,10 @@ struct InspectArgs {
     /// Dotted path of the state dict inside the pickle.
     #[arg(long, value_name = "PATH")]
     key: Option<String>,
+
+    /// Also show mean, std, min and max of every tensor (reads all the values).
+    #[arg(long)]
+    stats: bool,
 }
 
 fn main() -> ExitCode {
@@ -114,7 +133,12 @@ fn main() -> ExitCode {
     output::install_signal_handlers();
     let result = match cli.command {
         Command::Merge(args) => run_merge(args),
-        Command::Inspect(args) => inspect::run(&args.path, args.key, args.json),
+        Command::Inspect(args) => inspect::run(&args.path, args.key, args.json, args.stats),
+        Command::Verify(args) => verify_cmd::run(args),
+        Command::Diff(args) => match diff_cmd::run(args) {
+            Ok(false) => return ExitCode::from(1),
+            other => other.map(|_| ()),
+        },
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -129,43 +153,16 @@ fn main() -> ExitCode {
 }
 
 fn run_merge(args: MergeArgs) -> anyhow::Result<()> {
-    let max_shard_size = merge::parse_size(&args.max_shard_size)
-        .filter(|&s| s > 0)
-        .ok_or_else(|| {
-            Error::Usage(format!(
-                "--max-shard-size '{}' is not a size (examples: 5GB, 500MB, 2GiB)",
-                args.max_shard_size
-            ))
-        })?;
-    let mut renames = Vec::new();
-    for r in &args.rename {
-        let (re, rep) = r
-            .split_once('=')
-            .ok_or_else(|| Error::Usage(format!("--rename '{r}' must be REGEX=REPLACEMENT")))?;
-        let re = regex::Regex::new(re).map_err(|e| {
-            Error::Usage(format!("--rename '{r}': invalid regular expression: {e}"))
-        })?;
-        renames.push((re, rep.to_string()));
-    }
-    let dtype = match args.dtype {
-        DtypeArg::Auto => DtypeChoice::Auto,
-        DtypeArg::Float16 => DtypeChoice::Fixed(DType::F16),
-        DtypeArg::Bfloat16 => DtypeChoice::Fixed(DType::BF16),
-        DtypeArg::Float32 => DtypeChoice::Fixed(DType::F32),
-    };
     let opts = MergeOptions {
         checkpoint: args.checkpoint,
         base: args.base,
         output: args.output,
         open: OpenOptions { key: args.key },
-        plan: PlanOptions {
-            dtype,
-            strict: args.strict,
-            renames,
-            max_shard_size,
-        },
+        plan: plan_options(args.dtype, &args.max_shard_size, args.strict, &args.rename)?,
         force: args.force,
         allow_overflow: args.allow_overflow,
+        verify: args.verify,
+        fail_on_nonfinite: args.fail_on_nonfinite,
     };
     let progress = output::Bar::new(!args.quiet && std::io::stderr().is_terminal());
     let outcome = merge::merge(&opts, &progress)?;
@@ -175,4 +172,42 @@ fn run_merge(args: MergeArgs) -> anyhow::Result<()> {
         err.flush()?;
     }
     Ok(())
+}
+
+/// The options that shape a plan, shared by `merge` and `verify`.
+fn plan_options(
+    dtype: DtypeArg,
+    max_shard_size: &str,
+    strict: bool,
+    rename: &[String],
+) -> Result<PlanOptions, Error> {
+    let max_shard_size = merge::parse_size(max_shard_size)
+        .filter(|&s| s > 0)
+        .ok_or_else(|| {
+            Error::Usage(format!(
+                "--max-shard-size '{max_shard_size}' is not a size (examples: 5GB, 500MB, 2GiB)"
+            ))
+        })?;
+    let mut renames = Vec::new();
+    for r in rename {
+        let (re, rep) = r
+            .split_once('=')
+            .ok_or_else(|| Error::Usage(format!("--rename '{r}' must be REGEX=REPLACEMENT")))?;
+        let re = regex::Regex::new(re).map_err(|e| {
+            Error::Usage(format!("--rename '{r}': invalid regular expression: {e}"))
+        })?;
+        renames.push((re, rep.to_string()));
+    }
+    let dtype = match dtype {
+        DtypeArg::Auto => DtypeChoice::Auto,
+        DtypeArg::Float16 => DtypeChoice::Fixed(DType::F16),
+        DtypeArg::Bfloat16 => DtypeChoice::Fixed(DType::BF16),
+        DtypeArg::Float32 => DtypeChoice::Fixed(DType::F32),
+    };
+    Ok(PlanOptions {
+        dtype,
+        strict,
+        renames,
+        max_shard_size,
+    })
 }

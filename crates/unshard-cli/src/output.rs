@@ -156,6 +156,9 @@ pub fn print_merge_summary(
     for x in &r.warnings {
         writeln!(w, "warning: {x}")?;
     }
+    if let Some(v) = &o.verified {
+        writeln!(w, "verified: {}", v.summary())?;
+    }
     for c in &o.write.cleaned {
         writeln!(
             w,

@@ -113,6 +113,10 @@ pub enum Error {
     /// The operation was interrupted (Ctrl-C or a signal).
     #[error("interrupted")]
     Interrupted,
+
+    /// A check on the output failed (`--verify`, `--fail-on-nonfinite`).
+    #[error("{msg}")]
+    Check { msg: String, hint: Option<String> },
 }
 
 impl Error {
@@ -161,6 +165,7 @@ impl Error {
             | Error::Incomplete { hint, .. }
             | Error::NoTensors { hint, .. }
             | Error::Plan { hint, .. }
+            | Error::Check { hint, .. }
             | Error::Output { hint, .. } => hint.clone(),
             Error::KeyNotFound { available, .. } if !available.is_empty() => Some(format!(
                 "keys at that level: {}",

@@ -10,13 +10,18 @@
 //! - [`write`]: the engine. Streams pieces from inputs to output shards, converting
 //!   dtypes on the way, into a staging directory that is renamed into place.
 //! - [`dtype`]: element types and conversion kernels bit-identical to torch.
+//! - [`verify`]: proof that an output holds the checkpoint's values; [`diff`] and
+//!   [`stats`] compare and summarise tensors of any input.
 
+pub mod diff;
 pub mod dtype;
 pub mod error;
 pub mod merge;
 pub mod plan;
 pub mod report;
 pub mod source;
+pub mod stats;
+pub mod verify;
 pub mod write;
 
 pub use dtype::DType;

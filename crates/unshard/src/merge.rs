@@ -6,6 +6,7 @@ use std::time::{Duration, Instant};
 use crate::plan::{self, BaseView, Plan, PlanOptions};
 use crate::source::hf_dir::HfDir;
 use crate::source::{self, Checkpoint, OpenOptions};
+use crate::verify::{self, VerifyReport};
 use crate::write::{self, Inputs, Progress, WriteOptions, WriteSummary};
 use crate::{Error, Result};
 
@@ -19,6 +20,10 @@ pub struct MergeOptions {
     pub plan: PlanOptions,
     pub force: bool,
     pub allow_overflow: bool,
+    /// Read the written output back and verify it before moving it into place.
+    pub verify: bool,
+    /// NaN or inf in the output is an error instead of a warning.
+    pub fail_on_nonfinite: bool,
 }
 
 /// What a merge did.
@@ -31,6 +36,8 @@ pub struct MergeOutcome {
     pub checkpoint_notes: Vec<String>,
     /// Where the config came from, if not from `--base`.
     pub config_from: Option<PathBuf>,
+    /// What `--verify` found (always a pass: a failure is an error).
+    pub verified: Option<VerifyReport>,
     pub elapsed: Duration,
 }
 
@@ -98,7 +105,7 @@ pub fn merge(opts: &MergeOptions, progress: &dyn Progress) -> Result<MergeOutcom
     };
     // Output problems are cheap to find: report them before reading anything.
     let cleaned = write::check_output(&opts.output, &wopts)?;
-    let (ckpt, base, plan) = prepare(opts)?;
+    let (ckpt, base, mut plan) = prepare(opts)?;
     let wopts = WriteOptions {
         extra_files: base
             .as_ref()
@@ -111,8 +118,26 @@ pub fn merge(opts: &MergeOptions, progress: &dyn Progress) -> Result<MergeOutcom
         checkpoint: &ckpt,
         base: base.as_ref().and_then(|b| b.weights.as_ref()),
     };
+    if let Some(n) = verify::unchanged_from_base(&plan, inputs)? {
+        plan.report.warnings.push(format!(
+            "all {n} checkpoint tensor(s) equal the base's after conversion: the output is the base model again (an adapter-only export, or a checkpoint saved before training changed anything?)"
+        ));
+    }
     let mut summary = write::write_into(&plan, inputs, &staging.path, &wopts, progress)?;
     summary.cleaned = cleaned;
+    if opts.fail_on_nonfinite {
+        verify::check_finite(&plan, &summary.stats)?;
+    }
+    let verified = if opts.verify {
+        verify::drop_cached(&staging.path, &plan);
+        let report = verify::verify_dir(&staging.path, &plan, inputs, &write::NoProgress)?;
+        if !report.is_ok() {
+            return Err(report.to_error());
+        }
+        Some(report)
+    } else {
+        None
+    };
     write::commit(staging, &opts.output)?;
     let config_from = match (&opts.base, &base) {
         (None, Some(b)) => Some(b.dir.path.clone()),
@@ -125,6 +150,7 @@ pub fn merge(opts: &MergeOptions, progress: &dyn Progress) -> Result<MergeOutcom
         checkpoint_key: ckpt.key.clone(),
         checkpoint_notes: ckpt.notes.clone(),
         config_from,
+        verified,
         elapsed: started.elapsed(),
     })
 }

@@ -1,0 +1,209 @@
+//! `unshard diff`: compare two checkpoints or model directories tensor by tensor.
+
+use std::io::{IsTerminal, Write};
+use std::path::PathBuf;
+
+use unshard::diff::{self, DiffReport, TensorDiff};
+use unshard::report::list_some;
+use unshard::source::{self, Checkpoint, OpenOptions};
+
+use crate::output;
+
+/// Prints the tensors that differ (dtypes, shapes, how many elements differ, the
+/// largest absolute difference and the relative L2 difference ‖A−B‖/‖B‖, with B as
+/// the reference) and the names found on one side only. Values compare as numbers,
+/// so tensors of different dtypes compare by value; NaN matches NaN. Names are
+/// compared after stripping FSDP/DDP/torch.compile wrapper prefixes.
+///
+/// Exits 0 when A and B hold the same names, dtypes, shapes and values, 1 otherwise.
+#[derive(clap::Args, Debug)]
+pub struct DiffArgs {
+    /// A checkpoint, safetensors file or model directory.
+    a: PathBuf,
+
+    /// Another one: the reference for relative differences.
+    b: PathBuf,
+
+    /// List every tensor present on both sides, not only those that differ.
+    #[arg(long)]
+    all: bool,
+
+    /// No progress bar.
+    #[arg(long, short)]
+    quiet: bool,
+}
+
+/// Returns whether the two inputs are identical.
+pub fn run(args: DiffArgs) -> anyhow::Result<bool> {
+    let a = source::open(&args.a, &OpenOptions::default())?;
+    let b = source::open(&args.b, &OpenOptions::default())?;
+    let progress = output::Bar::new(!args.quiet && std::io::stderr().is_terminal());
+    let report = diff::diff(&a, &b, &progress)?;
+    let mut out = std::io::stdout().lock();
+    print_report(&mut out, &a, &b, &report, args.all)?;
+    out.flush()?;
+    Ok(report.identical())
+}
+
+fn describe(c: &Checkpoint) -> String {
+    format!(
+        "{} ({}, {} tensors)",
+        c.path.display(),
+        c.format,
+        c.tensors.len()
+    )
+}
+
+fn print_report(
+    w: &mut dyn Write,
+    a: &Checkpoint,
+    b: &Checkpoint,
+    r: &DiffReport,
+    all: bool,
+) -> std::io::Result<()> {
+    writeln!(w, "A: {}", describe(a))?;
+    writeln!(w, "B: {}", describe(b))?;
+    let shown: Vec<&TensorDiff> = r.tensors.iter().filter(|t| all || !t.identical()).collect();
+    if !shown.is_empty() {
+        let rows: Vec<[String; 6]> = shown.iter().map(|t| row(t)).collect();
+        let header = [
+            "name",
+            "dtype A/B",
+            "shape",
+            "differing",
+            "max abs diff",
+            "rel L2",
+        ]
+        .map(String::from);
+        let mut widths = header.clone().map(|h| h.len());
+        for r in &rows {
+            for (w, c) in widths.iter_mut().zip(r) {
+                *w = (*w).max(c.len());
+            }
+        }
+        widths[0] = widths[0].min(72);
+        for r in std::iter::once(&header).chain(&rows) {
+            writeln!(
+                w,
+                "  {:w0$}  {:w1$}  {:w2$}  {:>w3$}  {:>w4$}  {:>w5$}",
+                r[0],
+                r[1],
+                r[2],
+                r[3],
+                r[4],
+                r[5],
+                w0 = widths[0],
+                w1 = widths[1],
+                w2 = widths[2],
+                w3 = widths[3],
+                w4 = widths[4],
+                w5 = widths[5]
+            )?;
+        }
+    }
+    if !r.only_a.is_empty() {
+        writeln!(
+            w,
+            "only in A ({}): {}",
+            r.only_a.len(),
+            list_some(&r.only_a, 8)
+        )?;
+    }
+    if !r.only_b.is_empty() {
+        writeln!(
+            w,
+            "only in B ({}): {}",
+            r.only_b.len(),
+            list_some(&r.only_b, 8)
+        )?;
+    }
+    if r.renamed.0 + r.renamed.1 > 0 {
+        writeln!(
+            w,
+            "note: names compared without wrapper prefixes ({} in A, {} in B)",
+            r.renamed.0, r.renamed.1
+        )?;
+    }
+    let same = r.tensors.iter().filter(|t| t.identical()).count();
+    let mut line = format!("{} of {} common tensor(s) identical", same, r.tensors.len());
+    let worst = |key: fn(&diff::ValueDiff) -> f64| {
+        r.tensors
+            .iter()
+            .filter_map(|t| t.values.map(|v| (key(&v), t)))
+            .filter(|(x, _)| *x > 0.0)
+            .max_by(|x, y| x.0.total_cmp(&y.0))
+    };
+    if let Some((m, t)) = worst(|v| v.max_abs) {
+        line.push_str(&format!(
+            "; largest max abs diff {} in '{}'",
+            num(m),
+            t.name
+        ));
+    }
+    if let Some((m, t)) = worst(|v| v.rel_l2) {
+        line.push_str(&format!("; largest rel L2 {} in '{}'", num(m), t.name));
+    }
+    writeln!(w, "{line}")?;
+    writeln!(
+        w,
+        "{}",
+        if r.identical() {
+            "A and B are identical"
+        } else {
+            "A and B differ"
+        }
+    )
+}
+
+fn row(t: &TensorDiff) -> [String; 6] {
+    let dtypes = if t.dtype_a == t.dtype_b {
+        t.dtype_a.safetensors_name().to_string()
+    } else {
+        format!(
+            "{}/{}",
+            t.dtype_a.safetensors_name(),
+            t.dtype_b.safetensors_name()
+        )
+    };
+    let shape = if t.shape_a == t.shape_b {
+        format!("{:?}", t.shape_a)
+    } else {
+        format!("{:?}/{:?}", t.shape_a, t.shape_b)
+    };
+    match t.values {
+        Some(v) => {
+            let mut differing = v.differing.to_string();
+            if v.nan_mismatch > 0 {
+                differing.push_str(&format!(" ({} NaN)", v.nan_mismatch));
+            }
+            [
+                t.name.clone(),
+                dtypes,
+                shape,
+                differing,
+                num(v.max_abs),
+                num(v.rel_l2),
+            ]
+        }
+        None => [
+            t.name.clone(),
+            dtypes,
+            shape,
+            "shapes differ".into(),
+            "-".into(),
+            "-".into(),
+        ],
+    }
+}
+
+fn num(v: f64) -> String {
+    let a = v.abs();
+    if v.is_nan() || v.is_infinite() || a == 0.0 || (1e-3..1e6).contains(&a) {
+        format!("{v:.6}")
+            .trim_end_matches('0')
+            .trim_end_matches('.')
+            .to_string()
+    } else {
+        format!("{v:.3e}")
+    }
+}
