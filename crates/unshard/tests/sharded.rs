@@ -167,6 +167,29 @@ fn every_sharded_case_merges_to_what_transformers_writes() {
     }
 }
 
+#[test]
+fn a_verl_directory_merges_without_base_using_its_huggingface_config() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("out");
+    let opts = MergeOptions {
+        checkpoint: sharded("llama_w3_ranks"),
+        output: out.clone(),
+        ..MergeOptions::default()
+    };
+    let outcome = merge::merge(&opts, &NoProgress).unwrap();
+    assert!(outcome.config_from.is_some());
+    // The huggingface/ directory is llama-bf16's config and tokenizer: the result is
+    // the same as merging onto that base.
+    let expected = fixtures().join("expected/llama_policy_into_llama-bf16");
+    assert_eq!(files_of(&out), files_of(&expected));
+    for f in files_of(&expected) {
+        assert!(
+            std::fs::read(out.join(&f)).unwrap() == std::fs::read(expected.join(&f)).unwrap(),
+            "{f} differs"
+        );
+    }
+}
+
 /// Runs a merge that must fail, checks that it left nothing behind, and returns
 /// the error.
 fn failing_merge(case: &serde_json::Value) -> Error {

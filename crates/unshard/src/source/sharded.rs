@@ -17,7 +17,7 @@
 //! are kept once, from the lowest rank. The engine assembles them; this module only
 //! describes, then checks that the boxes tile each tensor exactly.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -539,6 +539,7 @@ fn dtensor(set: &RankSet, ranks: &[RankFile], name: &str, leaves: &[Leaf]) -> Re
     };
 
     let mut pieces: Vec<Piece> = Vec::new();
+    let mut boxes: HashSet<(Vec<u64>, Vec<u64>)> = HashSet::new();
     for (r, ((local, rank), coord)) in locals.iter().zip(ranks).zip(&coords).enumerate() {
         let (box_shape, offset) = shard_box(&shape, &placements, &mesh_shape, coord)
             .map_err(|m| Error::bad_tensor(&rank.path, name, m))?;
@@ -566,10 +567,7 @@ fn dtensor(set: &RankSet, ranks: &[RankFile], name: &str, leaves: &[Leaf]) -> Re
             ));
         }
         // Replicas hold the same box: keep the lowest rank's.
-        if pieces
-            .iter()
-            .any(|p| p.global_offset == offset && p.shape == box_shape)
-        {
+        if !boxes.insert((offset.clone(), box_shape)) {
             continue;
         }
         pieces.push(rank.payload.piece(r, name, &local.local, offset)?);
@@ -784,6 +782,7 @@ fn sharded_tensor(
     leaves: &[Leaf],
 ) -> Result<TensorSource> {
     let mut pieces: Vec<Piece> = Vec::new();
+    let mut boxes: HashSet<(Vec<u64>, Vec<u64>)> = HashSet::new();
     let mut global: Option<&SubclassRef> = None;
     for (r, (rank, leaf)) in ranks.iter().zip(leaves).enumerate() {
         let p = &rank.payload.pickle;
@@ -845,10 +844,7 @@ fn sharded_tensor(
                     t.shape
                 )));
             }
-            if pieces
-                .iter()
-                .any(|q| q.global_offset == offsets && q.shape == sizes)
-            {
+            if !boxes.insert((offsets.clone(), sizes)) {
                 continue;
             }
             pieces.push(rank.payload.piece(r, name, &t, offsets)?);
