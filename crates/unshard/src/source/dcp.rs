@@ -364,7 +364,7 @@ fn select<'a>(dir: &Path, md: &'a Metadata, key: Option<&str>) -> Result<Selecti
             groups.push(g);
         }
     }
-    let chosen: Option<&str> = match key {
+    let chosen = match key {
         Some(k) if !k.is_empty() => {
             let prefix = format!("{k}.");
             if !md
@@ -380,49 +380,7 @@ fn select<'a>(dir: &Path, md: &'a Metadata, key: Option<&str>) -> Result<Selecti
             }
             Some(k)
         }
-        _ => {
-            let model: Vec<Option<&str>> = groups
-                .iter()
-                .copied()
-                .filter(|g| !g.is_some_and(is_optimizer_group))
-                .collect();
-            if model.contains(&None) {
-                None
-            } else if model.len() == 1 {
-                model[0]
-            } else if let Some(w) = torch::WRAPPER_KEYS
-                .iter()
-                .find(|w| model.contains(&Some(**w)))
-            {
-                Some(*w)
-            } else if model.is_empty() {
-                let what = if groups.is_empty() {
-                    "no tensors at all".to_string()
-                } else {
-                    format!(
-                        "only optimizer state under '{}'",
-                        groups
-                            .iter()
-                            .flatten()
-                            .copied()
-                            .collect::<Vec<_>>()
-                            .join("', '")
-                    )
-                };
-                return Err(Error::NoTensors {
-                    path: dir.to_path_buf(),
-                    at: None,
-                    hint: Some(format!(
-                        "no model tensors: the checkpoint holds {what}; the model weights are saved in a sibling directory (accelerate: pytorch_model_fsdp_0)"
-                    )),
-                });
-            } else {
-                return Err(Error::AmbiguousTensors {
-                    path: dir.to_path_buf(),
-                    candidates: model.iter().flatten().map(|g| g.to_string()).collect(),
-                });
-            }
-        }
+        _ => model_group(dir, &groups)?,
     };
     let prefix = chosen.map(|k| format!("{k}.")).unwrap_or_default();
     let mut tensors = Vec::new();
@@ -471,6 +429,48 @@ fn select<'a>(dir: &Path, md: &'a Metadata, key: Option<&str>) -> Result<Selecti
         tensors,
         extras,
         notes,
+    })
+}
+
+/// The group the model was saved under (`None` = the top level), among the groups
+/// holding tensors: optimizer state never, the top level first, else the only
+/// remaining group, else the first usual wrapper key.
+fn model_group<'g>(dir: &Path, groups: &[Option<&'g str>]) -> Result<Option<&'g str>> {
+    let model: Vec<Option<&str>> = groups
+        .iter()
+        .copied()
+        .filter(|g| !g.is_some_and(is_optimizer_group))
+        .collect();
+    if model.contains(&None) {
+        return Ok(None);
+    }
+    if let [only] = model.as_slice() {
+        return Ok(*only);
+    }
+    if let Some(w) = torch::WRAPPER_KEYS
+        .iter()
+        .find(|w| model.contains(&Some(**w)))
+    {
+        return Ok(Some(*w));
+    }
+    if !model.is_empty() {
+        return Err(Error::AmbiguousTensors {
+            path: dir.to_path_buf(),
+            candidates: model.iter().flatten().map(|g| g.to_string()).collect(),
+        });
+    }
+    let what = if groups.is_empty() {
+        "no tensors at all".to_string()
+    } else {
+        let names: Vec<&str> = groups.iter().flatten().copied().collect();
+        format!("only optimizer state under '{}'", names.join("', '"))
+    };
+    Err(Error::NoTensors {
+        path: dir.to_path_buf(),
+        at: None,
+        hint: Some(format!(
+            "no model tensors: the checkpoint holds {what}; the model weights are saved in a sibling directory (accelerate: pytorch_model_fsdp_0)"
+        )),
     })
 }
 

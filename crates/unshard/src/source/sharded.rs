@@ -448,7 +448,7 @@ struct DtLocal {
 
 fn dtensor(set: &RankSet, ranks: &[RankFile], name: &str, leaves: &[Leaf]) -> Result<TensorSource> {
     let mut locals = Vec::with_capacity(ranks.len());
-    let mut global: Option<(&SubclassRef, &Path)> = None;
+    let mut global: Option<&SubclassRef> = None;
     for (rank, leaf) in ranks.iter().zip(leaves) {
         let s = match leaf {
             Leaf::Subclass(s) if s.class == "DTensor" => s,
@@ -461,14 +461,14 @@ fn dtensor(set: &RankSet, ranks: &[RankFile], name: &str, leaves: &[Leaf]) -> Re
             }
         };
         match global {
-            None => global = Some((s, &rank.path)),
-            Some((g, _)) if g.shape != s.shape || g.dtype != s.dtype => {
+            None => global = Some(s),
+            Some(g) if g.shape != s.shape || g.dtype != s.dtype => {
                 return Err(Error::bad_tensor(
                     &rank.path,
                     name,
                     format!(
-                        "global shape {:?} here but {:?} in rank 0's file",
-                        s.shape, g.shape
+                        "global {:?} {:?} here but {:?} {:?} in rank 0's file",
+                        s.dtype, s.shape, g.dtype, g.shape
                     ),
                 ))
             }
@@ -476,7 +476,7 @@ fn dtensor(set: &RankSet, ranks: &[RankFile], name: &str, leaves: &[Leaf]) -> Re
         }
         locals.push(dtensor_local(&rank.payload.pickle, s, &rank.path, name)?);
     }
-    let (Some((g, _)), Some(l0)) = (global, locals.first()) else {
+    let (Some(g), Some(l0)) = (global, locals.first()) else {
         return Err(Error::bad_tensor(&set.dir, name, "no rank holds it"));
     };
     let dtype = g
@@ -494,44 +494,14 @@ fn dtensor(set: &RankSet, ranks: &[RankFile], name: &str, leaves: &[Leaf]) -> Re
     }
 
     // Mesh coordinates, then the mesh shape (recorded, else the largest coordinate).
-    let mut coords = Vec::with_capacity(n);
-    for (r, (local, rank)) in locals.iter().zip(ranks).enumerate() {
-        if local.placements != placements {
-            return Err(Error::bad_tensor(
-                &rank.path,
-                name,
-                "its placements differ from rank 0's",
-            ));
-        }
-        let coord = match &local.coord {
-            Some(c) => c.clone(),
-            None => derive_coord(local, r as u64).ok_or_else(|| {
-                Error::bad_tensor(
-                    &rank.path,
-                    name,
-                    "the DTensor's mesh does not record this rank's coordinate",
-                )
-            })?,
-        };
-        if coord.len() != ndim_mesh {
-            return Err(Error::bad_tensor(
-                &rank.path,
-                name,
-                format!(
-                    "mesh coordinate {coord:?} does not match {} placement(s)",
-                    ndim_mesh
-                ),
-            ));
-        }
-        coords.push(coord);
-    }
+    let coords = coordinates(ranks, &locals, &placements, name)?;
     let mesh_shape = match &l0.mesh_shape {
         Some(m) if m.len() == ndim_mesh => m.clone(),
         _ => (0..ndim_mesh)
             .map(|i| {
                 coords
                     .iter()
-                    .map(|c| c[i].saturating_add(1))
+                    .filter_map(|c| c.get(i)?.checked_add(1))
                     .max()
                     .unwrap_or(1)
             })
@@ -566,8 +536,8 @@ fn dtensor(set: &RankSet, ranks: &[RankFile], name: &str, leaves: &[Leaf]) -> Re
                 ),
             ));
         }
-        // Replicas hold the same box: keep the lowest rank's.
-        if !boxes.insert((offset.clone(), box_shape)) {
+        // Replicas hold the same box: keep the lowest rank's. Empty shards hold nothing.
+        if box_shape.contains(&0) || !boxes.insert((offset.clone(), box_shape)) {
             continue;
         }
         pieces.push(rank.payload.piece(r, name, &local.local, offset)?);
@@ -586,6 +556,41 @@ fn dtensor(set: &RankSet, ranks: &[RankFile], name: &str, leaves: &[Leaf]) -> Re
         storage: None,
         layout: Some(layout),
     })
+}
+
+/// Each rank's mesh coordinate, checked against the placements (which every rank
+/// must share).
+fn coordinates(
+    ranks: &[RankFile],
+    locals: &[DtLocal],
+    placements: &[Placement],
+    name: &str,
+) -> Result<Vec<Vec<u64>>> {
+    let mut coords = Vec::with_capacity(locals.len());
+    for (r, (local, rank)) in locals.iter().zip(ranks).enumerate() {
+        let bad = |m: String| Error::bad_tensor(&rank.path, name, m);
+        if local.placements != placements {
+            return Err(bad(format!(
+                "placements {} here but {} in rank 0's file",
+                placements_text(&local.placements),
+                placements_text(placements)
+            )));
+        }
+        let coord = match &local.coord {
+            Some(c) => c.clone(),
+            None => derive_coord(local, r as u64).ok_or_else(|| {
+                bad("the DTensor's mesh does not record this rank's coordinate".into())
+            })?,
+        };
+        if coord.len() != placements.len() {
+            return Err(bad(format!(
+                "mesh coordinate {coord:?} does not match {} placement(s)",
+                placements.len()
+            )));
+        }
+        coords.push(coord);
+    }
+    Ok(coords)
 }
 
 fn placements_text(p: &[Placement]) -> String {
@@ -844,7 +849,7 @@ fn sharded_tensor(
                     t.shape
                 )));
             }
-            if !boxes.insert((offsets.clone(), sizes)) {
+            if sizes.contains(&0) || !boxes.insert((offsets.clone(), sizes)) {
                 continue;
             }
             pieces.push(rank.payload.piece(r, name, &t, offsets)?);
