@@ -365,6 +365,17 @@ fn any_set_of_rank_files_merges_and_a_missing_one_is_named() {
     let e = open(&dir).unwrap_err();
     assert!(matches!(e, Error::Incomplete { .. }), "{e:?}");
     assert!(e.to_string().contains("policy_rank1.pt"), "{e}");
+
+    // ShardedTensors say which rank holds each shard.
+    let fsdp1 = tmp.path().join("fsdp1");
+    copy_dir(&sharded("fsdp1_sharded_w2_ranks"), &fsdp1, |f| {
+        f.strip_prefix("model_world_size_2_")
+            .filter(|r| *r == "rank_0.pt")
+            .map(|r| format!("shard_{r}"))
+    });
+    let e = open(&fsdp1).unwrap_err();
+    assert!(matches!(e, Error::Incomplete { .. }), "{e:?}");
+    assert!(e.to_string().contains("shard_rank_1.pt"), "{e}");
 }
 
 #[test]

@@ -242,6 +242,18 @@ fn check_complete(set: &RankSet) -> Result<usize> {
     Ok(n)
 }
 
+/// The files hold ranks `0..present`; a tensor says it lives on `needed` ranks.
+/// Rank `present` is then the first missing one.
+fn check_ranks_present(set: &RankSet, present: usize, needed: &[u64]) -> Result<()> {
+    match needed.iter().max() {
+        Some(&max) if max >= present as u64 => {
+            let world = usize::try_from(max).unwrap_or(usize::MAX).saturating_add(1);
+            Err(missing_rank(set, present, world))
+        }
+        _ => Ok(()),
+    }
+}
+
 fn missing_rank(set: &RankSet, r: usize, n: usize) -> Error {
     Error::Incomplete {
         path: set.dir.join(set.name_of(r)),
@@ -488,10 +500,7 @@ fn dtensor(set: &RankSet, ranks: &[RankFile], name: &str, leaves: &[Leaf]) -> Re
 
     // Every rank the mesh names must have its file.
     let n = ranks.len();
-    if let Some(&r) = l0.mesh_ranks.iter().find(|&&r| r >= n as u64) {
-        let r = usize::try_from(r).unwrap_or(usize::MAX);
-        return Err(missing_rank(set, r, r.saturating_add(1)));
-    }
+    check_ranks_present(set, n, &l0.mesh_ranks)?;
 
     // Mesh coordinates, then the mesh shape (recorded, else the largest coordinate).
     let coords = coordinates(ranks, &locals, &placements, name)?;
@@ -816,12 +825,7 @@ fn sharded_tensor(
             .ok_or_else(|| bad("the ShardedTensor has no state".into()))?;
         // Shards the metadata places on ranks whose file is absent.
         if let Some(meta) = parts.get(1) {
-            for owner in shard_owners(p, *meta) {
-                if owner >= ranks.len() as u64 {
-                    let o = usize::try_from(owner).unwrap_or(usize::MAX);
-                    return Err(missing_rank(set, o, o.saturating_add(1)));
-                }
-            }
+            check_ranks_present(set, ranks.len(), &shard_owners(p, *meta))?;
         }
         let locals = parts
             .first()
