@@ -379,6 +379,28 @@ fn any_set_of_rank_files_merges_and_a_missing_one_is_named() {
 }
 
 #[test]
+fn zero_padded_rank_numbers_are_read_and_missing_ones_named_alike() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("ckpt");
+    copy_dir(&sharded("llama_w3_ranks"), &dir, |f| {
+        f.strip_prefix("model_world_size_3_rank_")
+            .and_then(|r| r.strip_suffix(".pt"))
+            .map(|r| format!("part_rank_{:03}.pt", r.parse::<u32>().unwrap()))
+    });
+    assert_eq!(contents(&open(&dir).unwrap()), full_state("llama"));
+
+    std::fs::remove_file(dir.join("part_rank_002.pt")).unwrap();
+    let e = open(&dir).unwrap_err();
+    assert!(e.to_string().contains("part_rank_002.pt"), "{e}");
+
+    // A gap in the middle is found from the names alone.
+    std::fs::rename(dir.join("part_rank_001.pt"), dir.join("part_rank_002.pt")).unwrap();
+    let e = open(&dir).unwrap_err();
+    assert!(matches!(e, Error::Incomplete { .. }), "{e:?}");
+    assert!(e.to_string().contains("part_rank_001.pt"), "{e}");
+}
+
+#[test]
 fn a_rank_file_from_another_run_is_named() {
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path().join("ckpt");

@@ -42,6 +42,8 @@ pub struct RankSet {
     pub suffix: String,
     /// `(rank, file name)`, sorted by rank.
     pub ranks: Vec<(usize, String)>,
+    /// Width of zero-padded rank numbers (`rank_003`), 0 when not padded.
+    pub pad: usize,
     /// The world size the names state (`model_world_size_N_rank_R.pt`).
     pub world_size: Option<usize>,
     /// Other per-rank sets in the directory that are not model weights.
@@ -51,7 +53,7 @@ pub struct RankSet {
 impl RankSet {
     /// The file name rank `r` has (or would have).
     pub fn name_of(&self, r: usize) -> String {
-        format!("{}{r}{}", self.prefix, self.suffix)
+        format!("{}{r:0w$}{}", self.prefix, self.suffix, w = self.pad)
     }
 
     fn pattern(&self) -> String {
@@ -149,6 +151,16 @@ pub fn find_rank_files(dir: &Path) -> Result<Option<RankSet>> {
             ));
         }
     }
+    let pad = ranks
+        .iter()
+        .filter_map(|(_, n)| {
+            let digits = n
+                .strip_prefix(prefix.as_str())?
+                .strip_suffix(suffix.as_str())?;
+            (digits.len() > 1 && digits.starts_with('0')).then_some(digits.len())
+        })
+        .max()
+        .unwrap_or(0);
     let world_size = Regex::new(r"world_size_(\d+)")
         .ok()
         .and_then(|r| r.captures(&prefix))
@@ -159,6 +171,7 @@ pub fn find_rank_files(dir: &Path) -> Result<Option<RankSet>> {
         prefix,
         suffix,
         ranks,
+        pad,
         world_size,
         skipped,
     }))
@@ -178,8 +191,8 @@ pub fn open(set: &RankSet, opts: &OpenOptions) -> Result<Checkpoint> {
     let n = check_complete(set)?;
     let mut files = Vec::with_capacity(n);
     let mut ranks = Vec::with_capacity(n);
-    for r in 0..n {
-        let path = set.dir.join(set.name_of(r));
+    for (_, name) in &set.ranks {
+        let path = set.dir.join(name);
         let blob = Arc::new(Blob::open(&path)?);
         let payload = read_payload(&path, &blob)?;
         let found = torch::find_tensors(&payload.pickle, &path, opts.key.as_deref())?;
@@ -234,10 +247,17 @@ fn check_complete(set: &RankSet) -> Result<usize> {
             format!("this is rank {r}, but the file names give a world size of {n}"),
         ));
     }
-    for r in 0..n {
-        if !set.ranks.iter().any(|(x, _)| *x == r) {
-            return Err(missing_rank(set, r, n));
-        }
+    // Ranks are sorted and distinct: the first position that does not hold its own
+    // rank number is the first missing rank.
+    let missing = set
+        .ranks
+        .iter()
+        .enumerate()
+        .find(|(i, (r, _))| i != r)
+        .map(|(i, _)| i)
+        .unwrap_or(set.ranks.len());
+    if missing < n {
+        return Err(missing_rank(set, missing, n));
     }
     Ok(n)
 }
