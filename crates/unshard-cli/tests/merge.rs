@@ -443,3 +443,27 @@ fn broken_inputs_give_one_line_errors_naming_the_file() {
         }
     }
 }
+
+#[test]
+fn a_single_rank_file_is_refused_with_a_pointer_to_the_directory() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("out");
+    let o = unshard(
+        &[
+            "merge",
+            "sharded/llama_w2_ranks/model_world_size_2_rank_0.pt",
+            "--base",
+            "models/llama-bf16",
+            "-o",
+            out.to_str().unwrap(),
+        ],
+        &fixtures(),
+    );
+    let err = stderr(&o);
+    assert_eq!(o.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("one rank's shard") && err.contains("hint: pass the directory"),
+        "{err}"
+    );
+    assert_left_nothing(tmp.path());
+}

@@ -81,6 +81,22 @@ impl Base {
 /// Opens the checkpoint and the base and plans the merge, writing nothing.
 pub fn prepare(opts: &MergeOptions) -> Result<(Checkpoint, Option<Base>, Plan)> {
     let ckpt = source::open(&opts.checkpoint, &opts.open)?;
+    let local = ckpt.tensors.iter().find(|t| {
+        t.layout
+            .as_deref()
+            .is_some_and(|l| l.contains(source::torch::LOCAL_SHARD))
+    });
+    if let Some(t) = local {
+        return Err(Error::plan(
+            format!(
+                "{} holds one rank's shard of distributed tensors (e.g. '{}', local shape {:?}), not the whole model",
+                opts.checkpoint.display(),
+                t.name,
+                t.shape
+            ),
+            Some("pass the directory that holds every rank's file; unshard reassembles them".into()),
+        ));
+    }
     let base = match &opts.base {
         Some(b) => Some(Base::open(b)?),
         None => source::config_dir_for(&opts.checkpoint)

@@ -555,6 +555,10 @@ pub struct Found {
     pub extras: Vec<Extra>,
 }
 
+/// How `inspect` describes one rank's local shard of a distributed tensor read from
+/// a single file; merging such a file alone is refused.
+pub const LOCAL_SHARD: &str = "local shard of global shape";
+
 /// Keys under which trainers nest the state dict, in the order they are tried.
 pub const WRAPPER_KEYS: &[&str] = &["state", "state_dict", "model", "module", "model_state_dict"];
 
@@ -791,10 +795,7 @@ pub fn plain_sources(
                 match local {
                     Some(t) => {
                         let mut src = payload.source(file, name, &t)?;
-                        src.layout = Some(format!(
-                            "{} local shard of global shape {:?}",
-                            s.class, s.shape
-                        ));
+                        src.layout = Some(format!("{} {LOCAL_SHARD} {:?}", s.class, s.shape));
                         out.push(src);
                     }
                     None => {
