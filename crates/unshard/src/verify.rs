@@ -28,6 +28,8 @@
 
 use std::collections::{HashMap, HashSet};
 use std::fmt;
+use std::fs::File;
+use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -287,7 +289,8 @@ pub fn verify_dir(
         ));
     }
 
-    // Content, window by window, in parallel.
+    // Content, window by window, in parallel, in file order so that reading streams.
+    checks.sort_by_key(|(_, loc)| (loc.shard, loc.offset));
     let mut items: Vec<(usize, u64, u64)> = Vec::new();
     for (ci, &(ti, _)) in checks.iter().enumerate() {
         let t = &plan.tensors[ti];
@@ -308,8 +311,8 @@ pub fn verify_dir(
     let results: Vec<(usize, Window)> = items
         .par_iter()
         .map_init(
-            || (Vec::new(), Vec::new(), Vec::new()),
-            |(expected, found, scratch), &(ci, e0, e1)| {
+            || (Vec::new(), Vec::new(), GatherBufs::default()),
+            |(expected, found, bufs), &(ci, e0, e1)| {
                 if INTERRUPTED.load(Ordering::Relaxed) {
                     return Err(Error::Interrupted);
                 }
@@ -325,13 +328,15 @@ pub fn verify_dir(
                     e0,
                     e1,
                     expected,
-                    scratch,
+                    bufs,
                 )?;
                 found.resize(len, 0);
-                let window = match &written.shards[loc.shard].blob {
-                    Some(blob) => match blob.read_at(loc.offset + e0 * size, found) {
+                let window = match &written.shards[loc.shard].file {
+                    Some(file) => match read_output(file, loc.offset + e0 * size, found) {
                         Ok(()) => Window::Compared(compare(expected, found, t.dtype, e0)),
-                        Err(e) => Window::Unreadable(e.to_string()),
+                        Err(e) => Window::Unreadable(format!(
+                            "cannot read its data (the file changed during the check?): {e}"
+                        )),
                     },
                     None => Window::Unreadable("the shard could not be read".into()),
                 };
@@ -352,7 +357,11 @@ pub fn verify_dir(
     }
     let mut mismatches = Vec::new();
     let mut bytes_compared = 0;
-    for (ci, &(ti, loc)) in checks.iter().enumerate() {
+    // Report in the plan's (natural name) order.
+    let mut order: Vec<usize> = (0..checks.len()).collect();
+    order.sort_by_key(|&ci| checks[ci].0);
+    for ci in order {
+        let (ti, loc) = checks[ci];
         let t = &plan.tensors[ti];
         let file = &written.shards[loc.shard].name;
         if let Some(e) = &unreadable[ci] {
@@ -415,8 +424,8 @@ struct Written {
 
 struct Shard {
     name: String,
-    /// `None` when the file is missing or its header is invalid.
-    blob: Option<Arc<Blob>>,
+    /// Open for reading; `None` when the file is missing or its header is invalid.
+    file: Option<File>,
 }
 
 #[derive(Debug)]
@@ -496,7 +505,7 @@ impl Written {
 
         for name in names {
             let path = dir.join(&name);
-            let blob = if !path.is_file() {
+            let file = if !path.is_file() {
                 problems.push(problem(
                     Some(INDEX),
                     None,
@@ -505,7 +514,7 @@ impl Written {
                 None
             } else {
                 match read_shard(&path, &name, problems) {
-                    Ok((blob, header)) => {
+                    Ok((file, header)) => {
                         let shard = written.shards.len();
                         for (t, dtype, shape, begin, _) in header.tensors {
                             if let Some(prev) = written.tensors.get(&t) {
@@ -529,7 +538,7 @@ impl Written {
                                 },
                             );
                         }
-                        Some(blob)
+                        Some(file)
                     }
                     Err(e) => {
                         problems.push(problem(None, None, e.to_string()));
@@ -537,7 +546,7 @@ impl Written {
                     }
                 }
             };
-            written.shards.push(Shard { name, blob });
+            written.shards.push(Shard { name, file });
         }
 
         if let Some(ix) = &index {
@@ -560,7 +569,7 @@ impl Written {
             let Some(&si) = shard_of.get(f.as_str()) else {
                 continue;
             };
-            if self.shards[si].blob.is_none() {
+            if self.shards[si].file.is_none() {
                 self.in_unreadable.insert(t.clone());
                 continue;
             }
@@ -597,7 +606,7 @@ impl Written {
                 ),
             ));
         }
-        for s in self.shards.iter().filter(|s| s.blob.is_none()) {
+        for s in self.shards.iter().filter(|s| s.file.is_none()) {
             let mut lost: Vec<&str> = ix
                 .weight_map
                 .iter()
@@ -617,7 +626,7 @@ impl Written {
                 ));
             }
         }
-        let all_read = self.shards.iter().all(|s| s.blob.is_some());
+        let all_read = self.shards.iter().all(|s| s.file.is_some());
         match ix.total_size {
             Some(declared) if all_read => {
                 let actual: u64 = self
@@ -644,8 +653,8 @@ fn read_shard(
     path: &Path,
     name: &str,
     problems: &mut Vec<Problem>,
-) -> Result<(Arc<Blob>, safetensors::Header)> {
-    let blob = Arc::new(Blob::open(path)?);
+) -> Result<(File, safetensors::Header)> {
+    let blob = Blob::open(path)?;
     let header = safetensors::read_header(path, blob.bytes())?;
     let text = blob
         .bytes()
@@ -672,7 +681,21 @@ fn read_shard(
             ));
         }
     }
-    Ok((blob, header))
+    let file = File::open(path).map_err(|e| Error::io("open", path, e))?;
+    Ok((file, header))
+}
+
+/// Reads output bytes at `offset`, first asking the kernel to start reading the
+/// bytes that follow, so that the disk works while this window is compared.
+fn read_output(f: &File, offset: u64, buf: &mut [u8]) -> std::io::Result<()> {
+    use std::os::fd::AsRawFd;
+    let len = buf.len() as i64;
+    if let Ok(next) = i64::try_from(offset + buf.len() as u64) {
+        // SAFETY: fadvise only reads the descriptor, which is open for the call.
+        let _ =
+            unsafe { libc::posix_fadvise(f.as_raw_fd(), next, 2 * len, libc::POSIX_FADV_WILLNEED) };
+    }
+    f.read_exact_at(buf, offset)
 }
 
 fn read_index(path: &Path, problems: &mut Vec<Problem>) -> Result<Index> {
@@ -943,7 +966,7 @@ fn gather(
     e0: u64,
     e1: u64,
     out: &mut [u8],
-    scratch: &mut Vec<u8>,
+    bufs: &mut GatherBufs,
 ) -> Result<()> {
     if e0 >= e1 {
         return Ok(());
@@ -986,6 +1009,9 @@ fn gather(
             offset: poff,
         });
     }
+    // Read ahead a share of a window per piece: few reads, bounded memory.
+    bufs.ahead.resize_with(boxes.len(), ReadAhead::default);
+    let chunk = (2 * WINDOW_BYTES / boxes.len().max(1) as u64).clamp(64 << 10, 4 << 20);
     let osize = to.size() as u64;
     let first_row = e0 / cols;
     let last_row = (e1 - 1) / cols;
@@ -1001,7 +1027,7 @@ fn gather(
         let row_start = row * cols;
         let c0 = e0.max(row_start) - row_start;
         let c1 = e1.min(row_start + cols) - row_start;
-        for b in &boxes {
+        for (bi, b) in boxes.iter().enumerate() {
             let holds_row =
                 (0..nd - 1).all(|d| idx[d] >= b.offset[d] && idx[d] - b.offset[d] < b.shape[d]);
             if !holds_row {
@@ -1026,9 +1052,17 @@ fn gather(
             let count = z - a;
             let dst_at = (row_start + a - e0) * osize;
             let dst = &mut out[dst_at as usize..(dst_at + count * osize) as usize];
-            read_elements(b, src, b.strides[nd - 1], count, scratch)
-                .map_err(|msg| bad(&b.blob.path, msg))?;
-            dtype::convert(scratch, b.dtype, dst, to);
+            let bytes = source_bytes(
+                b,
+                src,
+                b.strides[nd - 1],
+                count,
+                chunk,
+                &mut bufs.ahead[bi],
+                &mut bufs.scratch,
+            )
+            .map_err(|msg| bad(&b.blob.path, msg))?;
+            dtype::convert(bytes, b.dtype, dst, to);
             covered += count;
         }
         for d in (0..lead.len()).rev() {
@@ -1056,23 +1090,65 @@ fn gather(
     Ok(())
 }
 
-/// Reads `count` elements of a piece, `stride` apart, starting `first` elements in,
-/// into `scratch` as little-endian bytes.
-fn read_elements(
+/// Source bytes read ahead for one piece, so that gathering row by row costs one
+/// positioned read per chunk rather than one per row.
+#[derive(Default)]
+struct ReadAhead {
+    /// Which file the bytes are from (the blob's address; 0 = nothing yet).
+    blob: usize,
+    start: u64,
+    data: Vec<u8>,
+}
+
+/// Buffers reused across the windows a thread gathers.
+#[derive(Default)]
+struct GatherBufs {
+    scratch: Vec<u8>,
+    ahead: Vec<ReadAhead>,
+}
+
+/// The little-endian bytes of `count` elements of a piece, `stride` apart,
+/// starting `first` elements in: a slice of the read-ahead buffer when they are
+/// contiguous, else gathered into `scratch`.
+fn source_bytes<'a>(
     b: &PieceBox<'_>,
     first: u64,
     stride: u64,
     count: u64,
-    scratch: &mut Vec<u8>,
-) -> std::result::Result<(), String> {
+    chunk: u64,
+    ahead: &'a mut ReadAhead,
+    scratch: &'a mut Vec<u8>,
+) -> std::result::Result<&'a [u8], String> {
     let size = b.dtype.size() as u64;
     let past_end = || "its data lies past the end of the file".to_string();
     let start = first
         .checked_mul(size)
         .and_then(|x| x.checked_add(b.byte_offset))
         .ok_or_else(past_end)?;
-    let len = usize::try_from(count * size).map_err(|_| past_end())?;
-    scratch.resize(len, 0);
+    let len = count.checked_mul(size).ok_or_else(past_end)?;
+    let end = start.checked_add(len).ok_or_else(past_end)?;
+    if stride == 1 && !b.big_endian {
+        let key = b.blob as *const Blob as usize;
+        let held = ahead.blob == key
+            && start >= ahead.start
+            && end <= ahead.start + ahead.data.len() as u64;
+        if !held {
+            let until = start
+                .saturating_add(chunk.max(len))
+                .min(b.blob.len())
+                .max(end);
+            let n = usize::try_from(until - start).map_err(|_| past_end())?;
+            ahead.blob = 0;
+            ahead.data.resize(n, 0);
+            b.blob
+                .read_at(start, &mut ahead.data)
+                .map_err(|e| e.to_string())?;
+            (ahead.blob, ahead.start) = (key, start);
+        }
+        let at = (start - ahead.start) as usize;
+        return Ok(&ahead.data[at..at + len as usize]);
+    }
+    scratch.resize(usize::try_from(len).map_err(|_| past_end())?, 0);
     if stride == 1 {
         b.blob.read_at(start, scratch).map_err(|e| e.to_string())?;
     } else {
@@ -1090,7 +1166,7 @@ fn read_elements(
     if b.big_endian {
         dtype::byteswap(scratch, size as usize);
     }
-    Ok(())
+    Ok(scratch)
 }
 
 /// Whether every checkpoint tensor equals the base's after conversion to the output
@@ -1281,7 +1357,15 @@ mod tests {
 
     fn gathered(t: &TensorSource, files: &[Arc<Blob>], e0: u64, e1: u64) -> Result<Vec<f32>> {
         let mut out = vec![0u8; ((e1 - e0) * 4) as usize];
-        gather(t, files, DType::F32, e0, e1, &mut out, &mut Vec::new())?;
+        gather(
+            t,
+            files,
+            DType::F32,
+            e0,
+            e1,
+            &mut out,
+            &mut GatherBufs::default(),
+        )?;
         Ok(out
             .chunks_exact(4)
             .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
@@ -1314,6 +1398,32 @@ mod tests {
         let t = tensor(&[4], vec![piece(&[2], &[1], &[0], 0)]);
         let e = gathered(&t, &files, 0, 4).unwrap_err().to_string();
         assert!(e.contains("'t'") && e.contains("uncovered"), "{e}");
+    }
+
+    #[test]
+    fn narrow_rows_share_one_read_and_big_endian_pieces_are_swapped() {
+        // [1000, 3], rows 0..600 in one piece, rows 600..1000 in another stored
+        // big-endian; read as windows that cut rows.
+        let values: Vec<f32> = (0..3000).map(|i| i as f32).collect();
+        let mut bytes: Vec<u8> = values[..1800]
+            .iter()
+            .flat_map(|v| v.to_le_bytes())
+            .collect();
+        bytes.extend(values[1800..].iter().flat_map(|v| v.to_be_bytes()));
+        let files = vec![Arc::new(Blob::owned(PathBuf::from("mem"), bytes))];
+        let mut big = piece(&[400, 3], &[3, 1], &[600, 0], 1800 * 4);
+        big.big_endian = true;
+        let t = tensor(&[1000, 3], vec![piece(&[600, 3], &[3, 1], &[0, 0], 0), big]);
+        let mut bufs = GatherBufs::default();
+        for (e0, e1) in [(0, 1000), (1000, 2001), (2001, 3000)] {
+            let mut out = vec![0u8; ((e1 - e0) * 4) as usize];
+            gather(&t, &files, DType::F32, e0, e1, &mut out, &mut bufs).unwrap();
+            let got: Vec<f32> = out
+                .chunks_exact(4)
+                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                .collect();
+            assert_eq!(got, values[e0 as usize..e1 as usize]);
+        }
     }
 
     #[test]
