@@ -9,13 +9,7 @@ use unshard::source::{self, Checkpoint, OpenOptions};
 
 use crate::output;
 
-/// Prints the tensors that differ (dtypes, shapes, how many elements differ, the
-/// largest absolute difference and the relative L2 difference ‖A−B‖/‖B‖, with B as
-/// the reference) and the names found on one side only. Values compare as numbers,
-/// so tensors of different dtypes compare by value; NaN matches NaN. Names are
-/// compared after stripping FSDP/DDP/torch.compile wrapper prefixes.
-///
-/// Exits 0 when A and B hold the same names, dtypes, shapes and values, 1 otherwise.
+/// Arguments of the command (its help is on `Command` in main.rs).
 #[derive(clap::Args, Debug)]
 pub struct DiffArgs {
     /// A checkpoint, safetensors file or model directory.

@@ -36,8 +36,23 @@ enum Command {
     /// Show what a checkpoint, safetensors file or model directory holds.
     Inspect(InspectArgs),
     /// Check that a model directory holds exactly what merging a checkpoint gives.
+    ///
+    /// Re-derives the merge from the checkpoint and the options given (pass the
+    /// ones the merge was run with) and compares every tensor's bytes, NaN matching
+    /// any NaN; checks that headers, index, shards and config.json agree. Tensors
+    /// are matched by name, so an output written with any shard size, by unshard or
+    /// by transformers, verifies. Exits 0 with a one-line summary when everything
+    /// matches; otherwise prints each problem and each mismatching tensor (file,
+    /// name, differing elements, max abs diff, first difference) and exits 1.
     Verify(verify_cmd::VerifyArgs),
     /// Compare two checkpoints or model directories tensor by tensor.
+    ///
+    /// Any inputs unshard reads, in any dtype: prints the tensors that differ
+    /// (dtypes, shapes, differing elements, max abs diff, relative L2 ‖A−B‖/‖B‖)
+    /// and the names found on one side only. Values compare as numbers, NaN
+    /// matching NaN; names are compared without FSDP/DDP/torch.compile wrapper
+    /// prefixes. Exits 0 when A and B hold the same names, dtypes, shapes and
+    /// values, 1 otherwise.
     Diff(diff_cmd::DiffArgs),
 }
 

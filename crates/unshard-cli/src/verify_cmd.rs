@@ -10,14 +10,7 @@ use unshard::verify;
 
 use crate::{output, plan_options, DtypeArg};
 
-/// Exits 0 with a one-line summary when everything matches; otherwise prints every
-/// mismatching tensor (file, name, how many elements differ, the largest absolute
-/// difference, the first differing element) and every structural problem, and exits 1.
-///
-/// Pass the options the merge was run with: they decide the expected names and dtypes.
-/// Tensors are matched by name, so an output written with any shard size (by unshard
-/// or by transformers' `save_pretrained`) verifies. NaN matches any NaN; every other
-/// value must be bit-identical.
+/// Arguments of the command (its help is on `Command` in main.rs).
 #[derive(clap::Args, Debug)]
 pub struct VerifyArgs {
     /// The model directory to check.
