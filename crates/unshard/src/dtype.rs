@@ -333,41 +333,34 @@ fn count(stats: &mut ConvertStats, nan: bool, inf: bool, overflow: bool) {
 
 /// Counts NaN and inf in a float buffer.
 pub fn scan(src: &[u8], dtype: DType) -> ConvertStats {
-    let mut stats = ConvertStats::default();
     match dtype {
-        DType::F32 => {
-            for c in src.chunks_exact(4) {
-                let e = u32::from_le_bytes([c[0], c[1], c[2], c[3]]) & 0x7fff_ffff;
-                stats.nan += (e > 0x7f80_0000) as u64;
-                stats.inf += (e == 0x7f80_0000) as u64;
-            }
-        }
-        DType::BF16 | DType::F16 => {
-            let inf = if dtype == DType::F16 { 0x7c00 } else { 0x7f80 };
-            for c in src.chunks_exact(2) {
-                let e = u16::from_le_bytes([c[0], c[1]]) & 0x7fff;
-                stats.nan += (e > inf) as u64;
-                stats.inf += (e == inf) as u64;
-            }
-        }
+        DType::F32 => kernels::scan_f32(src),
+        DType::BF16 => kernels::scan_16(src, 0x7f80),
+        DType::F16 => kernels::scan_16(src, 0x7c00),
         DType::F64 => {
+            let mut stats = ConvertStats::default();
             for c in src.chunks_exact(8) {
                 let v = f64::from_le_bytes([c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7]]);
                 stats.nan += v.is_nan() as u64;
                 stats.inf += v.is_infinite() as u64;
             }
+            stats
         }
-        DType::F8E4M3 => stats.nan += src.iter().filter(|b| (**b & 0x7f) == 0x7f).count() as u64,
+        DType::F8E4M3 => ConvertStats {
+            nan: src.iter().filter(|b| (**b & 0x7f) == 0x7f).count() as u64,
+            ..ConvertStats::default()
+        },
         DType::F8E5M2 => {
+            let mut stats = ConvertStats::default();
             for b in src {
                 let e = *b & 0x7f;
                 stats.nan += (e > 0x7c) as u64;
                 stats.inf += (e == 0x7c) as u64;
             }
+            stats
         }
-        _ => {}
+        _ => ConvertStats::default(),
     }
-    stats
 }
 
 /// Reverses the bytes of every element in place (big-endian storage to little-endian).
@@ -379,67 +372,247 @@ pub fn byteswap(buf: &mut [u8], elem_size: usize) {
     }
 }
 
-/// The hot conversion loops, compiled for the best instruction set the CPU has.
+/// The hot loops: float32 to bfloat16/float16 and the NaN/inf scan of a copy.
+///
+/// Each has one portable body that the compiler vectorises: a block of [`LANES`]
+/// elements is converted with plain integer arithmetic while an OR-reduction notes
+/// whether it holds a value that needs care (NaN, inf, or a finite value that rounds
+/// to inf). Such values are rare in weights, so only a block that holds one is redone
+/// by the exact element-by-element loop, which also counts them. The output bits of
+/// the fast path equal the exact loop's for every input it keeps (the exact loop only
+/// differs on NaN), so every variant is bit-identical to the scalar reference; the
+/// tests check each variant the CPU supports on random and edge-case bit patterns.
+///
+/// On x86-64 each body is compiled for AVX-512, for AVX2 and for the baseline
+/// (SSE2), and the best the CPU has is picked at run time. On aarch64 NEON is part
+/// of the baseline, so the portable body is the NEON kernel. The exact loops use the
+/// scalar rounding functions above (`half`, with F16C when present, for float16).
 mod kernels {
     use super::ConvertStats;
 
-    /// f32 -> bf16 with NaN/inf/overflow counts. Written branch-free so it vectorises.
+    /// Elements per block of the fast path: one AVX-512 vector of f32.
+    const LANES: usize = 16;
+
+    /// |f32 bits| at or above this become bf16 inf or NaN (0x7f7f8000 rounds up to
+    /// 0x7f80), or are inf/NaN already.
+    const BF16_CARE: u32 = 0x7f7f_8000;
+
+    /// |f32 bits| at or above this become f16 inf or NaN: 65520 is halfway between
+    /// 65504 (the largest float16) and 65536, and ties round to the even inf.
+    const F16_CARE: u32 = 0x477f_f000;
+
     #[inline(always)]
-    fn f32_to_bf16_body(src: &[u8], dst: &mut [u8]) -> ConvertStats {
-        let mut nan = 0u64;
-        let mut inf = 0u64;
-        let mut overflow = 0u64;
+    fn le_u32(s: &[u8], i: usize) -> u32 {
+        u32::from_le_bytes([s[4 * i], s[4 * i + 1], s[4 * i + 2], s[4 * i + 3]])
+    }
+
+    /// The scalar reference for f32 -> bf16: exact bits and counts, element by element.
+    #[inline(always)]
+    pub(crate) fn f32_to_bf16_exact(src: &[u8], dst: &mut [u8]) -> ConvertStats {
+        let mut stats = ConvertStats::default();
         for (s, d) in src.chunks_exact(4).zip(dst.chunks_exact_mut(2)) {
-            let u = u32::from_le_bytes([s[0], s[1], s[2], s[3]]);
+            let u = le_u32(s, 0);
             let abs = u & 0x7fff_ffff;
-            let is_nan = abs > 0x7f80_0000;
-            let rounded = (u.wrapping_add(0x7fff + ((u >> 16) & 1)) >> 16) as u16;
-            let out = if is_nan { 0xffff } else { rounded };
-            nan += is_nan as u64;
-            inf += (abs == 0x7f80_0000) as u64;
-            overflow += ((abs < 0x7f80_0000) & ((out & 0x7fff) == 0x7f80)) as u64;
+            let out = super::f32_to_bf16_bits(f32::from_bits(u));
+            stats.nan += (abs > 0x7f80_0000) as u64;
+            stats.inf += (abs == 0x7f80_0000) as u64;
+            stats.overflow += ((abs < 0x7f80_0000) & ((out & 0x7fff) == 0x7f80)) as u64;
             d.copy_from_slice(&out.to_le_bytes());
         }
-        ConvertStats { nan, inf, overflow }
+        stats
     }
 
-    #[cfg(target_arch = "x86_64")]
-    #[target_feature(enable = "avx2")]
-    unsafe fn f32_to_bf16_avx2(src: &[u8], dst: &mut [u8]) -> ConvertStats {
-        f32_to_bf16_body(src, dst)
+    /// f32 -> bf16, blocks of [`LANES`]; see the module documentation.
+    #[inline(always)]
+    fn f32_to_bf16_body(src: &[u8], dst: &mut [u8]) -> ConvertStats {
+        let mut stats = ConvertStats::default();
+        let mut src_blocks = src.chunks_exact(4 * LANES);
+        let mut dst_blocks = dst.chunks_exact_mut(2 * LANES);
+        for (s, d) in (&mut src_blocks).zip(&mut dst_blocks) {
+            let mut care = false;
+            for i in 0..LANES {
+                let u = le_u32(s, i);
+                care |= (u & 0x7fff_ffff) >= BF16_CARE;
+                // Round to nearest even: add 0x7fff plus the lowest kept bit.
+                let out = (u.wrapping_add(0x7fff + ((u >> 16) & 1)) >> 16) as u16;
+                let b = out.to_le_bytes();
+                d[2 * i] = b[0];
+                d[2 * i + 1] = b[1];
+            }
+            if care {
+                stats.add(f32_to_bf16_exact(s, d));
+            }
+        }
+        stats.add(f32_to_bf16_exact(
+            src_blocks.remainder(),
+            dst_blocks.into_remainder(),
+        ));
+        stats
     }
+
+    /// A kernel compiled for one instruction set.
+    pub(crate) type Kernel = fn(&[u8], &mut [u8]) -> ConvertStats;
+
+    /// Compiles a portable body once per instruction set and lists the variants
+    /// this CPU can run, best first.
+    macro_rules! variants {
+        ($variants:ident, $body:ident) => {
+            pub(crate) fn $variants() -> Vec<(&'static str, Kernel)> {
+                #[cfg(target_arch = "x86_64")]
+                #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+                unsafe fn avx512(src: &[u8], dst: &mut [u8]) -> ConvertStats {
+                    $body(src, dst)
+                }
+                #[cfg(target_arch = "x86_64")]
+                #[target_feature(enable = "avx2")]
+                unsafe fn avx2(src: &[u8], dst: &mut [u8]) -> ConvertStats {
+                    $body(src, dst)
+                }
+                fn portable(src: &[u8], dst: &mut [u8]) -> ConvertStats {
+                    $body(src, dst)
+                }
+                let mut v: Vec<(&'static str, Kernel)> = Vec::new();
+                #[cfg(target_arch = "x86_64")]
+                {
+                    if std::arch::is_x86_feature_detected!("avx512f")
+                        && std::arch::is_x86_feature_detected!("avx512bw")
+                        && std::arch::is_x86_feature_detected!("avx512vl")
+                    {
+                        // SAFETY: the CPU supports AVX-512 F/BW/VL, checked just above.
+                        v.push(("avx512", |s, d| unsafe { avx512(s, d) }));
+                    }
+                    if std::arch::is_x86_feature_detected!("avx2") {
+                        // SAFETY: the CPU supports AVX2, checked just above.
+                        v.push(("avx2", |s, d| unsafe { avx2(s, d) }));
+                    }
+                }
+                v.push(("portable", portable));
+                v
+            }
+        };
+    }
+
+    variants!(f32_to_bf16_variants, f32_to_bf16_body);
+    variants!(f32_to_f16_variants, f32_to_f16_body);
 
     pub fn f32_to_bf16(src: &[u8], dst: &mut [u8]) -> ConvertStats {
-        #[cfg(target_arch = "x86_64")]
-        if std::arch::is_x86_feature_detected!("avx2") {
-            // SAFETY: the CPU supports AVX2, checked just above.
-            return unsafe { f32_to_bf16_avx2(src, dst) };
-        }
-        f32_to_bf16_body(src, dst)
+        static BEST: std::sync::OnceLock<Kernel> = std::sync::OnceLock::new();
+        BEST.get_or_init(|| f32_to_bf16_variants()[0].1)(src, dst)
     }
 
-    /// f32 -> f16 through `half`'s slice conversion (F16C when the CPU has it).
     pub fn f32_to_f16(src: &[u8], dst: &mut [u8]) -> ConvertStats {
-        use half::slice::HalfFloatSliceExt;
-        const BLOCK: usize = 4096;
+        static BEST: std::sync::OnceLock<Kernel> = std::sync::OnceLock::new();
+        BEST.get_or_init(|| f32_to_f16_variants()[0].1)(src, dst)
+    }
+
+    /// The scalar reference for f32 -> f16: `half` per element (F16C when present).
+    #[inline(always)]
+    pub(crate) fn f32_to_f16_exact(src: &[u8], dst: &mut [u8]) -> ConvertStats {
         let mut stats = ConvertStats::default();
-        let mut fin = [0f32; BLOCK];
-        let mut hout = [half::f16::ZERO; BLOCK];
-        for (s, d) in src.chunks(BLOCK * 4).zip(dst.chunks_mut(BLOCK * 2)) {
-            let n = s.len() / 4;
-            for (i, c) in s.chunks_exact(4).enumerate() {
-                fin[i] = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
+        for (s, d) in src.chunks_exact(4).zip(dst.chunks_exact_mut(2)) {
+            let u = le_u32(s, 0);
+            let abs = u & 0x7fff_ffff;
+            let out = super::f32_to_f16_bits(f32::from_bits(u));
+            stats.nan += (abs > 0x7f80_0000) as u64;
+            stats.inf += (abs == 0x7f80_0000) as u64;
+            stats.overflow += ((abs < 0x7f80_0000) & ((out & 0x7fff) == 0x7c00)) as u64;
+            d.copy_from_slice(&out.to_le_bytes());
+        }
+        stats
+    }
+
+    /// Rounds a finite f32 of magnitude below 65520 to float16 bits, to nearest even,
+    /// subnormals included, with arithmetic that vectorises. The float addition does
+    /// the rounding: `magic` is 2^(e+15) for the f16 exponent e of `x` (at least -14,
+    /// the subnormal range), so the sum's last mantissa bit is worth one f16 ulp of
+    /// `4|x|` and its low 12 bits hold the rounded f16 significand, implicit bit
+    /// included; its exponent bits, taken modulo 32, are then e + 14, and adding the
+    /// significand carries the implicit bit into the exponent field.
+    #[inline(always)]
+    fn f32_to_f16_finite(u: u32) -> u16 {
+        let abs = u & 0x7fff_ffff;
+        let exponent = (abs >> 23).max(113);
+        let magic = f32::from_bits((exponent + 15) << 23);
+        let sum = (f32::from_bits(abs) * 4.0 + magic).to_bits();
+        let sign = (u >> 16) & 0x8000;
+        (sign | (((sum >> 13) & 0x7c00) + (sum & 0x0fff))) as u16
+    }
+
+    /// f32 -> f16, blocks of [`LANES`]; see the module documentation.
+    #[inline(always)]
+    fn f32_to_f16_body(src: &[u8], dst: &mut [u8]) -> ConvertStats {
+        let mut stats = ConvertStats::default();
+        let mut src_blocks = src.chunks_exact(4 * LANES);
+        let mut dst_blocks = dst.chunks_exact_mut(2 * LANES);
+        for (s, d) in (&mut src_blocks).zip(&mut dst_blocks) {
+            let mut care = false;
+            for i in 0..LANES {
+                let u = le_u32(s, i);
+                care |= (u & 0x7fff_ffff) >= F16_CARE;
+                let b = f32_to_f16_finite(u).to_le_bytes();
+                d[2 * i] = b[0];
+                d[2 * i + 1] = b[1];
             }
-            hout[..n].convert_from_f32_slice(&fin[..n]);
-            for i in 0..n {
-                let abs_in = fin[i].to_bits() & 0x7fff_ffff;
-                let out = hout[i].to_bits();
-                stats.nan += (abs_in > 0x7f80_0000) as u64;
-                stats.inf += (abs_in == 0x7f80_0000) as u64;
-                stats.overflow += ((abs_in < 0x7f80_0000) & ((out & 0x7fff) == 0x7c00)) as u64;
-                d[2 * i..2 * i + 2].copy_from_slice(&out.to_le_bytes());
+            if care {
+                stats.add(f32_to_f16_exact(s, d));
             }
         }
+        stats.add(f32_to_f16_exact(
+            src_blocks.remainder(),
+            dst_blocks.into_remainder(),
+        ));
+        stats
+    }
+
+    /// NaN and inf in little-endian f32s.
+    pub fn scan_f32(src: &[u8]) -> ConvertStats {
+        let exact = |s: &[u8]| {
+            let mut stats = ConvertStats::default();
+            for i in 0..s.len() / 4 {
+                let e = le_u32(s, i) & 0x7fff_ffff;
+                stats.nan += (e > 0x7f80_0000) as u64;
+                stats.inf += (e == 0x7f80_0000) as u64;
+            }
+            stats
+        };
+        let mut stats = ConvertStats::default();
+        let mut blocks = src.chunks_exact(4 * LANES);
+        for s in &mut blocks {
+            let mut care = false;
+            for i in 0..LANES {
+                care |= (le_u32(s, i) & 0x7fff_ffff) >= 0x7f80_0000;
+            }
+            if care {
+                stats.add(exact(s));
+            }
+        }
+        stats.add(exact(blocks.remainder()));
+        stats
+    }
+
+    /// NaN and inf in little-endian 16-bit floats whose inf is `inf` (bf16 or f16).
+    pub fn scan_16(src: &[u8], inf: u16) -> ConvertStats {
+        let exact = |s: &[u8]| {
+            let mut stats = ConvertStats::default();
+            for c in s.chunks_exact(2) {
+                let e = u16::from_le_bytes([c[0], c[1]]) & 0x7fff;
+                stats.nan += (e > inf) as u64;
+                stats.inf += (e == inf) as u64;
+            }
+            stats
+        };
+        let mut stats = ConvertStats::default();
+        let mut blocks = src.chunks_exact(4 * LANES);
+        for s in &mut blocks {
+            let mut care = false;
+            for c in s.chunks_exact(2) {
+                care |= (u16::from_le_bytes([c[0], c[1]]) & 0x7fff) >= inf;
+            }
+            if care {
+                stats.add(exact(s));
+            }
+        }
+        stats.add(exact(blocks.remainder()));
         stats
     }
 }
@@ -533,6 +706,191 @@ mod tests {
         for (s, d) in src.chunks_exact(4).zip(dst.chunks_exact(2)) {
             let v = f32::from_le_bytes([s[0], s[1], s[2], s[3]]);
             assert_eq!(u16::from_le_bytes([d[0], d[1]]), f32_to_bf16_bits(v));
+        }
+    }
+
+    /// Random f32 bit patterns with the values that need care mixed in: NaNs, infs,
+    /// the bf16 and f16 overflow thresholds and their neighbours, subnormals, -0.
+    fn tricky_f32s(n: usize, seed: u32) -> Vec<u8> {
+        const EDGES: [u32; 16] = [
+            0x7fc0_0000,
+            0xffc0_0001,
+            0x7f80_0001,
+            0x7f80_0000,
+            0xff80_0000,
+            0x7f7f_8000,
+            0x7f7f_7fff,
+            0xff7f_ffff,
+            0x477f_f000,
+            0x477f_efff,
+            0xc77f_f000,
+            0x0000_0001,
+            0x807f_ffff,
+            0x8000_0000,
+            0x3f80_8000,
+            0x3f81_8000,
+        ];
+        let mut x = seed | 1;
+        let mut next = || {
+            x ^= x << 13;
+            x ^= x >> 17;
+            x ^= x << 5;
+            x
+        };
+        (0..n)
+            .flat_map(|_| {
+                let r = next();
+                let bits = match r % 50 {
+                    0 => EDGES[(next() % 16) as usize],
+                    // Ordinary weights: small normal numbers.
+                    1..=30 => (next() & 0x8000_0000) | (0x3a00_0000 + (next() & 0x07ff_ffff)),
+                    _ => next(),
+                };
+                bits.to_le_bytes()
+            })
+            .collect()
+    }
+
+    #[test]
+    fn every_bf16_kernel_is_bit_identical_to_the_scalar_path() {
+        let variants = kernels::f32_to_bf16_variants();
+        assert!(variants.iter().any(|(name, _)| *name == "portable"));
+        for (round, n) in [0usize, 1, 15, 16, 17, 31, 33, 100, 1000, 65_537]
+            .into_iter()
+            .enumerate()
+        {
+            let src = tricky_f32s(n, 0x9e37_79b9 ^ round as u32);
+            let mut want = vec![0u8; 2 * n];
+            let want_stats = kernels::f32_to_bf16_exact(&src, &mut want);
+            for (s, d) in src.chunks_exact(4).zip(want.chunks_exact(2)) {
+                let v = f32::from_le_bytes([s[0], s[1], s[2], s[3]]);
+                assert_eq!(u16::from_le_bytes([d[0], d[1]]), f32_to_bf16_bits(v));
+            }
+            for (name, kernel) in &variants {
+                let mut got = vec![0u8; 2 * n];
+                let stats = kernel(&src, &mut got);
+                assert_eq!(got, want, "{name} kernel, {n} elements");
+                assert_eq!(stats, want_stats, "{name} kernel counts, {n} elements");
+            }
+        }
+    }
+
+    #[test]
+    fn every_f16_kernel_is_bit_identical_to_the_scalar_path() {
+        let variants = kernels::f32_to_f16_variants();
+        for (round, n) in [0usize, 1, 16, 17, 100, 65_537].into_iter().enumerate() {
+            let src = tricky_f32s(n, 0x85eb_ca6b ^ round as u32);
+            let mut want = vec![0u8; 2 * n];
+            let want_stats = kernels::f32_to_f16_exact(&src, &mut want);
+            for (name, kernel) in &variants {
+                let mut got = vec![0u8; 2 * n];
+                let stats = kernel(&src, &mut got);
+                assert_eq!(got, want, "{name} kernel, {n} elements");
+                assert_eq!(stats, want_stats, "{name} kernel counts, {n} elements");
+            }
+        }
+    }
+
+    /// Every one of the 2^32 f32 bit patterns through every kernel variant. Too slow
+    /// for the default run; `cargo test --release -p unshard -- --ignored exhaustive`.
+    #[test]
+    #[ignore]
+    fn exhaustive_kernels_match_the_scalar_path() {
+        const CHUNK: u64 = 1 << 20;
+        let kernels = [
+            (
+                "bf16",
+                kernels::f32_to_bf16_variants(),
+                kernels::f32_to_bf16_exact as kernels::Kernel,
+            ),
+            (
+                "f16",
+                kernels::f32_to_f16_variants(),
+                kernels::f32_to_f16_exact,
+            ),
+        ];
+        let mut src = vec![0u8; 4 * CHUNK as usize];
+        let mut want = vec![0u8; 2 * CHUNK as usize];
+        let mut got = vec![0u8; 2 * CHUNK as usize];
+        for start in (0..1u64 << 32).step_by(CHUNK as usize) {
+            for (i, c) in src.chunks_exact_mut(4).enumerate() {
+                c.copy_from_slice(&((start + i as u64) as u32).to_le_bytes());
+            }
+            for (what, variants, exact) in &kernels {
+                let want_stats = exact(&src, &mut want);
+                for (name, kernel) in variants {
+                    let stats = kernel(&src, &mut got);
+                    assert!(
+                        got == want && stats == want_stats,
+                        "{what} {name} near {start:#x}"
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn f16_blocks_match_elementwise_rounding_and_counts() {
+        for n in [0usize, 7, 1024, 1025, 5000] {
+            let src = tricky_f32s(n, 0x51ed_270b ^ n as u32);
+            let mut got = vec![0u8; 2 * n];
+            let stats = convert(&src, DType::F32, &mut got, DType::F16);
+            let mut want_stats = ConvertStats::default();
+            for (s, d) in src.chunks_exact(4).zip(got.chunks_exact(2)) {
+                let v = f32::from_le_bytes([s[0], s[1], s[2], s[3]]);
+                let out = f32_to_f16_bits(v);
+                assert_eq!(u16::from_le_bytes([d[0], d[1]]), out, "f16 of {v:e}");
+                let abs = v.to_bits() & 0x7fff_ffff;
+                count(
+                    &mut want_stats,
+                    abs > 0x7f80_0000,
+                    abs == 0x7f80_0000,
+                    abs < 0x7f80_0000 && (out & 0x7fff) == 0x7c00,
+                );
+            }
+            assert_eq!(stats, want_stats, "{n} elements");
+        }
+    }
+
+    #[test]
+    fn scan_counts_like_elementwise_checks() {
+        let src = tricky_f32s(3001, 77);
+        let mut want = ConvertStats::default();
+        for c in src.chunks_exact(4) {
+            let v = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
+            count(&mut want, v.is_nan(), v.is_infinite(), false);
+        }
+        assert_eq!(scan(&src, DType::F32), want);
+        // 16-bit floats: random bits with both formats' inf and NaN patterns mixed in,
+        // 6001 of them (not a whole number of blocks).
+        const EDGES: [u16; 8] = [
+            0x7f80, 0xff80, 0x7c00, 0xfc00, 0x7fc0, 0x7e00, 0xffff, 0x7c01,
+        ];
+        let src16: Vec<u8> = src
+            .chunks_exact(2)
+            .take(6001)
+            .enumerate()
+            .flat_map(|(i, c)| {
+                let r = u16::from_le_bytes([c[0], c[1]]);
+                let v = if i % 37 == 0 {
+                    EDGES[(r % 8) as usize]
+                } else {
+                    r
+                };
+                v.to_le_bytes()
+            })
+            .collect();
+        for (dtype, inf) in [(DType::BF16, 0x7f80u16), (DType::F16, 0x7c00)] {
+            let mut want = ConvertStats::default();
+            for c in src16.chunks_exact(2) {
+                let e = u16::from_le_bytes([c[0], c[1]]) & 0x7fff;
+                count(&mut want, e > inf, e == inf, false);
+            }
+            assert!(
+                want.nan > 0 && want.inf > 0,
+                "the input exercises both counts"
+            );
+            assert_eq!(scan(&src16, dtype), want, "{dtype}");
         }
     }
 
