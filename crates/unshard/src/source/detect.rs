@@ -67,7 +67,7 @@ pub fn open(path: &Path, opts: &OpenOptions) -> Result<Checkpoint> {
     let blob = Arc::new(Blob::open(path)?);
     let data = blob.bytes();
     if data.starts_with(b"PK\x03\x04") || data.starts_with(b"PK\x05\x06") {
-        let payload = torch::read_zip_payload(path, data, 0)?;
+        let payload = torch::read_zip_file(path, &blob)?;
         return from_payload(path, super::Format::TorchZip, blob.clone(), payload, opts);
     }
     if legacy::is_legacy(data) {

@@ -289,7 +289,7 @@ fn missing_rank(set: &RankSet, r: usize, n: usize) -> Error {
 fn read_payload(path: &Path, blob: &Blob) -> Result<TorchPayload> {
     let data = blob.bytes();
     if data.starts_with(b"PK\x03\x04") || data.starts_with(b"PK\x05\x06") {
-        torch::read_zip_payload(path, data, 0)
+        torch::read_zip_file(path, blob)
     } else if legacy::is_legacy(data) {
         legacy::read_legacy_payload(path, data)
     } else {

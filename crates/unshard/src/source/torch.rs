@@ -16,7 +16,7 @@ use std::path::{Path, PathBuf};
 use unshard_pickle::{NodeId, Pickle, Value};
 
 use super::zip::ZipIndex;
-use super::{check_view, Extra, FileId, Piece, StorageId, TensorSource};
+use super::{check_view, Blob, Extra, FileId, Piece, StorageId, TensorSource};
 use crate::{DType, Error, Result};
 
 /// How deep value walks may go before the structure is called hostile. Real state
@@ -72,6 +72,28 @@ pub enum Leaf {
 /// `base` bytes into its file) and parses its pickle.
 pub fn read_zip_payload(path: &Path, data: &[u8], base: u64) -> Result<TorchPayload> {
     let index = ZipIndex::parse(data).map_err(|e| Error::corrupt(path, e.0))?;
+    payload_from_index(path, data, base, index)
+}
+
+/// Reads a `.pt` file that is a zip archive, reading the per-entry local headers with
+/// positioned reads rather than through the map, so that the resident set does not
+/// grow with the number of tensors (see [`ZipIndex::parse_with`]).
+pub fn read_zip_file(path: &Path, blob: &Blob) -> Result<TorchPayload> {
+    let data = blob.bytes();
+    let read_local = |at: u64, buf: &mut [u8]| {
+        blob.read_at(at, buf)
+            .map_err(|e| super::zip::ZipError(e.to_string()))
+    };
+    let index = ZipIndex::parse_with(data, &read_local).map_err(|e| Error::corrupt(path, e.0))?;
+    payload_from_index(path, data, 0, index)
+}
+
+fn payload_from_index(
+    path: &Path,
+    data: &[u8],
+    base: u64,
+    index: ZipIndex,
+) -> Result<TorchPayload> {
     let Some(first) = index.entries.first() else {
         return Err(Error::corrupt(path, "the zip archive has no entries"));
     };
