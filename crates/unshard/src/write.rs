@@ -1,13 +1,17 @@
 //! The engine: streams tensors from input files into output shards.
 //!
 //! Every shard file is laid out by the plan before a byte is written, so each
-//! tensor's place in its file is known. The work is cut into windows of at most
-//! [`WINDOW_BYTES`] of output; a window is filled from the pieces that overlap it
-//! (gathered from the memory-mapped inputs, byte-swapped and converted on the way)
-//! and written with one positioned write. Windows run in parallel across all
-//! shards, so memory stays at a few windows per thread whatever the model size,
-//! and input pages are released once consumed so they do not pile up in the
-//! resident set.
+//! tensor's place in its file is known. The work is cut into blocks: aligned ranges
+//! of [`WINDOW_BYTES`] of an output file. A block is filled from whatever it overlaps
+//! (the header, the tensors, and for each tensor the pieces that hold its elements),
+//! reading the inputs with positioned reads a chunk at a time, byte-swapping and
+//! converting on the way, and is written with one positioned write, straight to the
+//! disk where the filesystem allows direct I/O. Each input byte is read once and
+//! each output byte written once. Blocks run in parallel across all shards and
+//! within large tensors, so memory is a block and a chunk per thread, whatever the
+//! model size: tensor data is not read through the inputs' maps (a strided view,
+//! rare, is gathered from the map and its pages released), and the pages the readers
+//! touched while parsing are unmapped before writing starts.
 //!
 //! Output goes to a staging directory beside the destination, which is fsynced and
 //! renamed into place only when everything succeeded; on any error or interruption
@@ -16,7 +20,7 @@
 use std::fs::File;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use rayon::prelude::*;
@@ -26,10 +30,10 @@ use crate::plan::{Origin, Plan, PlannedTensor};
 use crate::source::{contiguous_strides, Blob, Checkpoint, Piece};
 use crate::{DType, Error, Result};
 
-/// Output bytes assembled per unit of work.
+/// Output bytes assembled per unit of work (a multiple of the direct I/O alignment).
 pub const WINDOW_BYTES: u64 = 8 << 20;
 
-/// Set by a signal handler to stop the writer at the next window.
+/// Set by a signal handler to stop the writer at the next block.
 pub static INTERRUPTED: AtomicBool = AtomicBool::new(false);
 
 /// Receives progress in output bytes.
@@ -227,28 +231,7 @@ pub fn write_into(
     // Create and preallocate every file first: a full disk fails here, before work.
     let mut files = Vec::with_capacity(plan.shards.len());
     for s in &plan.shards {
-        let path = staging.join(&s.file_name);
-        let f = File::create(&path).map_err(|e| Error::io("create", &path, e))?;
-        preallocate(&f, s.file_size).map_err(|e| Error::io("allocate space for", &path, e))?;
-        f.write_all_at(&s.header, 0)
-            .map_err(|e| Error::io("write", &path, e))?;
-        files.push((f, path));
-    }
-
-    // Work items: windows of every tensor of every shard.
-    let mut items: Vec<(usize, usize, u64, u64, u64)> = Vec::new(); // shard, tensor, e0, e1, file offset
-    for (si, s) in plan.shards.iter().enumerate() {
-        for &(ti, off) in &s.entries {
-            let t = &plan.tensors[ti];
-            let n = t.source.numel();
-            let per = (WINDOW_BYTES / t.dtype.size() as u64).max(1);
-            let mut e0 = 0;
-            while e0 < n {
-                let e1 = (e0 + per).min(n);
-                items.push((si, ti, e0, e1, off + e0 * t.dtype.size() as u64));
-                e0 = e1;
-            }
-        }
+        files.push(OutFile::create(&staging.join(&s.file_name), s.file_size)?);
     }
     let total: u64 = plan
         .shards
@@ -256,28 +239,10 @@ pub fn write_into(
         .map(|s| s.file_size - s.header.len() as u64)
         .sum();
     progress.start(total);
-    let written = AtomicU64::new(0);
-    let results: Vec<(usize, ConvertStats)> = items
-        .par_iter()
-        .map_init(Vec::new, |buf: &mut Vec<u8>, &(si, ti, e0, e1, off)| {
-            if INTERRUPTED.load(Ordering::Relaxed) {
-                return Err(Error::Interrupted);
-            }
-            let t = &plan.tensors[ti];
-            let len = ((e1 - e0) * t.dtype.size() as u64) as usize;
-            buf.resize(len, 0);
-            let stats = fill_window(t, inputs.files(t.origin), e0, e1, buf)?;
-            let (f, path) = &files[si];
-            f.write_all_at(buf, off)
-                .map_err(|e| Error::io("write", path, e))?;
-            written.fetch_add(len as u64, Ordering::Relaxed);
-            progress.advance(len as u64);
-            Ok((ti, stats))
-        })
-        .collect::<Result<_>>()?;
-    let mut stats = vec![ConvertStats::default(); plan.tensors.len()];
-    for (ti, s) in results {
-        stats[ti].add(s);
+    let stats = write_blocks(plan, inputs, &files, WINDOW_BYTES, progress)?;
+    // A signal that arrived while the last blocks were in flight still stops the run.
+    if INTERRUPTED.load(Ordering::Relaxed) {
+        return Err(Error::Interrupted);
     }
     if !opts.allow_overflow {
         if let Some((i, s)) = stats.iter().enumerate().find(|(_, s)| s.overflow > 0) {
@@ -288,8 +253,10 @@ pub fn write_into(
             });
         }
     }
-    for (f, path) in &files {
-        f.sync_all().map_err(|e| Error::io("flush", path, e))?;
+    for f in &files {
+        f.file
+            .sync_all()
+            .map_err(|e| Error::io("flush", &f.path, e))?;
     }
     let mut names: Vec<String> = plan.shards.iter().map(|s| s.file_name.clone()).collect();
     if let Some(index) = &plan.index {
@@ -322,10 +289,295 @@ pub fn write_into(
     progress.finish();
     Ok(WriteSummary {
         stats,
-        bytes_written: written.load(Ordering::Relaxed),
+        bytes_written: total,
         files: names,
         cleaned: Vec::new(),
     })
+}
+
+/// Fills and writes every block of every shard, in parallel; returns what conversion
+/// saw per planned tensor. `block_bytes` is a multiple of [`DIRECT_ALIGN`].
+fn write_blocks(
+    plan: &Plan,
+    inputs: Inputs<'_>,
+    files: &[OutFile],
+    block_bytes: u64,
+    progress: &dyn Progress,
+) -> Result<Vec<ConvertStats>> {
+    let mut blocks = Vec::new();
+    for (shard, s) in plan.shards.iter().enumerate() {
+        let mut start = 0;
+        while start < s.file_size {
+            let len = block_bytes.min(s.file_size - start);
+            blocks.push(Block { shard, start, len });
+            start += len;
+        }
+    }
+    // Pages the readers touched while parsing are not needed again.
+    for blob in inputs
+        .checkpoint
+        .files
+        .iter()
+        .chain(inputs.base.into_iter().flat_map(|b| &b.files))
+    {
+        blob.release_all();
+    }
+    let pool = BufferPool::new(block_bytes as usize);
+    let run = || {
+        blocks
+            .par_iter()
+            .map(|b| {
+                if INTERRUPTED.load(Ordering::Relaxed) {
+                    return Err(Error::Interrupted);
+                }
+                let mut bufs = pool.take();
+                let out = bufs.block.slice_mut(b.len as usize);
+                let (stats, tensor_bytes) = fill_block(plan, inputs, b, out, &mut bufs.scratch)?;
+                files[b.shard].write_block(out, b.start)?;
+                pool.give(bufs);
+                progress.advance(tensor_bytes);
+                Ok(stats)
+            })
+            .collect::<Result<Vec<Vec<(usize, ConvertStats)>>>>()
+    };
+    let workers = rayon::ThreadPoolBuilder::new()
+        .num_threads(worker_threads())
+        .thread_name(|i| format!("unshard-write-{i}"))
+        .build();
+    let per_block = match workers {
+        Ok(workers) => workers.install(run)?,
+        // No threads to spare: the global pool does the work.
+        Err(_) => run()?,
+    };
+    let mut stats = vec![ConvertStats::default(); plan.tensors.len()];
+    for (ti, s) in per_block.into_iter().flatten() {
+        stats[ti].add(s);
+    }
+    Ok(stats)
+}
+
+/// Threads that fill and write blocks. One per core keeps the cores busy while data
+/// is in the page cache; twice that keeps them busy while some threads wait for the
+/// disk (a direct write returns when the data is on the device).
+fn worker_threads() -> usize {
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    (2 * cores).min(64)
+}
+
+/// One unit of work: bytes `[start, start + len)` of shard `shard`'s file.
+#[derive(Clone, Copy, Debug)]
+struct Block {
+    shard: usize,
+    start: u64,
+    len: u64,
+}
+
+/// Alignment of direct I/O: of file offsets, lengths and buffer addresses.
+const DIRECT_ALIGN: usize = 4096;
+
+/// Input bytes read and converted at a time: small enough to stay in a core's cache
+/// between the read and the conversion.
+const CHUNK_BYTES: usize = 1 << 20;
+
+/// A buffer whose start is aligned for direct I/O.
+struct AlignedBuf {
+    raw: Vec<u8>,
+    start: usize,
+}
+
+impl AlignedBuf {
+    fn new(len: usize) -> AlignedBuf {
+        let raw = vec![0u8; len + DIRECT_ALIGN];
+        let misalign = raw.as_ptr() as usize % DIRECT_ALIGN;
+        let start = (DIRECT_ALIGN - misalign) % DIRECT_ALIGN;
+        AlignedBuf { raw, start }
+    }
+
+    fn slice_mut(&mut self, len: usize) -> &mut [u8] {
+        &mut self.raw[self.start..self.start + len]
+    }
+}
+
+/// What a worker fills a block with: the block itself and a scratch buffer for
+/// input that needs converting.
+struct Buffers {
+    block: AlignedBuf,
+    scratch: Vec<u8>,
+}
+
+/// Buffers handed from block to block, so memory is a few buffers per thread and
+/// nothing is allocated or zeroed per block.
+struct BufferPool {
+    block_bytes: usize,
+    free: std::sync::Mutex<Vec<Buffers>>,
+}
+
+impl BufferPool {
+    fn new(block_bytes: usize) -> BufferPool {
+        BufferPool {
+            block_bytes,
+            free: std::sync::Mutex::new(Vec::new()),
+        }
+    }
+
+    fn take(&self) -> Buffers {
+        let reused = self.free.lock().ok().and_then(|mut f| f.pop());
+        reused.unwrap_or_else(|| Buffers {
+            block: AlignedBuf::new(self.block_bytes),
+            scratch: vec![0u8; CHUNK_BYTES],
+        })
+    }
+
+    fn give(&self, bufs: Buffers) {
+        if let Ok(mut f) = self.free.lock() {
+            f.push(bufs);
+        }
+    }
+}
+
+/// An output shard file. Blocks go straight to the disk with direct I/O where the
+/// filesystem supports it: the output is written once, not copied into the page cache
+/// and written back later (which `fsync` would then wait for), and it does not push
+/// the inputs out of the cache. Elsewhere, and for a file's unaligned last bytes,
+/// writes are buffered.
+struct OutFile {
+    path: PathBuf,
+    file: File,
+    direct: Option<File>,
+    direct_refused: AtomicBool,
+}
+
+impl OutFile {
+    /// Creates the file with `size` bytes reserved on the disk.
+    fn create(path: &Path, size: u64) -> Result<OutFile> {
+        let file = File::create(path).map_err(|e| Error::io("create", path, e))?;
+        preallocate(&file, size).map_err(|e| Error::io("allocate space for", path, e))?;
+        #[cfg(target_os = "linux")]
+        let direct = {
+            use std::os::unix::fs::OpenOptionsExt;
+            std::fs::OpenOptions::new()
+                .write(true)
+                .custom_flags(libc::O_DIRECT)
+                .open(path)
+                .ok()
+        };
+        #[cfg(not(target_os = "linux"))]
+        let direct = None;
+        Ok(OutFile {
+            path: path.to_path_buf(),
+            file,
+            direct,
+            direct_refused: AtomicBool::new(false),
+        })
+    }
+
+    /// Writes `buf` at `offset`, a multiple of [`DIRECT_ALIGN`] like `buf`'s address.
+    fn write_block(&self, buf: &[u8], offset: u64) -> Result<()> {
+        let aligned = buf.len() / DIRECT_ALIGN * DIRECT_ALIGN;
+        let mut done = 0;
+        if let Some(direct) = &self.direct {
+            if aligned > 0 && !self.direct_refused.load(Ordering::Relaxed) {
+                match direct.write_all_at(&buf[..aligned], offset) {
+                    Ok(()) => done = aligned,
+                    // The filesystem takes O_DIRECT opens but not these writes: buffer.
+                    Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {
+                        self.direct_refused.store(true, Ordering::Relaxed)
+                    }
+                    Err(e) => return Err(Error::io("write", &self.path, e)),
+                }
+            }
+        }
+        self.file
+            .write_all_at(&buf[done..], offset + done as u64)
+            .map_err(|e| Error::io("write", &self.path, e))
+    }
+}
+
+/// Fills `out` with the bytes of `block`: the header and the tensors it overlaps.
+/// Returns what conversion saw, per tensor, and how many tensor bytes were filled.
+fn fill_block(
+    plan: &Plan,
+    inputs: Inputs<'_>,
+    block: &Block,
+    out: &mut [u8],
+    scratch: &mut Vec<u8>,
+) -> Result<(Vec<(usize, ConvertStats)>, u64)> {
+    let shard = &plan.shards[block.shard];
+    let (b0, b1) = (block.start, block.start + block.len);
+    let header = shard.header.len() as u64;
+    // Bytes of `out` filled so far; gaps (a plan leaves none) are zeroed.
+    let mut filled = 0u64;
+    if b0 < header {
+        let n = header.min(b1) - b0;
+        out[..n as usize].copy_from_slice(&shard.header[b0 as usize..(b0 + n) as usize]);
+        filled = n;
+    }
+    let mut stats = Vec::new();
+    let first = shard
+        .entries
+        .partition_point(|&(ti, off)| off + plan.tensors[ti].nbytes() <= b0);
+    for &(ti, off) in &shard.entries[first..] {
+        if off >= b1 {
+            break;
+        }
+        let t = &plan.tensors[ti];
+        let (lo, hi) = (off.max(b0), (off + t.nbytes()).min(b1));
+        if lo >= hi {
+            continue;
+        }
+        if lo - b0 > filled {
+            out[filled as usize..(lo - b0) as usize].fill(0);
+        }
+        let dst = &mut out[(lo - b0) as usize..(hi - b0) as usize];
+        let s = fill_bytes(t, inputs.files(t.origin), lo - off, hi - off, dst, scratch)?;
+        stats.push((ti, s));
+        filled = hi - b0;
+    }
+    out[filled as usize..].fill(0);
+    Ok((stats, block.len - header.saturating_sub(b0).min(block.len)))
+}
+
+/// Fills `out` with bytes `[byte0, byte1)` of tensor `t`'s output data. An element
+/// cut by the range's edges (possible only if a tensor's offset in its file were not
+/// a multiple of its element size, which the canonical layout never produces) is
+/// converted whole and the part inside copied; it is counted in the stats of the
+/// range that holds its last byte.
+fn fill_bytes(
+    t: &PlannedTensor,
+    files: &[Arc<Blob>],
+    byte0: u64,
+    byte1: u64,
+    out: &mut [u8],
+    scratch: &mut Vec<u8>,
+) -> Result<ConvertStats> {
+    let size = t.dtype.size() as u64;
+    let (e0, e1) = (byte0.div_ceil(size), byte1 / size);
+    let mut stats = ConvertStats::default();
+    if e0 < e1 {
+        let dst = &mut out[(e0 * size - byte0) as usize..(e1 * size - byte0) as usize];
+        stats = fill_window(t, files, e0, e1, dst, scratch)?;
+    }
+    let mut cut = |e: u64| -> Result<()> {
+        let mut elem = [0u8; 8];
+        let elem = &mut elem[..size as usize];
+        let s = fill_window(t, files, e, e + 1, elem, scratch)?;
+        let (from, to) = (byte0.max(e * size), byte1.min((e + 1) * size));
+        out[(from - byte0) as usize..(to - byte0) as usize]
+            .copy_from_slice(&elem[(from - e * size) as usize..(to - e * size) as usize]);
+        if (e + 1) * size <= byte1 {
+            stats.add(s);
+        }
+        Ok(())
+    };
+    let head_cut = byte0 % size != 0;
+    if head_cut {
+        cut(byte0 / size)?;
+    }
+    // The last element, unless the range lies inside the one just done.
+    if byte1 % size != 0 && !(head_cut && byte1 / size == byte0 / size) {
+        cut(byte1 / size)?;
+    }
+    Ok(stats)
 }
 
 /// Makes the staged output visible at `out` (replacing an existing one).
@@ -391,124 +643,188 @@ struct Run {
 /// The runs of a piece inside a tensor of `global` shape, in output order, with
 /// their common source stride. Trailing dims are merged while the piece covers them
 /// fully and the source stays uniformly strided, so a full or row-sharded tensor is
-/// a single run.
-fn piece_runs(p: &Piece, global: &[u64]) -> (Vec<Run>, u64) {
-    let n = p.shape.len();
-    if p.shape.contains(&0) {
-        return (Vec::new(), 1);
-    }
-    if n == 0 {
-        return (
-            vec![Run {
-                out: 0,
-                src: 0,
-                len: 1,
-            }],
-            1,
-        );
-    }
-    let gs = contiguous_strides(global);
-    let mut k = n - 1; // dims k.. form the run
-    let mut len = p.shape[n - 1];
-    let stride = p.strides[n - 1];
-    let mut covered = p.shape[n - 1] == global[n - 1];
-    while k > 0 {
-        let d = k - 1;
-        if covered && (p.shape[d] == 1 || p.strides[d] == stride * len) {
-            len *= p.shape[d];
-            covered = covered && p.shape[d] == global[d];
-            k = d;
-        } else {
-            break;
-        }
-    }
-    let base_out: u64 = (0..n).map(|d| p.global_offset[d] * gs[d]).sum();
-    let outer = &p.shape[..k];
-    let count: u64 = outer.iter().product();
-    let mut runs = Vec::with_capacity(count.min(1 << 20) as usize);
-    let mut idx = vec![0u64; k];
-    for _ in 0..count {
-        let out = base_out + idx.iter().zip(&gs).map(|(i, g)| i * g).sum::<u64>();
-        let src = idx.iter().zip(&p.strides).map(|(i, s)| i * s).sum::<u64>();
-        runs.push(Run { out, src, len });
-        for d in (0..k).rev() {
-            idx[d] += 1;
-            if idx[d] < outer[d] {
-                break;
-            }
-            idx[d] = 0;
-        }
-    }
-    (runs, stride)
+/// a single run; a column shard is one run per row. Runs are computed on demand, so
+/// a window finds its first run by binary search instead of walking all before it.
+struct PieceRuns<'a> {
+    /// Shape of the dims that are not merged into a run.
+    outer: &'a [u64],
+    /// Their element strides in the source and in the full tensor.
+    src_strides: &'a [u64],
+    out_strides: Vec<u64>,
+    /// Output position of the piece's first element.
+    base_out: u64,
+    len: u64,
+    stride: u64,
+    count: u64,
 }
 
-/// Fills output elements `[e0, e1)` of tensor `t` into `out`.
+impl<'a> PieceRuns<'a> {
+    fn new(p: &'a Piece, global: &[u64]) -> PieceRuns<'a> {
+        let n = p.shape.len();
+        let mut runs = PieceRuns {
+            outer: &[],
+            src_strides: &[],
+            out_strides: Vec::new(),
+            base_out: 0,
+            len: 1,
+            stride: 1,
+            count: 1,
+        };
+        if p.shape.contains(&0) {
+            runs.count = 0;
+            return runs;
+        }
+        if n == 0 {
+            return runs;
+        }
+        let gs = contiguous_strides(global);
+        let mut k = n - 1; // dims k.. form the run
+        let mut len = p.shape[n - 1];
+        let stride = p.strides[n - 1];
+        let mut covered = p.shape[n - 1] == global[n - 1];
+        while k > 0 {
+            let d = k - 1;
+            if covered && (p.shape[d] == 1 || p.strides[d] == stride * len) {
+                len *= p.shape[d];
+                covered = covered && p.shape[d] == global[d];
+                k = d;
+            } else {
+                break;
+            }
+        }
+        runs.base_out = (0..n).map(|d| p.global_offset[d] * gs[d]).sum();
+        runs.outer = &p.shape[..k];
+        runs.src_strides = &p.strides[..k];
+        runs.out_strides = gs[..k].to_vec();
+        runs.len = len;
+        runs.stride = stride;
+        runs.count = runs.outer.iter().product();
+        runs
+    }
+
+    /// Run `j` (`j < count`), counting in C order over the outer dims.
+    fn run(&self, mut j: u64) -> Run {
+        let (mut out, mut src) = (self.base_out, 0);
+        for d in (0..self.outer.len()).rev() {
+            let i = j % self.outer[d];
+            j /= self.outer[d];
+            out += i * self.out_strides[d];
+            src += i * self.src_strides[d];
+        }
+        Run {
+            out,
+            src,
+            len: self.len,
+        }
+    }
+
+    /// The first run that ends after output element `e` (`count` if none does).
+    fn first_ending_after(&self, e: u64) -> u64 {
+        let (mut lo, mut hi) = (0, self.count);
+        while lo < hi {
+            let mid = lo + (hi - lo) / 2;
+            let r = self.run(mid);
+            if r.out + r.len <= e {
+                lo = mid + 1;
+            } else {
+                hi = mid;
+            }
+        }
+        lo
+    }
+}
+
+/// Fills output elements `[e0, e1)` of tensor `t` into `out`, reading the inputs
+/// with positioned reads: straight into `out` when no conversion is needed, else a
+/// chunk of `scratch` at a time.
 fn fill_window(
     t: &PlannedTensor,
     files: &[Arc<Blob>],
     e0: u64,
     e1: u64,
     out: &mut [u8],
+    scratch: &mut Vec<u8>,
 ) -> Result<ConvertStats> {
+    if scratch.len() < CHUNK_BYTES {
+        scratch.resize(CHUNK_BYTES, 0);
+    }
     let mut stats = ConvertStats::default();
     let osz = t.dtype.size() as u64;
-    let mut scratch: Vec<u8> = Vec::new();
     for p in &t.source.pieces {
         let blob = files.get(p.file).ok_or_else(|| {
             Error::bad_tensor(Path::new("?"), &t.name, "piece refers to a missing file")
         })?;
-        let data = blob.bytes();
         let isz = p.dtype.size() as u64;
-        let (runs, stride) = piece_runs(p, &t.source.shape);
-        for r in runs {
+        let chunk = CHUNK_BYTES as u64 / isz;
+        let runs = PieceRuns::new(p, &t.source.shape);
+        let stride = runs.stride;
+        // Bytes of the map a strided gather touched, released when the piece is done.
+        let mut touched: Option<(u64, u64)> = None;
+        for j in runs.first_ending_after(e0)..runs.count {
+            let r = runs.run(j);
+            if r.out >= e1 {
+                break;
+            }
             let (a, b) = (r.out.max(e0), (r.out + r.len).min(e1));
             if a >= b {
-                if r.out >= e1 {
-                    break;
-                }
                 continue;
             }
-            let count = b - a;
             let first_src = r.src + (a - r.out) * stride;
             let start = p.byte_offset + first_src * isz;
             let dst = &mut out[((a - e0) * osz) as usize..((b - e0) * osz) as usize];
-            if stride == 1 {
-                // Contiguous in the source: one positioned read, straight into the
-                // output when no conversion is needed.
-                let nbytes = (count * isz) as usize;
-                if p.dtype == t.dtype && !p.big_endian {
-                    blob.read_at(start, dst)?;
-                    if t.dtype.is_float() {
-                        stats.add(dtype::scan(dst, t.dtype));
-                    }
-                    continue;
+            if stride == 1 && p.dtype == t.dtype && !p.big_endian {
+                // Stored as written: one positioned read straight into the output.
+                blob.read_at(start, dst)?;
+                if t.dtype.is_float() {
+                    stats.add(dtype::scan(dst, t.dtype));
                 }
-                scratch.resize(nbytes, 0);
-                blob.read_at(start, &mut scratch)?;
-                if p.big_endian {
-                    dtype::byteswap(&mut scratch, isz as usize);
-                }
-                stats.add(convert_run(&scratch, p.dtype, dst, t.dtype));
                 continue;
             }
-            // Strided (a transposed or expanded view, rare in checkpoints): gather
-            // element by element from the map.
-            scratch.clear();
-            scratch.reserve((count * isz) as usize);
-            for j in 0..count {
-                let at = (start + j * stride * isz) as usize;
-                let e = data.get(at..at + isz as usize).ok_or_else(|| {
-                    Error::bad_tensor(&blob.path, &t.name, "data lies past the end of the file")
-                })?;
-                scratch.extend_from_slice(e);
+            let mut done = 0;
+            while done < b - a {
+                let n = chunk.min(b - a - done);
+                let src = &mut scratch[..(n * isz) as usize];
+                let at = start + done * stride * isz;
+                if stride == 1 {
+                    blob.read_at(at, src)?;
+                } else {
+                    // Strided (a transposed or expanded view, rare in checkpoints):
+                    // gathered element by element from the map.
+                    let data = blob.bytes();
+                    for (i, e) in src.chunks_exact_mut(isz as usize).enumerate() {
+                        let from = (at + i as u64 * stride * isz) as usize;
+                        e.copy_from_slice(data.get(from..from + isz as usize).ok_or_else(
+                            || {
+                                Error::bad_tensor(
+                                    &blob.path,
+                                    &t.name,
+                                    "data lies past the end of the file",
+                                )
+                            },
+                        )?);
+                    }
+                    let end = at + ((n - 1) * stride + 1) * isz;
+                    touched = Some(touched.map_or((at, end), |(lo, hi)| (lo.min(at), hi.max(end))));
+                }
+                if p.big_endian {
+                    dtype::byteswap(src, isz as usize);
+                }
+                let d = &mut dst[(done * osz) as usize..((done + n) * osz) as usize];
+                stats.add(convert_run(src, p.dtype, d, t.dtype));
+                done += n;
             }
-            if p.big_endian {
-                dtype::byteswap(&mut scratch, isz as usize);
-            }
-            stats.add(convert_run(&scratch, p.dtype, dst, t.dtype));
+        }
+        if let Some((lo, hi)) = touched {
+            blob.release(lo, hi - lo);
         }
     }
     Ok(stats)
+}
+
+thread_local! {
+    /// Scratch for [`read_tensor`] and [`read_tensor_range`], which `verify` and `diff`
+    /// call once per window.
+    static SCRATCH: std::cell::RefCell<Vec<u8>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
 /// Reads a whole tensor into memory in C order, converted to `to`. For tests,
@@ -518,15 +834,9 @@ pub fn read_tensor(
     source: &crate::source::TensorSource,
     to: DType,
 ) -> Result<(Vec<u8>, ConvertStats)> {
-    let t = PlannedTensor {
-        name: source.name.clone(),
-        origin: Origin::Checkpoint,
-        source: source.clone(),
-        dtype: to,
-    };
     let n = source.numel();
     let mut out = vec![0u8; (n * to.size() as u64) as usize];
-    let stats = fill_window(&t, files, 0, n, &mut out)?;
+    let stats = read_tensor_range(files, source, to, 0, n, &mut out)?;
     Ok((out, stats))
 }
 
@@ -545,7 +855,7 @@ pub fn read_tensor_range(
         source: source.clone(),
         dtype: to,
     };
-    fill_window(&t, files, e0, e1, out)
+    SCRATCH.with_borrow_mut(|scratch| fill_window(&t, files, e0, e1, out, scratch))
 }
 
 fn convert_run(src: &[u8], from: DType, dst: &mut [u8], to: DType) -> ConvertStats {
@@ -553,8 +863,10 @@ fn convert_run(src: &[u8], from: DType, dst: &mut [u8], to: DType) -> ConvertSta
 }
 
 #[cfg(test)]
+#[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
+    use crate::source::{Format, TensorSource};
 
     fn piece(shape: &[u64], strides: &[u64], off: &[u64]) -> Piece {
         Piece {
@@ -566,6 +878,12 @@ mod tests {
             global_offset: off.to_vec(),
             big_endian: false,
         }
+    }
+
+    /// All runs of a piece, and their source stride.
+    fn piece_runs(p: &Piece, global: &[u64]) -> (Vec<Run>, u64) {
+        let runs = PieceRuns::new(p, global);
+        ((0..runs.count).map(|j| runs.run(j)).collect(), runs.stride)
     }
 
     #[test]
@@ -626,6 +944,181 @@ mod tests {
                     len: 2
                 }
             ]
+        );
+    }
+
+    #[test]
+    fn a_window_finds_its_first_run_by_search() {
+        // Columns 1..3 of a 5x3 tensor: one run of 2 per row, at outputs 1, 4, 7, 10, 13.
+        let p = piece(&[5, 2], &[2, 1], &[0, 1]);
+        let runs = PieceRuns::new(&p, &[5, 3]);
+        assert_eq!(runs.count, 5);
+        assert_eq!(runs.first_ending_after(0), 0);
+        assert_eq!(runs.first_ending_after(3), 1);
+        assert_eq!(runs.first_ending_after(6), 2);
+        assert_eq!(runs.first_ending_after(14), 4);
+        assert_eq!(runs.first_ending_after(15), 5);
+        assert_eq!(
+            runs.run(3),
+            Run {
+                out: 10,
+                src: 6,
+                len: 2
+            }
+        );
+    }
+
+    fn le_bytes(values: &[f32]) -> Vec<u8> {
+        values.iter().flat_map(|v| v.to_le_bytes()).collect()
+    }
+
+    fn source(name: &str, dtype: DType, shape: &[u64], pieces: Vec<Piece>) -> TensorSource {
+        TensorSource {
+            name: name.into(),
+            dtype,
+            shape: shape.to_vec(),
+            pieces,
+            storage: None,
+            layout: None,
+        }
+    }
+
+    fn stored(dtype: DType, byte_offset: u64, shape: &[u64], global_offset: &[u64]) -> Piece {
+        Piece {
+            file: 0,
+            byte_offset,
+            dtype,
+            shape: shape.to_vec(),
+            strides: contiguous_strides(shape),
+            global_offset: global_offset.to_vec(),
+            big_endian: false,
+        }
+    }
+
+    /// A shard laid out by hand so that elements straddle block edges (a 14-byte
+    /// header, then 3 bytes, then 2- and 4-byte elements at odd offsets), written in
+    /// 4 KiB blocks: the file must equal the tensors converted whole, and a value
+    /// cut by a block edge must be counted once.
+    #[test]
+    fn blocks_fill_elements_cut_by_their_edges() {
+        let a: Vec<f32> = (0..3000)
+            .map(|i| {
+                if i == 2039 {
+                    f32::NAN
+                } else {
+                    i as f32 * 0.37 - 5.0
+                }
+            })
+            .collect();
+        let c: Vec<f32> = (0..4000)
+            .map(|i| {
+                if i == 543 {
+                    f32::INFINITY
+                } else {
+                    1.0 / (i as f32 + 0.5)
+                }
+            })
+            .collect();
+        // Input file: A, then B's 3 bytes, then C as two column shards of a 4x1000.
+        let mut input = le_bytes(&a);
+        input.extend_from_slice(&[7, 8, 9]);
+        let c_at = input.len() as u64;
+        for half in 0..2 {
+            for row in 0..4 {
+                input.extend(le_bytes(
+                    &c[row * 1000 + half * 500..row * 1000 + half * 500 + 500],
+                ));
+            }
+        }
+        let blob = Arc::new(Blob::owned(PathBuf::from("input"), input));
+        let ckpt = Checkpoint {
+            format: Format::TorchZip,
+            path: PathBuf::from("input"),
+            files: vec![blob],
+            key: None,
+            tensors: Vec::new(),
+            extras: Vec::new(),
+            notes: Vec::new(),
+        };
+        let planned = |name: &str, dtype: DType, source: TensorSource| PlannedTensor {
+            name: name.into(),
+            origin: Origin::Checkpoint,
+            source,
+            dtype,
+        };
+        let tensors = vec![
+            planned(
+                "a",
+                DType::BF16,
+                source(
+                    "a",
+                    DType::F32,
+                    &[3000],
+                    vec![stored(DType::F32, 0, &[3000], &[0])],
+                ),
+            ),
+            planned(
+                "b",
+                DType::U8,
+                source(
+                    "b",
+                    DType::U8,
+                    &[3],
+                    vec![stored(DType::U8, 12_000, &[3], &[0])],
+                ),
+            ),
+            planned(
+                "c",
+                DType::F32,
+                source(
+                    "c",
+                    DType::F32,
+                    &[4, 1000],
+                    vec![
+                        stored(DType::F32, c_at, &[4, 500], &[0, 0]),
+                        stored(DType::F32, c_at + 8000, &[4, 500], &[0, 500]),
+                    ],
+                ),
+            ),
+        ];
+        let header = b"fourteen bytes".to_vec();
+        let entries = vec![(1, 14), (0, 17), (2, 6017)];
+        let file_size = 6017 + 16_000;
+        let plan = Plan {
+            tensors,
+            shards: vec![crate::plan::ShardPlan {
+                file_name: "x.safetensors".into(),
+                header: header.clone(),
+                entries,
+                file_size,
+            }],
+            dtype: None,
+            config: None,
+            index: None,
+            total_size: file_size - 14,
+            report: Default::default(),
+        };
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("x.safetensors");
+        let files = vec![OutFile::create(&path, file_size).unwrap()];
+        let inputs = Inputs {
+            checkpoint: &ckpt,
+            base: None,
+        };
+        let stats = write_blocks(&plan, inputs, &files, 4096, &NoProgress).unwrap();
+        drop(files);
+
+        let mut want = header;
+        want.extend_from_slice(&[7, 8, 9]);
+        let mut a_bf16 = vec![0u8; 6000];
+        dtype::convert(&le_bytes(&a), DType::F32, &mut a_bf16, DType::BF16);
+        want.extend(a_bf16);
+        want.extend(le_bytes(&c));
+        assert_eq!(std::fs::read(&path).unwrap(), want);
+        assert_eq!(stats[0].nan, 1, "a NaN cut by a block edge is counted once");
+        assert_eq!(
+            stats[2].inf, 1,
+            "an inf cut by a block edge is counted once"
         );
     }
 }

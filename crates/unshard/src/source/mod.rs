@@ -117,6 +117,11 @@ impl Blob {
         self.bytes().is_empty()
     }
 
+    /// Unmaps every page of the map that parsing touched (see [`Blob::release`]).
+    pub fn release_all(&self) {
+        self.release(0, self.len());
+    }
+
     /// Tells the kernel that a byte range will not be read again, so its pages stop
     /// counting toward the resident set. A hint: errors are ignored.
     pub fn release(&self, offset: u64, len: u64) {
