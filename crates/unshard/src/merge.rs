@@ -51,10 +51,10 @@ pub struct Base {
 impl Base {
     pub fn open(path: &Path) -> Result<Base> {
         if !path.is_dir() {
-            return Err(Error::Usage(format!(
-                "--base {} is not a directory; pass the Hugging Face model directory the training started from",
-                path.display()
-            )));
+            return Err(Error::plan(
+                format!("--base {} is not a directory", path.display()),
+                Some("pass the Hugging Face model directory the training started from (config.json, tokenizer, weights)".into()),
+            ));
         }
         let dir = HfDir::open(path)?;
         let weights = dir.weights()?;
