@@ -58,6 +58,12 @@ impl Blob {
         // parse, a read past the new end would fault (SIGBUS); tensor data, read for the
         // whole length of a merge, goes through `read_at` instead.
         let map = unsafe { memmap2::Mmap::map(&file) }.map_err(|e| Error::io("map", path, e))?;
+        // Readers touch the map here and there (a zip record, a pickle); tensor data is
+        // read with `read_at`. Without this hint every touch of a page not in the cache
+        // reads the whole readahead window around it: for a DCP directory, whose
+        // every chunk is a small archive with records at both ends, that reads most of
+        // the checkpoint before the merge starts, one fault at a time.
+        let _ = map.advise(memmap2::Advice::Random);
         Ok(Blob {
             path: path.to_path_buf(),
             data: BlobData::Mapped(map, file),
