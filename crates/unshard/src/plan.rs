@@ -296,6 +296,19 @@ pub fn plan(ckpt: &Checkpoint, base: BaseView<'_>, opts: &PlanOptions) -> Result
 
     // 5. Overlay on the base's tensor set.
     let mut tensors: Vec<PlannedTensor> = Vec::new();
+    let kept_from_checkpoint = || {
+        names
+            .iter()
+            .zip(&ckpt.tensors)
+            .zip(&keep)
+            .filter(|(_, k)| **k)
+            .map(|((n, t), _)| PlannedTensor {
+                name: n.clone(),
+                origin: Origin::Checkpoint,
+                source: t.clone(),
+                dtype: t.dtype,
+            })
+    };
     if let (Some(bmap), Some(bw)) = (&base_map, base.weights) {
         let mut unknown = Vec::new();
         let mut mismatched = Vec::new();
@@ -348,16 +361,7 @@ pub fn plan(ckpt: &Checkpoint, base: BaseView<'_>, opts: &PlanOptions) -> Result
                 ),
             ));
         }
-        for (i, n) in names.iter().enumerate() {
-            if keep[i] {
-                tensors.push(PlannedTensor {
-                    name: n.clone(),
-                    origin: Origin::Checkpoint,
-                    source: ckpt.tensors[i].clone(),
-                    dtype: ckpt.tensors[i].dtype,
-                });
-            }
-        }
+        tensors.extend(kept_from_checkpoint());
         let have: HashSet<&str> = names.iter().map(String::as_str).collect();
         for b in &bw.tensors {
             if have.contains(b.name.as_str()) {
@@ -382,16 +386,7 @@ pub fn plan(ckpt: &Checkpoint, base: BaseView<'_>, opts: &PlanOptions) -> Result
             ));
         }
     } else {
-        for (i, n) in names.iter().enumerate() {
-            if keep[i] {
-                tensors.push(PlannedTensor {
-                    name: n.clone(),
-                    origin: Origin::Checkpoint,
-                    source: ckpt.tensors[i].clone(),
-                    dtype: ckpt.tensors[i].dtype,
-                });
-            }
-        }
+        tensors.extend(kept_from_checkpoint());
     }
     if tensors.is_empty() {
         return Err(Error::plan(
