@@ -45,13 +45,7 @@ fn stats_json(s: &TensorStats) -> serde_json::Value {
 
 /// `--stats` as a table: over finite values; NaN and inf are counted.
 fn print_stats(w: &mut dyn Write, ckpt: &Checkpoint, stats: &[TensorStats]) -> std::io::Result<()> {
-    let name_w = ckpt
-        .tensors
-        .iter()
-        .map(|t| t.name.len())
-        .max()
-        .unwrap_or(4)
-        .clamp(4, 72);
+    let name_w = name_width(ckpt);
     writeln!(
         w,
         "statistics (finite values; std with correction 1, as torch.std):"
@@ -121,13 +115,7 @@ fn print_table(w: &mut dyn Write, ckpt: &Checkpoint) -> std::io::Result<()> {
         None => String::new(),
     };
     writeln!(w, "{}: {}{at}", ckpt.path.display(), ckpt.format)?;
-    let name_w = ckpt
-        .tensors
-        .iter()
-        .map(|t| t.name.len())
-        .max()
-        .unwrap_or(4)
-        .clamp(4, 72);
+    let name_w = name_width(ckpt);
     let shapes: Vec<String> = ckpt
         .tensors
         .iter()
@@ -182,4 +170,14 @@ fn print_table(w: &mut dyn Write, ckpt: &Checkpoint) -> std::io::Result<()> {
         writeln!(w, "note: {n}")?;
     }
     Ok(())
+}
+
+/// Width of the name column: the longest name, within reason.
+fn name_width(ckpt: &Checkpoint) -> usize {
+    ckpt.tensors
+        .iter()
+        .map(|t| t.name.len())
+        .max()
+        .unwrap_or(4)
+        .clamp(4, 72)
 }
