@@ -5,9 +5,13 @@
 //! that a signal reliably arrives while shards are being written.
 #![allow(clippy::unwrap_used)]
 
+mod common;
+
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
+
+use common::{names, Tmpfs};
 
 fn bin() -> &'static str {
     env!("CARGO_BIN_EXE_unshard")
@@ -37,15 +41,6 @@ fn big_checkpoint(dir: &Path, n: usize) -> PathBuf {
     let path = dir.join("big.safetensors");
     safetensors::serialize_to_file(views, None, &path).unwrap();
     path
-}
-
-fn names(dir: &Path) -> Vec<String> {
-    let mut v: Vec<String> = std::fs::read_dir(dir)
-        .unwrap()
-        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
-        .collect();
-    v.sort();
-    v
 }
 
 fn spawn_slow_merge(ckpt: &Path, out: &Path, delay_ms: u64) -> Child {
@@ -181,23 +176,10 @@ fn an_unwritable_output_parent_is_a_clear_error() {
 
     // A read-only filesystem (root ignores permission bits, so mount one).
     let ro = tmp.path().join("ro");
-    std::fs::create_dir(&ro).unwrap();
-    let mounted = Command::new("mount")
-        .args([
-            "-t",
-            "tmpfs",
-            "-o",
-            "ro,size=64k",
-            "tmpfs",
-            ro.to_str().unwrap(),
-        ])
-        .status()
-        .map(|s| s.success())
-        .unwrap_or(false);
-    if !mounted {
+    let Some(tmpfs) = Tmpfs::mount(&ro, "ro,size=64k") else {
         eprintln!("SKIPPED read-only part: cannot mount a tmpfs here (needs root)");
         return;
-    }
+    };
     let o = Command::new(bin())
         .args([
             "merge",
@@ -208,7 +190,7 @@ fn an_unwritable_output_parent_is_a_clear_error() {
         .output()
         .unwrap();
     let left = names(&ro);
-    let _ = Command::new("umount").arg(&ro).status();
+    drop(tmpfs);
     let err = String::from_utf8_lossy(&o.stderr);
     assert_eq!(o.status.code(), Some(1), "{err}");
     assert!(err.contains("Read-only file system"), "{err}");

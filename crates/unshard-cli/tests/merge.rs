@@ -7,12 +7,12 @@
 //! with exit code 1, name the culprit, and leave nothing behind.
 #![allow(clippy::unwrap_used)]
 
+mod common;
+
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
-fn fixtures() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures")
-}
+use common::{fixtures, names, Tmpfs};
 
 fn unshard(args: &[&str], cwd: &Path) -> Output {
     Command::new(env!("CARGO_BIN_EXE_unshard"))
@@ -24,16 +24,6 @@ fn unshard(args: &[&str], cwd: &Path) -> Output {
 
 fn stderr(o: &Output) -> String {
     String::from_utf8_lossy(&o.stderr).into_owned()
-}
-
-/// Lists a directory's file names, sorted.
-fn names(dir: &Path) -> Vec<String> {
-    let mut v: Vec<String> = std::fs::read_dir(dir)
-        .unwrap()
-        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
-        .collect();
-    v.sort();
-    v
 }
 
 /// Nothing was left in `parent` but what was there before (no output, no staging).
@@ -340,23 +330,10 @@ fn without_a_base_the_output_is_the_checkpoint_minus_buffers() {
 fn a_full_disk_is_a_clear_error_and_leaves_nothing() {
     let tmp = tempfile::tempdir().unwrap();
     let mnt = tmp.path().join("tiny");
-    std::fs::create_dir(&mnt).unwrap();
-    let mounted = Command::new("mount")
-        .args([
-            "-t",
-            "tmpfs",
-            "-o",
-            "size=64k",
-            "tmpfs",
-            mnt.to_str().unwrap(),
-        ])
-        .status()
-        .map(|s| s.success())
-        .unwrap_or(false);
-    if !mounted {
+    let Some(tmpfs) = Tmpfs::mount(&mnt, "size=64k") else {
         eprintln!("SKIPPED a_full_disk_is_a_clear_error_and_leaves_nothing: cannot mount a tmpfs here (needs root)");
         return;
-    }
+    };
     let out = mnt.join("out");
     let o = unshard(
         &[
@@ -370,7 +347,7 @@ fn a_full_disk_is_a_clear_error_and_leaves_nothing() {
         &fixtures(),
     );
     let left = names(&mnt);
-    let _ = Command::new("umount").arg(&mnt).status();
+    drop(tmpfs);
     let err = stderr(&o);
     assert_eq!(o.status.code(), Some(1), "{err}");
     assert!(
