@@ -758,6 +758,7 @@ fn fill_window(
         let chunk = CHUNK_BYTES as u64 / isz;
         let runs = PieceRuns::new(p, &t.source.shape);
         let stride = runs.stride;
+        prefetch(blob, p, &runs, e0, e1);
         // Bytes of the map a strided gather touched, released when the piece is done.
         let mut touched: Option<(u64, u64)> = None;
         for j in runs.first_ending_after(e0)..runs.count {
@@ -819,6 +820,34 @@ fn fill_window(
         }
     }
     Ok(stats)
+}
+
+/// Starts reading the bytes of piece `p` that elements `[e0, e1)` need, all at once,
+/// so that the chunked reads that follow do not wait for the disk one after the other
+/// (several threads reading different places of one file confuse the kernel's own
+/// readahead). Only for contiguous runs whose span is not mostly gaps.
+fn prefetch(blob: &Blob, p: &Piece, runs: &PieceRuns<'_>, e0: u64, e1: u64) {
+    let isz = p.dtype.size() as u64;
+    let j0 = runs.first_ending_after(e0);
+    if runs.stride != 1 || j0 >= runs.count || e1 == 0 {
+        return;
+    }
+    let mut j1 = runs.first_ending_after(e1 - 1).min(runs.count - 1);
+    if runs.run(j1).out >= e1 && j1 > j0 {
+        j1 -= 1;
+    }
+    let (first, last) = (runs.run(j0), runs.run(j1));
+    let a = first.out.max(e0);
+    let b = (last.out + last.len).min(e1);
+    if a >= b || first.out >= e1 {
+        return;
+    }
+    let start = first.src + (a - first.out);
+    let end = last.src + (b - last.out);
+    if end <= start || (end - start) > 2 * (b - a) {
+        return;
+    }
+    blob.will_need(p.byte_offset + start * isz, (end - start) * isz);
 }
 
 thread_local! {

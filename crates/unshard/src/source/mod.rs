@@ -123,6 +123,32 @@ impl Blob {
         self.bytes().is_empty()
     }
 
+    /// Asks the kernel to start reading a byte range into the page cache now, so that
+    /// the reads that follow find it there or in flight. A hint: errors are ignored.
+    pub fn will_need(&self, offset: u64, len: u64) {
+        use std::os::fd::AsRawFd;
+        // One request reads at most the device's readahead size (128 KiB by default),
+        // so a long range is asked for in steps.
+        const STEP: u64 = 1 << 20;
+        if let BlobData::Mapped(_, f) = &self.data {
+            let end = offset.saturating_add(len).min(self.len());
+            let mut at = offset;
+            while at < end {
+                let n = STEP.min(end - at);
+                // SAFETY: posix_fadvise only reads its arguments; the descriptor is open.
+                let _ = unsafe {
+                    libc::posix_fadvise(
+                        f.as_raw_fd(),
+                        at as libc::off_t,
+                        n as libc::off_t,
+                        libc::POSIX_FADV_WILLNEED,
+                    )
+                };
+                at += n;
+            }
+        }
+    }
+
     /// Unmaps every page of the map that parsing touched (see [`Blob::release`]).
     pub fn release_all(&self) {
         self.release(0, self.len());
