@@ -1,0 +1,270 @@
+#!/usr/bin/env python3
+"""Measures unshard against cp and the Python pipeline, side by side in one run.
+
+For every data directory written by gen.py and every input kind in it
+(policy.pt, the 4-rank DCP directory, the 4 verl rank files), runs back to back:
+
+  cp       cp -r of the input: the yardstick for reading and writing those bytes
+  unshard  unshard merge INPUT --base base --dtype bfloat16 (writes half the bytes cp does)
+  python   the Python pipeline (python_pipeline.py), where torch is installed:
+           policy.pt and DCP only (per-rank files have no torch-only converter)
+
+Each row runs --repeat times (rows interleaved, so noise hits them alike) and the
+median is reported: wall time of the whole process, its ratio to cp's wall time
+in the same run, and peak RSS (the kernel's ru_maxrss of the process, which counts
+touched pages of mapped files). `+sync` is the wall time plus the `sync` that
+follows it: unshard fsyncs its output before it returns, cp and the Python
+pipeline leave dirty pages for the kernel to write later.
+
+With --cache cold (the default when run as root) the page cache is dropped before
+every run, so inputs come from the disk; --cache warm reads the inputs first.
+
+Needs only Python 3; torch only for the Python rows (use --python to name an
+interpreter that has torch and transformers). Example:
+
+  cargo build --release
+  python3 bench/run.py --unshard target/release/unshard --python /work/venv/bin/python \\
+      --data /work/bench-data/tinyllama-22l --data /work/bench-data/tinyllama-11l
+"""
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+
+KINDS = (
+    # kind, path inside the data dir, label, python pipeline mode
+    ("policy", "policy.pt", "policy.pt (fp32)", "pt"),
+    ("dcp", "dcp", "DCP, 4 ranks", "dcp"),
+    ("ranks", "ranks", "verl ranks, 4 files", None),
+)
+
+
+def can_drop_caches():
+    try:
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+        return True
+    except OSError:
+        return False
+
+
+def drop_caches():
+    subprocess.run(["sync"], check=True)
+    with open("/proc/sys/vm/drop_caches", "w") as f:
+        f.write("3\n")
+
+
+def read_all(path):
+    """Pulls a file or directory into the page cache."""
+    paths = [path] if os.path.isfile(path) else [
+        os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs]
+    for p in paths:
+        with open(p, "rb") as f:
+            while f.read(16 << 20):
+                pass
+
+
+def du(path):
+    if os.path.isfile(path):
+        return os.path.getsize(path)
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs)
+
+
+def measure(cmd):
+    """Runs cmd; returns (wall seconds, peak RSS bytes, seconds of the sync after, stderr)."""
+    t0 = time.perf_counter()
+    p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    # wait4 gives this child's own rusage: ru_maxrss is its peak RSS in KiB.
+    err = p.stderr.read()
+    _, status, ru = os.wait4(p.pid, 0)
+    wall = time.perf_counter() - t0
+    p.returncode = os.waitstatus_to_exitcode(status)
+    t1 = time.perf_counter()
+    subprocess.run(["sync"], check=True)
+    flush = time.perf_counter() - t1
+    if p.returncode != 0:
+        raise RuntimeError("%s failed (exit %d): %s" % (" ".join(cmd), p.returncode,
+                                                       err.decode(errors="replace")[-2000:]))
+    return wall, ru.ru_maxrss * 1024, flush, err
+
+
+def has_torch(python):
+    try:
+        r = subprocess.run([python, "-c", "import torch, transformers"], capture_output=True)
+        return r.returncode == 0
+    except OSError:
+        return False
+
+
+def unshard_reads(unshard, path):
+    """None when unshard can read the input, else the reason it gives."""
+    r = subprocess.run([unshard, "inspect", path, "--json"], capture_output=True, text=True)
+    if r.returncode == 0:
+        return None
+    lines = [ln for ln in r.stderr.splitlines() if ln.startswith("error:")]
+    return lines[0] if lines else "exit %d" % r.returncode
+
+
+def fmt_bytes(n):
+    if n >= 1e9:
+        return "%.2f GB" % (n / 1e9)
+    return "%.0f MB" % (n / 1e6)
+
+
+def run(args):
+    unshard = os.path.abspath(args.unshard)
+    here = os.path.dirname(os.path.abspath(__file__))
+    pipeline = os.path.join(here, "python_pipeline.py")
+    python_ok = "python" in args.rows and has_torch(args.python)
+    if "python" in args.rows and not python_ok:
+        print("note: %s cannot import torch and transformers: Python rows skipped" % args.python)
+    cache = args.cache
+    if cache == "auto":
+        cache = "cold" if can_drop_caches() else "warm"
+    elif cache == "cold" and not can_drop_caches():
+        sys.exit("--cache cold needs write access to /proc/sys/vm/drop_caches (root)")
+    work = os.path.abspath(args.work)
+    os.makedirs(work, exist_ok=True)
+
+    results = []
+    for data in args.data:
+        data = os.path.abspath(data)
+        with open(os.path.join(data, "meta.json")) as f:
+            meta = json.load(f)
+        base = os.path.join(data, "base")
+        for kind, rel, label, mode in KINDS:
+            if kind not in args.kinds:
+                continue
+            src = os.path.join(data, rel)
+            if not os.path.exists(src):
+                continue
+            size = du(src)
+            rows = []
+            skipped = None
+            if "cp" in args.rows:
+                rows.append(("cp", lambda out, src=src: ["cp", "-r", src, out]))
+            if "unshard" in args.rows:
+                why = unshard_reads(unshard, src)
+                if why is None:
+                    rows.append(("unshard", lambda out, src=src: [
+                        unshard, "merge", src, "--base", base, "--output", out,
+                        "--dtype", "bfloat16", "--quiet", "--force"]))
+                else:
+                    skipped = "not supported yet (%s)" % why
+            if python_ok and mode:
+                rows.append(("python", lambda out, src=src, mode=mode: [
+                    args.python, pipeline, mode, src, base, out]))
+            runs = {tool: [] for tool, _ in rows}
+            for rep in range(args.repeat):
+                for tool, make_cmd in rows:
+                    out = os.path.join(work, "%s-%s" % (kind, tool))
+                    shutil.rmtree(out, ignore_errors=True)
+                    if cache == "cold":
+                        drop_caches()
+                    else:
+                        read_all(src)
+                        if tool != "cp":
+                            read_all(base)
+                        subprocess.run(["sync"], check=True)
+                    wall, rss, flush, _ = measure(make_cmd(out))
+                    runs[tool].append((wall, rss, flush))
+                    print("  %s %-24s %-8s run %d: %6.2f s (+sync %5.2f s), peak RSS %s"
+                          % (os.path.basename(data), label, tool, rep + 1, wall, flush,
+                             fmt_bytes(rss)), flush=True)
+                    shutil.rmtree(out, ignore_errors=True)
+            for tool, rs in runs.items():
+                results.append(dict(
+                    data=data, meta=meta, kind=kind, label=label, input_bytes=size, tool=tool,
+                    wall=statistics.median(r[0] for r in rs),
+                    wall_sync=statistics.median(r[0] + r[2] for r in rs),
+                    rss=statistics.median(r[1] for r in rs),
+                    walls=[r[0] for r in rs]))
+                if skipped and tool == "cp":
+                    results.append(dict(data=data, meta=meta, kind=kind, label=label,
+                                        input_bytes=size, tool="unshard", skipped=skipped))
+                    skipped = None
+            if skipped:
+                results.append(dict(data=data, meta=meta, kind=kind, label=label,
+                                    input_bytes=size, tool="unshard", skipped=skipped))
+    return results, cache
+
+
+TOOL_NAMES = {"cp": "cp -r", "unshard": "unshard merge (to bf16)", "python": "Python pipeline"}
+
+
+def table(results):
+    """A Markdown table; ratios are to cp of the same input in the same run."""
+    lines = ["| model | input | size | command | wall s | x cp | wall+sync s | peak RSS |",
+             "|---|---|---:|---|---:|---:|---:|---:|"]
+    for r in results:
+        meta = r["meta"]
+        model = "%.2fB (%d layers)" % (meta["parameters"] / 1e9, meta["layers"])
+        head = "| %s | %s | %s | %s |" % (model, r["label"], fmt_bytes(r["input_bytes"]),
+                                          TOOL_NAMES[r["tool"]])
+        if "skipped" in r:
+            lines.append(head + " %s | | | |" % r["skipped"])
+            continue
+        cp = next((c for c in results if c["data"] == r["data"] and c["kind"] == r["kind"]
+                   and c["tool"] == "cp" and "wall" in c), None)
+        ratio = "%.2f" % (r["wall"] / cp["wall"]) if cp else ""
+        lines.append(head + " %.2f | %s | %.2f | %s |" % (r["wall"], ratio, r["wall_sync"],
+                                                          fmt_bytes(r["rss"])))
+    return "\n".join(lines)
+
+
+def machine():
+    cpu = platform.processor()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    with open("/proc/meminfo") as f:
+        mem = int(f.readline().split()[1]) * 1024
+    return "%s, %d cores, %.0f GB RAM, Linux %s" % (cpu, os.cpu_count(), mem / 2**30,
+                                                  platform.release())
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--data", action="append", required=True,
+                    help="a directory written by gen.py (repeatable)")
+    ap.add_argument("--unshard", default="target/release/unshard")
+    ap.add_argument("--python", default=sys.executable,
+                    help="interpreter with torch and transformers for the Python rows")
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--cache", choices=("auto", "cold", "warm"), default="auto")
+    ap.add_argument("--rows", default="cp,unshard,python")
+    ap.add_argument("--kinds", default="policy,dcp,ranks")
+    ap.add_argument("--work", default="/tmp/unshard-bench",
+                    help="where outputs go (removed after each run); put it on the inputs' disk")
+    ap.add_argument("--json", help="also write the results here")
+    ap.add_argument("--name", default=TOOL_NAMES["unshard"],
+                    help="what to call the unshard rows (to compare two builds)")
+    args = ap.parse_args()
+    TOOL_NAMES["unshard"] = args.name
+    args.rows = args.rows.split(",")
+    args.kinds = args.kinds.split(",")
+
+    results, cache = run(args)
+    print()
+    print("%s; %s page cache; median of %d runs; %s" % (
+        machine(), cache, args.repeat, datetime.date.today().isoformat()))
+    print(table(results))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(machine=machine(), cache=cache, repeat=args.repeat,
+                           date=datetime.date.today().isoformat(),
+                           results=[{k: v for k, v in r.items() if k != "meta"} for r in results]),
+                      f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
