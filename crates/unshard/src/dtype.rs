@@ -406,20 +406,32 @@ mod kernels {
         u32::from_le_bytes([s[4 * i], s[4 * i + 1], s[4 * i + 2], s[4 * i + 3]])
     }
 
-    /// The scalar reference for f32 -> bf16: exact bits and counts, element by element.
+    /// The scalar reference for f32 -> a 16-bit float: `round` per element, with the
+    /// NaN/inf/overflow counts (`inf` is the output's infinity with the sign cleared).
     #[inline(always)]
-    pub(crate) fn f32_to_bf16_exact(src: &[u8], dst: &mut [u8]) -> ConvertStats {
+    fn f32_to_16_exact(
+        src: &[u8],
+        dst: &mut [u8],
+        round: fn(f32) -> u16,
+        inf: u16,
+    ) -> ConvertStats {
         let mut stats = ConvertStats::default();
         for (s, d) in src.chunks_exact(4).zip(dst.chunks_exact_mut(2)) {
             let u = le_u32(s, 0);
             let abs = u & 0x7fff_ffff;
-            let out = super::f32_to_bf16_bits(f32::from_bits(u));
+            let out = round(f32::from_bits(u));
             stats.nan += (abs > 0x7f80_0000) as u64;
             stats.inf += (abs == 0x7f80_0000) as u64;
-            stats.overflow += ((abs < 0x7f80_0000) & ((out & 0x7fff) == 0x7f80)) as u64;
+            stats.overflow += ((abs < 0x7f80_0000) & ((out & 0x7fff) == inf)) as u64;
             d.copy_from_slice(&out.to_le_bytes());
         }
         stats
+    }
+
+    /// The scalar reference for f32 -> bf16: exact bits and counts, element by element.
+    #[inline(always)]
+    pub(crate) fn f32_to_bf16_exact(src: &[u8], dst: &mut [u8]) -> ConvertStats {
+        f32_to_16_exact(src, dst, super::f32_to_bf16_bits, 0x7f80)
     }
 
     /// f32 -> bf16, blocks of [`LANES`]; see the module documentation.
@@ -508,17 +520,7 @@ mod kernels {
     /// The scalar reference for f32 -> f16: `half` per element (F16C when present).
     #[inline(always)]
     pub(crate) fn f32_to_f16_exact(src: &[u8], dst: &mut [u8]) -> ConvertStats {
-        let mut stats = ConvertStats::default();
-        for (s, d) in src.chunks_exact(4).zip(dst.chunks_exact_mut(2)) {
-            let u = le_u32(s, 0);
-            let abs = u & 0x7fff_ffff;
-            let out = super::f32_to_f16_bits(f32::from_bits(u));
-            stats.nan += (abs > 0x7f80_0000) as u64;
-            stats.inf += (abs == 0x7f80_0000) as u64;
-            stats.overflow += ((abs < 0x7f80_0000) & ((out & 0x7fff) == 0x7c00)) as u64;
-            d.copy_from_slice(&out.to_le_bytes());
-        }
-        stats
+        f32_to_16_exact(src, dst, super::f32_to_f16_bits, 0x7c00)
     }
 
     /// Rounds a finite f32 of magnitude below 65520 to float16 bits, to nearest even,
