@@ -4,6 +4,8 @@
 For every data directory written by gen.py and every input kind in it
 (policy.pt, the 4-rank DCP directory, the 4 verl rank files), runs back to back:
 
+  read     read_floor.py: every input byte read once, 4 threads of 16 MiB reads
+           (direct I/O when cold), nothing written: what reading alone costs
   cp       cp -r of the input: the yardstick for reading and writing those bytes
   unshard  unshard merge INPUT --base base --dtype bfloat16 (writes half the bytes cp does)
   python   the Python pipeline (python_pipeline.py), where torch is installed:
@@ -148,6 +150,10 @@ def run(args):
             size = du(src)
             rows = []
             skipped = None
+            if "read" in args.rows:
+                rows.append(("read", lambda out, src=src: [
+                    sys.executable, os.path.join(here, "read_floor.py"), src]
+                    + (["--buffered"] if cache == "warm" else [])))
             if "cp" in args.rows:
                 rows.append(("cp", lambda out, src=src: ["cp", "-r", src, out]))
             if "unshard" in args.rows:
@@ -170,7 +176,7 @@ def run(args):
                         drop_caches()
                     else:
                         read_all(src)
-                        if tool != "cp":
+                        if tool not in ("cp", "read"):
                             read_all(base)
                         subprocess.run(["sync"], check=True)
                     wall, rss, flush, _ = measure(make_cmd(out))
@@ -196,26 +202,29 @@ def run(args):
     return results, cache
 
 
-TOOL_NAMES = {"cp": "cp -r", "unshard": "unshard merge (to bf16)", "python": "Python pipeline"}
+TOOL_NAMES = {"read": "read only (read_floor.py)", "cp": "cp -r", "unshard": "unshard merge (to bf16)", "python": "Python pipeline"}
 
 
 def table(results):
-    """A Markdown table; ratios are to cp of the same input in the same run."""
-    lines = ["| model | input | size | command | wall s | x cp | wall+sync s | peak RSS |",
-             "|---|---|---:|---|---:|---:|---:|---:|"]
+    """A Markdown table; ratios are to cp and to the read-only row of the same input in
+    the same run."""
+    lines = ["| model | input | size | command | wall s | x cp | x read | wall+sync s | peak RSS |",
+             "|---|---|---:|---|---:|---:|---:|---:|---:|"]
     for r in results:
         meta = r["meta"]
         model = "%.2fB (%d layers)" % (meta["parameters"] / 1e9, meta["layers"])
         head = "| %s | %s | %s | %s |" % (model, r["label"], fmt_bytes(r["input_bytes"]),
                                           TOOL_NAMES[r["tool"]])
         if "skipped" in r:
-            lines.append(head + " %s | | | |" % r["skipped"])
+            lines.append(head + " %s | | | | |" % r["skipped"])
             continue
-        cp = next((c for c in results if c["data"] == r["data"] and c["kind"] == r["kind"]
-                   and c["tool"] == "cp" and "wall" in c), None)
-        ratio = "%.2f" % (r["wall"] / cp["wall"]) if cp else ""
-        lines.append(head + " %.2f | %s | %.2f | %s |" % (r["wall"], ratio, r["wall_sync"],
-                                                          fmt_bytes(r["rss"])))
+
+        def ratio(tool):
+            y = next((c for c in results if c["data"] == r["data"] and c["kind"] == r["kind"]
+                      and c["tool"] == tool and "wall" in c), None)
+            return "%.2f" % (r["wall"] / y["wall"]) if y else ""
+        lines.append(head + " %.2f | %s | %s | %.2f | %s |" % (
+            r["wall"], ratio("cp"), ratio("read"), r["wall_sync"], fmt_bytes(r["rss"])))
     return "\n".join(lines)
 
 
@@ -241,7 +250,7 @@ def main():
                     help="interpreter with torch and transformers for the Python rows")
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--cache", choices=("auto", "cold", "warm"), default="auto")
-    ap.add_argument("--rows", default="cp,unshard,python")
+    ap.add_argument("--rows", default="read,cp,unshard,python")
     ap.add_argument("--kinds", default="policy,dcp,ranks")
     ap.add_argument("--work", default="/tmp/unshard-bench",
                     help="where outputs go (removed after each run); put it on the inputs' disk")
