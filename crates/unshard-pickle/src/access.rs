@@ -121,7 +121,7 @@ impl Pickle {
     /// `(module, name)` of a `Global` node.
     pub fn global(&self, id: NodeId) -> Option<(&str, &str)> {
         match self.get(id) {
-            Value::Global { module, name } => Some((module, name)),
+            Value::Global(g) => Some((&g.module, &g.name)),
             _ => None,
         }
     }
@@ -143,8 +143,7 @@ impl Pickle {
                 callable,
                 args,
                 state,
-                list_items,
-                dict_items,
+                items,
             } => Some(ObjectRef {
                 id,
                 kind: *kind,
@@ -152,8 +151,8 @@ impl Pickle {
                 global: self.global(*callable),
                 args: self.items(*args).unwrap_or_default(),
                 state: *state,
-                list_items,
-                dict_items,
+                list_items: items.as_ref().map_or(&[], |i| &i.list),
+                dict_items: items.as_ref().map_or(&[], |i| &i.dict),
             }),
             _ => None,
         }
@@ -187,15 +186,15 @@ impl Pickle {
             Value::Dict(pairs) => write!(out, "dict({})", count(pairs.len(), "item")),
             Value::Set(items) => write!(out, "set({})", count(items.len(), "item")),
             Value::FrozenSet(items) => write!(out, "frozenset({})", count(items.len(), "item")),
-            Value::Global { module, name } => {
+            Value::Global(g) => {
                 out.push_str("global ");
-                push_dotted(out, module, name);
+                push_dotted(out, &g.module, &g.name);
                 Ok(())
             }
             Value::Object { callable, args, .. } => {
                 out.push_str("object ");
                 match self.get(*callable) {
-                    Value::Global { module, name } => push_dotted(out, module, name),
+                    Value::Global(g) => push_dotted(out, &g.module, &g.name),
                     other => {
                         let _ = write!(out, "<{}>", other.type_name());
                     }

@@ -42,9 +42,10 @@ pub(crate) fn recognize(
     callable: NodeId,
     args: &[NodeId],
 ) -> Option<Builtin> {
-    let Some(Value::Global { module, name }) = nodes.get(callable.0 as usize) else {
+    let Some(Value::Global(g)) = nodes.get(callable.0 as usize) else {
         return None;
     };
+    let (module, name) = (&g.module, &g.name);
     let value = |id: &NodeId| nodes.get(id.0 as usize);
     // `NEWOBJ` calls `cls.__new__(cls, *args)`, which for most builtins ignores `args`.
     let new_only = kind == ObjectKind::NewObj;
@@ -85,7 +86,7 @@ pub(crate) fn recognize(
         ("_codecs", "encode", [text, encoding]) if !new_only => latin1(nodes, text, encoding),
         (_, "getattr", [owner, attr]) if builtin && !new_only => {
             match (value(owner), value(attr)) {
-                (Some(Value::Global { .. }), Some(Value::Str(_))) => Some(Builtin::Attribute {
+                (Some(Value::Global(_)), Some(Value::Str(_))) => Some(Builtin::Attribute {
                     owner: *owner,
                     attr: *attr,
                 }),
@@ -122,10 +123,7 @@ mod tests {
     use super::*;
 
     fn global(module: &str, name: &str) -> Value {
-        Value::Global {
-            module: module.into(),
-            name: name.into(),
-        }
+        Value::global(module, name)
     }
 
     #[test]

@@ -131,10 +131,8 @@ pub enum Value {
     Set(Vec<NodeId>),
     FrozenSet(Vec<NodeId>),
     /// A class or function reference from `GLOBAL`/`STACK_GLOBAL`. Never resolved.
-    Global {
-        module: String,
-        name: String,
-    },
+    /// Boxed, as globals are few and every node is as large as the largest variant.
+    Global(Box<GlobalName>),
     /// The result of applying a callable that is not one of the interpreted builtins.
     Object {
         kind: ObjectKind,
@@ -144,16 +142,39 @@ pub enum Value {
         args: NodeId,
         /// The `BUILD` state, if any (the last one wins).
         state: Option<NodeId>,
-        /// Items added by `APPEND(S)` to this object (e.g. a list subclass).
-        list_items: Vec<NodeId>,
-        /// Items added by `SETITEM(S)` to this object (e.g. a `defaultdict`).
-        dict_items: Vec<(NodeId, NodeId)>,
+        /// Items added by `APPEND(S)` or `SETITEM(S)` (e.g. a list subclass or a
+        /// `defaultdict`); `None` until the first one, which few objects get.
+        items: Option<Box<ObjectItems>>,
     },
     /// `PERSID`/`BINPERSID`: the persistent id value (torch's storage tuples).
     PersistentId(NodeId),
 }
 
+/// The module and name of a [`Value::Global`].
+#[derive(Clone, Debug, PartialEq)]
+pub struct GlobalName {
+    pub module: String,
+    pub name: String,
+}
+
+/// Items added to an opaque [`Value::Object`] as if it were a list or a dict.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct ObjectItems {
+    /// Items added by `APPEND(S)`.
+    pub list: Vec<NodeId>,
+    /// Items added by `SETITEM(S)`, in order.
+    pub dict: Vec<(NodeId, NodeId)>,
+}
+
 impl Value {
+    /// A `Global` value.
+    pub fn global(module: impl Into<String>, name: impl Into<String>) -> Value {
+        Value::Global(Box::new(GlobalName {
+            module: module.into(),
+            name: name.into(),
+        }))
+    }
+
     /// The Python type name of the value, for messages: `"dict"`, `"str"`, `"object"`, ...
     pub fn type_name(&self) -> &'static str {
         match self {
@@ -168,7 +189,7 @@ impl Value {
             Value::Dict(_) => "dict",
             Value::Set(_) => "set",
             Value::FrozenSet(_) => "frozenset",
-            Value::Global { .. } => "global",
+            Value::Global(_) => "global",
             Value::Object { .. } => "object",
             Value::PersistentId(_) => "persistent id",
         }

@@ -5,8 +5,10 @@
 //!
 //! * Globals are never imported and calls are never made (see [`crate::builtins`] for
 //!   the few that are interpreted as data). Everything else becomes an `Object` node.
-//! * The memo maps keys to [`NodeId`]s in a `HashMap`, so a `LONG_BINPUT 4000000000`
-//!   costs one entry, not a four-billion-slot vector.
+//! * The memo is a vector indexed by key for the keys writers use (0, 1, 2, ... in
+//!   order, as CPython's pickler and `MEMOIZE` assign them) and a `HashMap` for any
+//!   other key, so a `LONG_BINPUT 4000000000` costs one entry, not a four-billion-slot
+//!   vector.
 //! * Every allocation is charged to [`Limits`] *before* it is made, and every length
 //!   field is checked against the bytes left in the input before anything is copied.
 //!   Each opcode does work proportional to its own argument or to the values it takes
@@ -25,6 +27,48 @@ use crate::{Error, ErrorKind, Limits, NodeId, ObjectKind, Pickle, Value};
 
 type Result<T> = std::result::Result<T, ErrorKind>;
 
+/// The memo: keys `0..dense.len()` in a vector (every slot filled), any other key in
+/// `sparse`. A key is moved to the vector when the vector grows to reach it, so each
+/// key lives in exactly one of the two.
+#[derive(Default)]
+struct Memo {
+    dense: Vec<NodeId>,
+    sparse: HashMap<u64, NodeId>,
+}
+
+impl Memo {
+    fn len(&self) -> usize {
+        self.dense.len() + self.sparse.len()
+    }
+
+    fn get(&self, key: u64) -> Option<NodeId> {
+        match usize::try_from(key) {
+            Ok(k) if k < self.dense.len() => self.dense.get(k).copied(),
+            _ => self.sparse.get(&key).copied(),
+        }
+    }
+
+    fn insert(&mut self, key: u64, id: NodeId) {
+        let n = self.dense.len();
+        match usize::try_from(key) {
+            Ok(k) if k < n => self.dense[k] = id,
+            Ok(k) if k == n => {
+                self.dense.push(id);
+                if !self.sparse.is_empty() {
+                    self.sparse.remove(&key);
+                    // Keys stored out of order earlier join the vector once it reaches them.
+                    while let Some(next) = self.sparse.remove(&(self.dense.len() as u64)) {
+                        self.dense.push(next);
+                    }
+                }
+            }
+            _ => {
+                self.sparse.insert(key, id);
+            }
+        }
+    }
+}
+
 /// The unpickler state while one pickle is read.
 pub(crate) struct Machine<'a> {
     data: &'a [u8],
@@ -37,7 +81,7 @@ pub(crate) struct Machine<'a> {
     stack: Vec<NodeId>,
     /// Stack heights at each open `MARK`, innermost last.
     marks: Vec<usize>,
-    memo: HashMap<u64, NodeId>,
+    memo: Memo,
     keys: KeyIndex,
     /// Bytes of string, bytes and big-integer payload allocated so far.
     payload: usize,
@@ -60,7 +104,7 @@ impl<'a> Machine<'a> {
             nodes: Vec::new(),
             stack: Vec::new(),
             marks: Vec::new(),
-            memo: HashMap::new(),
+            memo: Memo::default(),
             keys: KeyIndex::new(),
             payload: 0,
             items: 0,
@@ -646,7 +690,7 @@ impl<'a> Machine<'a> {
         self.charge_items(items.len())?;
         let list = match self.node_mut(target) {
             Some(Value::List(list)) => list,
-            Some(Value::Object { list_items, .. }) => list_items,
+            Some(Value::Object { items: extra, .. }) => &mut extra.get_or_insert_default().list,
             other => {
                 return Err(ErrorKind::NotAContainer {
                     op: name,
@@ -671,9 +715,10 @@ impl<'a> Machine<'a> {
                 }
                 Ok(())
             }
-            Some(Value::Object { dict_items, .. }) => {
-                check_len(dict_items.len(), pairs.len(), limit)?;
-                dict_items.extend(pairs.iter().copied());
+            Some(Value::Object { items, .. }) => {
+                let dict = &mut items.get_or_insert_default().dict;
+                check_len(dict.len(), pairs.len(), limit)?;
+                dict.extend(pairs.iter().copied());
                 self.charge_items(pairs.len())
             }
             other => Err(ErrorKind::NotAContainer {
@@ -747,7 +792,7 @@ impl<'a> Machine<'a> {
     fn memo_put(&mut self, key: u64) -> Result<()> {
         let top = self.peek()?;
         let limit = self.limits.max_memo;
-        if self.memo.len() >= limit && !self.memo.contains_key(&key) {
+        if self.memo.len() >= limit && self.memo.get(key).is_none() {
             return Err(ErrorKind::LimitExceeded {
                 what: "memo entries",
                 limit,
@@ -758,7 +803,7 @@ impl<'a> Machine<'a> {
     }
 
     fn memo_get(&mut self, key: u64) -> Result<()> {
-        let id = *self.memo.get(&key).ok_or(ErrorKind::MemoMissing(key))?;
+        let id = self.memo.get(key).ok_or(ErrorKind::MemoMissing(key))?;
         self.push(id)
     }
 
@@ -771,10 +816,7 @@ impl<'a> Machine<'a> {
         self.charge_payload(module.len() + name.len())?;
         let module = std::str::from_utf8(module).map_err(|_| ErrorKind::InvalidUtf8)?;
         let name = std::str::from_utf8(name).map_err(|_| ErrorKind::InvalidUtf8)?;
-        self.new_node(Value::Global {
-            module: module.to_owned(),
-            name: name.to_owned(),
-        })
+        self.new_node(Value::global(module, name))
     }
 
     fn stack_global(&mut self) -> Result<()> {
@@ -792,10 +834,7 @@ impl<'a> Machine<'a> {
                 found,
             });
         };
-        let global = Value::Global {
-            module: module.clone(),
-            name: name.clone(),
-        };
+        let global = Value::global(module.clone(), name.clone());
         self.charge_payload(module.len() + name.len())?;
         self.push_value(global)
     }
@@ -823,8 +862,7 @@ impl<'a> Machine<'a> {
                 callable,
                 args,
                 state: None,
-                list_items: Vec::new(),
-                dict_items: Vec::new(),
+                items: None,
             })?,
         };
         self.push(id)
@@ -904,15 +942,12 @@ impl<'a> Machine<'a> {
                 let len = self.node(owner).map_or(0, payload_len)
                     + self.node(attr).map_or(0, payload_len);
                 self.charge_payload(len + 1)?;
-                let (Some(Value::Global { module, name }), Some(Value::Str(attr))) =
+                let (Some(Value::Global(g)), Some(Value::Str(attr))) =
                     (self.node(owner), self.node(attr))
                 else {
                     return Ok(None);
                 };
-                let global = Value::Global {
-                    module: module.clone(),
-                    name: format!("{name}.{attr}"),
-                };
+                let global = Value::global(g.module.clone(), format!("{}.{attr}", g.name));
                 self.new_node(global)?
             }
         };
@@ -961,7 +996,7 @@ fn payload_len(value: &Value) -> usize {
     match value {
         Value::Str(s) => s.len(),
         Value::Bytes(b) | Value::BigInt(b) => b.len(),
-        Value::Global { module, name } => module.len() + name.len(),
+        Value::Global(g) => g.module.len() + g.name.len(),
         _ => 0,
     }
 }

@@ -405,6 +405,38 @@ fn huge_memo_keys_cost_one_entry_and_the_memo_is_bounded() {
 }
 
 #[test]
+fn memo_keys_out_of_order_overwritten_and_sparse_resolve_as_in_python() {
+    // memo[2] = 'a'; memo[0] = 'b'; memo[1] = 'c'; memo[1] = 'd'; MEMOIZE 'e' (key
+    // len(memo) = 3); memo[9] = 'f'; MEMOIZE 'g' (key 5); MEMOIZE 'h' (key 6).
+    let mut data = b"\x80\x04".to_vec();
+    for (text, put) in [
+        ("a", &b"q\x02"[..]),
+        ("b", b"q\x00"),
+        ("c", b"q\x01"),
+        ("d", b"q\x01"),
+        ("e", b"\x94"),
+        ("f", b"q\x09"),
+        ("g", b"\x94"),
+        ("h", b"\x94"),
+    ] {
+        data.extend([0x8c, 1, text.as_bytes()[0]]);
+        data.extend(put);
+        data.push(b'0');
+    }
+    data.push(b'(');
+    for key in [0u8, 1, 2, 3, 5, 6, 9] {
+        data.extend([b'h', key]);
+    }
+    data.extend(b"t.");
+    let p = parse(&data).expect("memo in any order");
+    assert_eq!(render(&p), "('b', 'd', 'a', 'e', 'g', 'h', 'f')");
+    let mut missing = data.clone();
+    let at = missing.len() - 3;
+    missing[at] = 4;
+    assert_eq!(kind(&missing), ErrorKind::MemoMissing(4));
+}
+
+#[test]
 fn long_text_with_millions_of_digits_is_refused_quickly() {
     let mut data = b"L".to_vec();
     data.resize(data.len() + 2_000_000, b'9');

@@ -87,15 +87,16 @@ fn write_node(p: &Pickle, id: NodeId, path: &mut Vec<NodeId>, out: &mut String) 
             write_pairs(p, pairs, path, out);
             out.push('}');
         }
-        Value::Global { module, name } => out.push_str(&format!("{module}.{name}")),
+        Value::Global(g) => out.push_str(&format!("{}.{}", g.module, g.name)),
         Value::Object {
             kind,
             callable,
             args,
             state,
-            list_items,
-            dict_items,
+            items,
         } => {
+            let list_items: &[NodeId] = items.as_ref().map_or(&[], |i| &i.list);
+            let dict_items: &[(NodeId, NodeId)] = items.as_ref().map_or(&[], |i| &i.dict);
             out.push_str(match kind {
                 ObjectKind::Reduce => "Reduce<",
                 ObjectKind::NewObj => "NewObj<",

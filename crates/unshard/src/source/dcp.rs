@@ -274,7 +274,7 @@ fn properties_dtype(p: &Pickle, props: NodeId) -> std::result::Result<DType, Str
     }
     .ok_or("tensor properties without a dtype")?;
     dtype_of(p, token).ok_or_else(|| match p.get(token) {
-        Value::Global { module, name } => format!("unsupported dtype {module}.{name}"),
+        Value::Global(g) => format!("unsupported dtype {}.{}", g.module, g.name),
         _ => "the dtype is not a torch dtype".into(),
     })
 }

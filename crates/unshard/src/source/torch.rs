@@ -210,7 +210,7 @@ pub(crate) fn seq_of(p: &Pickle, id: NodeId) -> Option<&[NodeId]> {
 
 pub(crate) fn global_of(p: &Pickle, id: NodeId) -> Option<(&str, &str)> {
     match p.get(id) {
-        Value::Global { module, name } => Some((module, name)),
+        Value::Global(g) => Some((&g.module, &g.name)),
         _ => None,
     }
 }
@@ -306,7 +306,7 @@ pub fn describe(p: &Pickle, id: NodeId) -> String {
         Value::List(v) => format!("list ({} items)", v.len()),
         Value::Dict(v) => format!("dict ({} items)", v.len()),
         Value::Set(v) | Value::FrozenSet(v) => format!("set ({} items)", v.len()),
-        Value::Global { module, name } => format!("class {module}.{name}"),
+        Value::Global(g) => format!("class {}.{}", g.module, g.name),
         Value::Object { callable, .. } => match global_of(p, *callable) {
             Some((m, n)) => format!("object {m}.{n} (not executed)"),
             None => "object (not executed)".into(),
