@@ -143,9 +143,26 @@ struct InspectArgs {
     stats: bool,
 }
 
+/// A sharded checkpoint has one file per rank, and a merge keeps each open: raise the
+/// soft limit on open files (often 1024) to the hard limit the system allows.
+fn raise_open_file_limit() {
+    let mut lim = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit/setrlimit only read and write the struct passed to them.
+    unsafe {
+        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) == 0 && lim.rlim_cur < lim.rlim_max {
+            lim.rlim_cur = lim.rlim_max;
+            libc::setrlimit(libc::RLIMIT_NOFILE, &lim);
+        }
+    }
+}
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
     output::install_signal_handlers();
+    raise_open_file_limit();
     let result = match cli.command {
         Command::Merge(args) => run_merge(args),
         Command::Inspect(args) => inspect::run(&args.path, args.key, args.json, args.stats),

@@ -114,3 +114,59 @@ fn a_missing_rank_fails_naming_the_file_and_leaves_nothing() {
         "left files behind"
     );
 }
+
+/// Runs `unshard merge` with the open-files limit set to `soft` and `hard`.
+fn merge_with_file_limit(
+    checkpoint: &Path,
+    base: &Path,
+    out: &Path,
+    soft: u64,
+    hard: u64,
+) -> Output {
+    use std::os::unix::process::CommandExt;
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_unshard"));
+    cmd.arg("merge")
+        .arg(checkpoint)
+        .arg("--base")
+        .arg(base)
+        .arg("--output")
+        .arg(out)
+        .arg("--quiet");
+    // SAFETY: setrlimit is async-signal-safe and only reads the struct it is given.
+    unsafe {
+        cmd.pre_exec(move || {
+            let lim = libc::rlimit {
+                rlim_cur: soft,
+                rlim_max: hard,
+            };
+            if libc::setrlimit(libc::RLIMIT_NOFILE, &lim) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+    cmd.output().unwrap()
+}
+
+#[test]
+fn a_checkpoint_of_more_files_than_the_soft_open_file_limit_merges() {
+    // Three rank files, kept open, beside stdin, stdout and stderr: 6 descriptors.
+    let dcp = fixtures().join("sharded/llama_w3_dcp");
+    let base = fixtures().join("models/llama-bf16");
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("out");
+    let r = merge_with_file_limit(&dcp, &base, &out, 5, 256);
+    assert!(r.status.success(), "{}", String::from_utf8_lossy(&r.stderr));
+    assert!(out.join("model.safetensors").is_file());
+
+    // A hard limit too low: an error that says what to raise, and nothing written.
+    let out = tmp.path().join("out2");
+    let r = merge_with_file_limit(&dcp, &base, &out, 5, 5);
+    assert_eq!(r.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&r.stderr);
+    assert!(err.contains("__") && err.contains(".distcp"), "{err}");
+    assert!(err.contains("ulimit -n"), "{err}");
+    assert!(!out.exists());
+    let left: Vec<_> = std::fs::read_dir(tmp.path()).unwrap().collect();
+    assert_eq!(left.len(), 1, "only the first output: {left:?}");
+}

@@ -185,6 +185,10 @@ impl Error {
             Error::Io { source, .. } if source.raw_os_error() == Some(libc::ENOSPC) => {
                 Some("the disk is full; free space or choose another --output".into())
             }
+            Error::Io { source, .. } if source.raw_os_error() == Some(libc::EMFILE) => Some(
+                "a merge keeps every input file open, one per rank of a sharded checkpoint; raise the limit on open files (`ulimit -n`) to more than the number of files"
+                    .into(),
+            ),
             _ => None,
         }
     }
