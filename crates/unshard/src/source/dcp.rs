@@ -101,6 +101,7 @@ pub fn open(dir: &Path, opts: &OpenOptions) -> Result<Checkpoint> {
         files: Vec::new(),
         by_name: HashMap::new(),
     };
+    reader.prefetch_archive_ends(&md, &selection.tensors);
     let mut tensors = Vec::with_capacity(selection.tensors.len());
     for (name, entry) in &selection.tensors {
         tensors.push(reader.tensor(&md, name, entry)?);
@@ -482,6 +483,37 @@ struct Reader<'a> {
 }
 
 impl Reader<'_> {
+    /// Asks the kernel to start reading both ends of every chunk archive that is about
+    /// to be parsed (its zip records and pickle), all at once. Parsing touches them one
+    /// after the other; from a cold cache each touch would otherwise wait for its own
+    /// disk read, which for a checkpoint of many ranks (hundreds of thousands of chunks)
+    /// takes longer than reading the weights. A hint: files that do not open are left
+    /// for the parse to report.
+    fn prefetch_archive_ends(&mut self, md: &Metadata, tensors: &[(String, &Entry)]) {
+        const END: u64 = 16 << 10;
+        for (_, entry) in tensors {
+            let EntryKind::Tensor { chunks, .. } = &entry.kind else {
+                continue;
+            };
+            for chunk in chunks {
+                let key = (entry.fqn.clone(), Some(chunk.offsets.clone()));
+                let Some(item) = md.items.get(&key) else {
+                    continue;
+                };
+                let Ok(id) = self.file(&item.file, &entry.fqn) else {
+                    continue;
+                };
+                let blob = &self.files[id];
+                if item.length <= 2 * END {
+                    blob.will_need(item.offset, item.length);
+                } else {
+                    blob.will_need(item.offset, END);
+                    blob.will_need(item.offset.saturating_add(item.length - END), END);
+                }
+            }
+        }
+    }
+
     fn file(&mut self, name: &str, tensor: &str) -> Result<FileId> {
         if let Some(&id) = self.by_name.get(name) {
             return Ok(id);
@@ -600,7 +632,22 @@ impl Reader<'_> {
             files_used.insert(item.file.clone());
             compressed |= !item.transforms.is_empty();
             let blob = self.files[file].clone();
-            let data = slice(&blob, offset, length);
+            // A small archive is read into memory with one positioned read; a large one
+            // (mostly tensor bytes) is parsed in the map, where only its two ends are
+            // touched. Either way no mapped page stays resident: touching one maps the
+            // whole page-cache folio around it (up to 2 MiB), so what the parse touched
+            // is released with that margin; a neighbour's pages just fault back in.
+            const SMALL: u64 = 1 << 20;
+            const FOLIO: u64 = 2 << 20;
+            let owned;
+            let data = if length <= SMALL && blob.is_mapped() {
+                let mut buf = vec![0; length as usize];
+                blob.read_at(offset, &mut buf)?;
+                owned = buf;
+                &owned[..]
+            } else {
+                slice(&blob, offset, length)
+            };
             if !data.starts_with(b"PK") {
                 return Err(Error::Unsupported {
                     path: blob.path.clone(),
@@ -609,6 +656,10 @@ impl Reader<'_> {
                 });
             }
             let payload = torch::read_zip_payload(&blob.path, data, offset)?;
+            if length > SMALL {
+                let first = offset / FOLIO * FOLIO;
+                blob.release(first, (offset + length).div_ceil(FOLIO) * FOLIO - first);
+            }
             let t = match torch::leaf(&payload.pickle, payload.pickle.root()) {
                 Ok(Some(Leaf::Tensor(t))) => t,
                 Ok(_) => {

@@ -115,6 +115,11 @@ impl Blob {
         }
     }
 
+    /// Whether the bytes come from a mapped file (rather than memory).
+    pub fn is_mapped(&self) -> bool {
+        matches!(self.data, BlobData::Mapped(..))
+    }
+
     pub fn len(&self) -> u64 {
         self.bytes().len() as u64
     }

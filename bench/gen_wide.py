@@ -1,0 +1,127 @@
+#!/usr/bin/env python3
+"""Writes a DCP directory as a job of many ranks would, with tiny weights: the layout
+of a big model saved by FSDP2 over RANKS ranks (every tensor Shard(0) over all ranks,
+one `__R_0.distcp` file per rank, one `torch.save` archive per chunk, a `.metadata`
+pickle of torch's own dataclasses), so that what grows with the rank count (the
+metadata, the number of files and chunks) can be measured without terabytes of data.
+
+  python3 bench/gen_wide.py --out /data/bench/wide-512 --ranks 512 --layers 32 [--optim]
+
+Writes OUT/dcp (the checkpoint) and OUT/base (config.json for `unshard merge --base`).
+--optim adds Adam's exp_avg and exp_avg_sq for every parameter to the same
+checkpoint, as torchtitan saves them. Needs torch.
+"""
+
+import argparse
+import io
+import json
+import os
+import pickle
+import time
+
+import torch
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+
+
+def llama_shapes(layers, hidden, inter, vocab, kv):
+    shapes = {"model.embed_tokens.weight": (vocab, hidden)}
+    for i in range(layers):
+        p = "model.layers.%d." % i
+        shapes[p + "self_attn.q_proj.weight"] = (hidden, hidden)
+        shapes[p + "self_attn.k_proj.weight"] = (kv, hidden)
+        shapes[p + "self_attn.v_proj.weight"] = (kv, hidden)
+        shapes[p + "self_attn.o_proj.weight"] = (hidden, hidden)
+        shapes[p + "mlp.gate_proj.weight"] = (inter, hidden)
+        shapes[p + "mlp.up_proj.weight"] = (inter, hidden)
+        shapes[p + "mlp.down_proj.weight"] = (hidden, inter)
+        shapes[p + "input_layernorm.weight"] = (hidden,)
+        shapes[p + "post_attention_layernorm.weight"] = (hidden,)
+    shapes["model.norm.weight"] = (hidden,)
+    shapes["lm_head.weight"] = (vocab, hidden)
+    return shapes
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--ranks", type=int, default=512)
+    ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--optim", action="store_true")
+    args = ap.parse_args()
+    r = args.ranks
+    # Every dimension that is sharded is a multiple of the rank count: no rank is empty.
+    hidden, inter, vocab, kv = r, 2 * r, 2 * r, r
+    shapes = llama_shapes(args.layers, hidden, inter, vocab, kv)
+    entries = []  # (fqn in the checkpoint, planner path, shape)
+    for name, shape in shapes.items():
+        entries.append(("model." + name, ("model", name), shape))
+        if args.optim:
+            for k in ("exp_avg", "exp_avg_sq"):
+                entries.append(("optim.state.%s.%s" % (name, k), ("optim", "state", name, k),
+                                shape))
+
+    dcp = os.path.join(args.out, "dcp")
+    os.makedirs(dcp, exist_ok=True)
+    t0 = time.time()
+    files = [open(os.path.join(dcp, "__%d_0.distcp" % i), "wb") for i in range(r)]
+    sizes = [0] * r
+    gen = torch.Generator().manual_seed(0)
+    sdm, storage, planner = {}, {}, {}
+    for fqn, path, shape in entries:
+        full = torch.randn(shape, generator=gen).to(torch.bfloat16)
+        rows = shape[0] // r if len(shape) > 1 or shape[0] % r == 0 else None
+        chunks = []
+        for rank in range(r):
+            if rows is None:
+                # Too short to shard over every rank: rank 0 holds it whole.
+                if rank:
+                    continue
+                part, offsets = full, [0] * len(shape)
+            else:
+                part = full[rank * rows:(rank + 1) * rows]
+                offsets = [rank * rows] + [0] * (len(shape) - 1)
+            buf = io.BytesIO()
+            torch.save(part.clone(), buf)
+            data = buf.getvalue()
+            files[rank].write(data)
+            off = torch.Size(offsets)
+            chunks.append(ChunkStorageMetadata(offsets=off, sizes=part.shape))
+            storage[MetadataIndex(fqn, off)] = _StorageInfo(
+                "__%d_0.distcp" % rank, sizes[rank], len(data))
+            sizes[rank] += len(data)
+        sdm[fqn] = TensorStorageMetadata(
+            properties=TensorProperties(dtype=torch.bfloat16), size=torch.Size(shape),
+            chunks=chunks)
+        planner[fqn] = path
+    for f in files:
+        f.close()
+    md = Metadata(state_dict_metadata=sdm, planner_data=planner, storage_data=storage)
+    with open(os.path.join(dcp, ".metadata"), "wb") as f:
+        pickle.dump(md, f)
+
+    base = os.path.join(args.out, "base")
+    os.makedirs(base, exist_ok=True)
+    config = dict(
+        architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=hidden,
+        intermediate_size=inter, num_hidden_layers=args.layers, num_attention_heads=r // 64 or 1,
+        num_key_value_heads=r // 64 or 1, vocab_size=vocab, tie_word_embeddings=False,
+        torch_dtype="bfloat16", max_position_embeddings=2048, rms_norm_eps=1e-5)
+    with open(os.path.join(base, "config.json"), "w") as f:
+        json.dump(config, f, indent=2)
+    md_bytes = os.path.getsize(os.path.join(dcp, ".metadata"))
+    print("%d entries, %d chunks in %d files, .metadata %.1f MB, data %.1f MB, %.0f s" % (
+        len(entries), len(storage), r, md_bytes / 1e6, sum(sizes) / 1e6, time.time() - t0))
+    with open(os.path.join(args.out, "meta.json"), "w") as f:
+        json.dump(dict(ranks=r, layers=args.layers, optim=args.optim, entries=len(entries),
+                       chunks=len(storage), metadata_bytes=md_bytes), f)
+
+
+if __name__ == "__main__":
+    main()
