@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Measures unshard against cp and the Python pipeline, side by side in one run.
 
-For every data directory written by gen.py and every input kind in it
+For every data directory written by gen.py (or gen_wide.py: one DCP directory of
+many ranks, to measure what grows with the rank count) and every input kind in it
 (policy.pt, the 4-rank DCP directory, the 4 verl rank files), runs back to back:
 
   read     read_floor.py: every input byte read once, 4 threads of 16 MiB reads
@@ -141,7 +142,12 @@ def run(args):
         with open(os.path.join(data, "meta.json")) as f:
             meta = json.load(f)
         base = os.path.join(data, "base")
-        for kind, rel, label, mode in KINDS:
+        kinds = KINDS
+        if "ranks" in meta:
+            # Written by gen_wide.py: one DCP directory of many ranks, tiny weights.
+            kinds = (("dcp", "dcp", "DCP, %d ranks, %d chunks" % (meta["ranks"], meta["chunks"]),
+                      None),)
+        for kind, rel, label, mode in kinds:
             if kind not in args.kinds:
                 continue
             src = os.path.join(data, rel)
@@ -212,7 +218,10 @@ def table(results):
              "|---|---|---:|---|---:|---:|---:|---:|---:|"]
     for r in results:
         meta = r["meta"]
-        model = "%.2fB (%d layers)" % (meta["parameters"] / 1e9, meta["layers"])
+        if "ranks" in meta:
+            model = "wide (%d layers%s)" % (meta["layers"], ", + Adam state" if meta["optim"] else "")
+        else:
+            model = "%.2fB (%d layers)" % (meta["parameters"] / 1e9, meta["layers"])
         head = "| %s | %s | %s | %s |" % (model, r["label"], fmt_bytes(r["input_bytes"]),
                                           TOOL_NAMES[r["tool"]])
         if "skipped" in r:
