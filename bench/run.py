@@ -168,6 +168,10 @@ def run(args):
                     rows.append(("unshard", lambda out, src=src: [
                         unshard, "merge", src, "--base", base, "--output", out,
                         "--dtype", "bfloat16", "--quiet", "--force"]))
+                    for name, other in args.compare:
+                        rows.append(("unshard " + name, lambda out, src=src, other=other: [
+                            other, "merge", src, "--base", base, "--output", out,
+                            "--dtype", "bfloat16", "--quiet", "--force"]))
                 else:
                     skipped = "not supported yet (%s)" % why
             if python_ok and mode:
@@ -264,10 +268,16 @@ def main():
     ap.add_argument("--work", default="/tmp/unshard-bench",
                     help="where outputs go (removed after each run); put it on the inputs' disk")
     ap.add_argument("--json", help="also write the results here")
+    ap.add_argument("--compare", action="append", default=[], metavar="NAME=PATH",
+                    help="another unshard build to run beside the first (repeatable)")
     ap.add_argument("--name", default=TOOL_NAMES["unshard"],
                     help="what to call the unshard rows (to compare two builds)")
     args = ap.parse_args()
     TOOL_NAMES["unshard"] = args.name
+    args.compare = [tuple(c.split("=", 1)) for c in args.compare]
+    for name, path in args.compare:
+        TOOL_NAMES["unshard " + name] = "unshard merge (%s)" % name
+    args.compare = [(n, os.path.abspath(p)) for n, p in args.compare]
     args.rows = args.rows.split(",")
     args.kinds = args.kinds.split(",")
 

@@ -90,8 +90,16 @@ struct Metadata {
     items: HashMap<(String, Option<Vec<u64>>), Item>,
 }
 
+/// Chunk archives up to this size are read into memory with one positioned read to be
+/// parsed; larger ones (mostly tensor bytes) are parsed in the map.
+const SMALL_ARCHIVE: u64 = 1 << 20;
+
 /// Opens a DCP directory and describes the model tensors in it.
 pub fn open(dir: &Path, opts: &OpenOptions) -> Result<Checkpoint> {
+    open_with(dir, opts, SMALL_ARCHIVE)
+}
+
+fn open_with(dir: &Path, opts: &OpenOptions, small_archive: u64) -> Result<Checkpoint> {
     let meta_path = dir.join(".metadata");
     let raw = std::fs::read(&meta_path).map_err(|e| Error::io("read", &meta_path, e))?;
     let md = parse_metadata(&meta_path, &raw)?;
@@ -100,8 +108,12 @@ pub fn open(dir: &Path, opts: &OpenOptions) -> Result<Checkpoint> {
         dir,
         files: Vec::new(),
         by_name: HashMap::new(),
+        ahead: Vec::new(),
+        asked: 0,
+        parsed: 0,
+        small_archive,
     };
-    reader.prefetch_archive_ends(&md, &selection.tensors);
+    reader.plan_prefetch(&md, &selection.tensors);
     let mut tensors = Vec::with_capacity(selection.tensors.len());
     for (name, entry) in &selection.tensors {
         tensors.push(reader.tensor(&md, name, entry)?);
@@ -480,17 +492,33 @@ struct Reader<'a> {
     dir: &'a Path,
     files: Vec<Arc<Blob>>,
     by_name: HashMap<String, FileId>,
+    /// Every chunk archive to be parsed, in parsing order: file, offset, length.
+    ahead: Vec<(FileId, u64, u64)>,
+    /// How many of `ahead` have been asked for.
+    asked: usize,
+    /// How many of `ahead` have been parsed.
+    parsed: usize,
+    /// See [`SMALL_ARCHIVE`].
+    small_archive: u64,
 }
 
+/// Chunk archives whose ends are asked for ahead of the parse.
+const PREFETCH_CHUNKS: usize = 1024;
+
+/// Bytes asked for at each end of a chunk archive: its zip records and pickle take
+/// about 2 KiB at the start and 1 KiB at the end.
+const PREFETCH_END: u64 = 4 << 10;
+
 impl Reader<'_> {
-    /// Asks the kernel to start reading both ends of every chunk archive that is about
-    /// to be parsed (its zip records and pickle), all at once. Parsing touches them one
-    /// after the other; from a cold cache each touch would otherwise wait for its own
-    /// disk read, which for a checkpoint of many ranks (hundreds of thousands of chunks)
-    /// takes longer than reading the weights. A hint: files that do not open are left
-    /// for the parse to report.
-    fn prefetch_archive_ends(&mut self, md: &Metadata, tensors: &[(String, &Entry)]) {
-        const END: u64 = 16 << 10;
+    /// Lists the chunk archives that are about to be parsed, in the order they will
+    /// be, and asks for the first [`PREFETCH_CHUNKS`] of them. Parsing touches each
+    /// archive's two ends one after the other; from a cold cache each touch would wait
+    /// for its own disk read, which for a checkpoint of many ranks (hundreds of
+    /// thousands of chunks) takes longer than reading the weights. Asking the kernel
+    /// for the ends of the next thousand archives keeps the disk busy with many small
+    /// reads at once, and no more than a few MB of them ahead of the parse. Files that
+    /// do not open are left for the parse to report.
+    fn plan_prefetch(&mut self, md: &Metadata, tensors: &[(String, &Entry)]) {
         for (_, entry) in tensors {
             let EntryKind::Tensor { chunks, .. } = &entry.kind else {
                 continue;
@@ -500,17 +528,30 @@ impl Reader<'_> {
                 let Some(item) = md.items.get(&key) else {
                     continue;
                 };
-                let Ok(id) = self.file(&item.file, &entry.fqn) else {
+                if chunk.sizes.contains(&0) || !item.transforms.is_empty() {
                     continue;
-                };
-                let blob = &self.files[id];
-                if item.length <= 2 * END {
-                    blob.will_need(item.offset, item.length);
-                } else {
-                    blob.will_need(item.offset, END);
-                    blob.will_need(item.offset.saturating_add(item.length - END), END);
+                }
+                if let Ok(id) = self.file(&item.file, &entry.fqn) {
+                    self.ahead.push((id, item.offset, item.length));
                 }
             }
+        }
+        self.prefetch_more();
+    }
+
+    /// Notes that one more chunk archive has been parsed and asks for the next.
+    fn prefetch_more(&mut self) {
+        let until = (self.parsed + PREFETCH_CHUNKS).min(self.ahead.len());
+        while self.asked < until {
+            let (id, offset, length) = self.ahead[self.asked];
+            let blob = &self.files[id];
+            if length <= 2 * PREFETCH_END {
+                blob.will_need(offset, length);
+            } else {
+                blob.will_need(offset, PREFETCH_END);
+                blob.will_need(offset.saturating_add(length - PREFETCH_END), PREFETCH_END);
+            }
+            self.asked += 1;
         }
     }
 
@@ -637,10 +678,10 @@ impl Reader<'_> {
             // touched. Either way no mapped page stays resident: touching one maps the
             // whole page-cache folio around it (up to 2 MiB), so what the parse touched
             // is released with that margin; a neighbour's pages just fault back in.
-            const SMALL: u64 = 1 << 20;
             const FOLIO: u64 = 2 << 20;
+            let small = length <= self.small_archive && blob.is_mapped();
             let owned;
-            let data = if length <= SMALL && blob.is_mapped() {
+            let data = if small {
                 let mut buf = vec![0; length as usize];
                 blob.read_at(offset, &mut buf)?;
                 owned = buf;
@@ -656,7 +697,11 @@ impl Reader<'_> {
                 });
             }
             let payload = torch::read_zip_payload(&blob.path, data, offset)?;
-            if length > SMALL {
+            if item.transforms.is_empty() {
+                self.parsed += 1;
+                self.prefetch_more();
+            }
+            if !small {
                 let first = offset / FOLIO * FOLIO;
                 blob.release(first, (offset + length).div_ceil(FOLIO) * FOLIO - first);
             }
@@ -768,4 +813,30 @@ fn unzstd(data: &[u8], limit: u64) -> std::result::Result<Vec<u8>, String> {
         ));
     }
     Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::write::read_tensor;
+
+    /// Every chunk archive of a real DCP directory parsed in the map gives the same
+    /// tensors, byte for byte, as read into memory (the fixtures' archives are small,
+    /// so `open` reads them all with `pread`).
+    #[test]
+    fn archives_parsed_in_the_map_or_in_memory_give_the_same_tensors() {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/sharded/llama_w3_dcp");
+        let opts = OpenOptions::default();
+        let in_memory = open_with(&dir, &opts, u64::MAX).unwrap();
+        let in_map = open_with(&dir, &opts, 0).unwrap();
+        assert_eq!(in_memory.tensors.len(), in_map.tensors.len());
+        assert!(in_map.tensors.iter().any(|t| t.pieces.len() == 3));
+        for (a, b) in in_memory.tensors.iter().zip(&in_map.tensors) {
+            assert_eq!(a.name, b.name);
+            assert_eq!(a.pieces.len(), b.pieces.len());
+            let (x, _) = read_tensor(&in_memory.files, a, a.dtype).unwrap();
+            let (y, _) = read_tensor(&in_map.files, b, b.dtype).unwrap();
+            assert_eq!(x, y, "{}", a.name);
+        }
+    }
 }
