@@ -816,6 +816,7 @@ fn unzstd(data: &[u8], limit: u64) -> std::result::Result<Vec<u8>, String> {
 }
 
 #[cfg(test)]
+#[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
     use crate::write::read_tensor;
