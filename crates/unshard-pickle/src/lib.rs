@@ -201,9 +201,11 @@ impl Value {
 /// hostile file from allocating more than a few hundred MB or running for long.
 ///
 /// Every opcode creates at most a few nodes and items, so memory also grows at most
-/// linearly with the input: roughly 100 bytes per input byte in the worst case (a node
-/// is about 72 bytes). A caller that reads untrusted pickles of tens of megabytes and
-/// wants a tighter memory bound than `max_nodes` gives should lower it.
+/// linearly with the input: roughly 50 bytes per input byte in the worst case (a node
+/// is 32 bytes). A caller that reads untrusted pickles of tens of megabytes and
+/// wants a tighter memory bound than `max_nodes` gives should lower it; one that reads
+/// pickles legitimately larger than the defaults allow (the `.metadata` of a
+/// checkpoint of thousands of ranks) can raise them with [`Limits::scaled_to`].
 #[derive(Clone, Debug)]
 pub struct Limits {
     /// Maximum number of nodes in the arena. Also bounds the value stack and the total
@@ -220,6 +222,23 @@ pub struct Limits {
     pub max_memo: usize,
     /// Maximum depth of the mark stack (nested `MARK`s).
     pub max_marks: usize,
+}
+
+impl Limits {
+    /// These limits, raised where needed so that a pickle of `input_len` bytes may
+    /// hold one node (and one memo entry) per two bytes and all of its bytes as
+    /// payload. Real pickles of plain data use about one node per five bytes (a DCP
+    /// `.metadata` of 1.75 M chunks: 247 MB, 48 M nodes), so they fit with room to
+    /// spare, while memory stays linear in the input: at most about 16 bytes of nodes
+    /// per input byte, beyond what the limits allowed already.
+    pub fn scaled_to(mut self, input_len: usize) -> Limits {
+        let half = input_len / 2;
+        self.max_nodes = self.max_nodes.max(half);
+        self.max_memo = self.max_memo.max(half);
+        self.max_container_len = self.max_container_len.max(half);
+        self.max_payload_bytes = self.max_payload_bytes.max(input_len);
+        self
+    }
 }
 
 impl Default for Limits {

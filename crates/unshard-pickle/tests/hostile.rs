@@ -437,6 +437,32 @@ fn memo_keys_out_of_order_overwritten_and_sparse_resolve_as_in_python() {
 }
 
 #[test]
+fn scaled_limits_admit_a_large_pickle_the_fixed_ones_refuse() {
+    // A list of 1000 Nones: 1001 nodes in 2 + 1 + 1000 + 2 + 1 bytes.
+    let mut data = b"\x80\x02](".to_vec();
+    data.resize(data.len() + 1000, b'N');
+    data.extend(b"e.");
+    let tight = Limits {
+        max_nodes: 600,
+        max_container_len: 600,
+        ..Limits::default()
+    };
+    assert_eq!(
+        kind_with(&data, &tight),
+        ErrorKind::LimitExceeded {
+            what: "nodes",
+            limit: 600
+        }
+    );
+    let scaled = tight.clone().scaled_to(2 * data.len());
+    assert_eq!(scaled.max_nodes, data.len());
+    let p = parse_with_limits(&data, &scaled).expect("scaled to the input");
+    assert_eq!(p.describe(p.root()), "list(1000 items)");
+    // Scaling never lowers a limit.
+    assert_eq!(tight.clone().scaled_to(10).max_nodes, 600);
+}
+
+#[test]
 fn long_text_with_millions_of_digits_is_refused_quickly() {
     let mut data = b"L".to_vec();
     data.resize(data.len() + 2_000_000, b'9');

@@ -179,7 +179,10 @@ pub fn find_model_subdir(dir: &Path) -> Result<Option<(PathBuf, Vec<String>)>> {
 }
 
 fn parse_metadata(path: &Path, raw: &[u8]) -> Result<Metadata> {
-    let p = unshard_pickle::parse(raw).map_err(|source| Error::Pickle {
+    // A checkpoint of thousands of ranks has a `.metadata` of hundreds of MB, which
+    // may hold more nodes than the default limits allow: scale them to its size.
+    let limits = unshard_pickle::Limits::default().scaled_to(raw.len());
+    let p = unshard_pickle::parse_with_limits(raw, &limits).map_err(|source| Error::Pickle {
         path: path.to_path_buf(),
         entry: "the DCP metadata".into(),
         source,
