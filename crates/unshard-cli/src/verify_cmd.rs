@@ -48,6 +48,11 @@ pub struct VerifyArgs {
     /// No progress bar.
     #[arg(long, short)]
     quiet: bool,
+
+    /// Print the result as one JSON object on stdout (schema in README.md); the exit
+    /// code is the same.
+    #[arg(long)]
+    json: bool,
 }
 
 pub fn run(args: VerifyArgs) -> anyhow::Result<()> {
@@ -62,6 +67,15 @@ pub fn run(args: VerifyArgs) -> anyhow::Result<()> {
     let progress = output::Bar::new(!args.quiet && std::io::stderr().is_terminal());
     let report = verify::verify_against(&opts, &progress)?;
     let mut out = std::io::stdout().lock();
+    if args.json {
+        serde_json::to_writer_pretty(&mut out, &to_json(&report))?;
+        writeln!(out)?;
+        out.flush()?;
+        if report.is_ok() {
+            return Ok(());
+        }
+        anyhow::bail!("verification failed: {}", report.summary());
+    }
     for f in report.findings() {
         writeln!(out, "{f}")?;
     }
@@ -71,4 +85,45 @@ pub fn run(args: VerifyArgs) -> anyhow::Result<()> {
     }
     out.flush()?;
     anyhow::bail!("verification failed: {}", report.summary())
+}
+
+/// The report as JSON. Numbers that are not finite (a max abs diff of inf, a NaN
+/// value) become null.
+fn to_json(r: &verify::VerifyReport) -> serde_json::Value {
+    use serde_json::json;
+    let problems: Vec<_> = r
+        .problems
+        .iter()
+        .map(|p| json!({"file": p.file, "tensor": p.tensor, "message": p.msg}))
+        .collect();
+    let mismatches: Vec<_> = r
+        .mismatches
+        .iter()
+        .map(|m| {
+            json!({
+                "file": m.file,
+                "tensor": m.name,
+                "dtype": m.dtype.safetensors_name(),
+                "shape": m.shape,
+                "differing": m.differing,
+                "nan_mismatch": m.nan_mismatch,
+                "max_abs_diff": m.max_abs_diff,
+                "first": m.first.map(|d| json!({
+                    "index": verify::unravel(d.index, &m.shape),
+                    "expected": d.expected,
+                    "found": d.found,
+                })),
+            })
+        })
+        .collect();
+    json!({
+        "ok": r.is_ok(),
+        "dir": r.dir.display().to_string(),
+        "files": r.files,
+        "tensors_compared": r.tensors_compared,
+        "bytes_compared": r.bytes_compared,
+        "problems": problems,
+        "mismatches": mismatches,
+        "summary": r.summary(),
+    })
 }

@@ -579,3 +579,55 @@ fn diff_names_tensors_that_differ_and_names_on_one_side() {
         "{text}"
     );
 }
+
+#[test]
+fn verify_json_reports_the_pass_and_the_flipped_byte_as_data() {
+    let c = case("llama_policy_into_llama-bf16-sharded");
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = copy_dir(&c.expected_dir, &tmp);
+    let json = |dir: &Path| {
+        let mut args = vec![
+            "verify".to_string(),
+            dir.to_string_lossy().into_owned(),
+            "--against".into(),
+            c.checkpoint.clone(),
+        ];
+        args.extend(plan_args(&c));
+        args.extend(["-q".into(), "--json".into()]);
+        let o = run(&args);
+        let v: serde_json::Value =
+            serde_json::from_slice(&o.stdout).unwrap_or_else(|e| panic!("{e}: {}", all_output(&o)));
+        (o.status.code(), v)
+    };
+
+    let (code, v) = json(&dir);
+    assert_eq!(code, Some(0), "{v}");
+    assert_eq!(v["ok"], true);
+    assert_eq!(v["tensors_compared"], 21);
+    assert!(v["files"].as_array().unwrap().len() > 1, "{v}");
+    assert!(v["problems"].as_array().unwrap().is_empty());
+    assert!(v["mismatches"].as_array().unwrap().is_empty());
+
+    let t = "model.layers.1.mlp.down_proj.weight";
+    let file = shard_of(&dir, t);
+    let mut bytes = std::fs::read(&file).unwrap();
+    let at = (data_offset(&file, t) + (2 * 173 + 5) * 2 + 1) as usize;
+    bytes[at] ^= 0x01;
+    std::fs::write(&file, bytes).unwrap();
+    let (code, v) = json(&dir);
+    assert_eq!(code, Some(1), "{v}");
+    assert_eq!(v["ok"], false);
+    let m = v["mismatches"].as_array().unwrap();
+    assert_eq!(m.len(), 1, "{v}");
+    assert_eq!(m[0]["tensor"], t);
+    assert_eq!(m[0]["file"], file.file_name().unwrap().to_str().unwrap());
+    assert_eq!(m[0]["dtype"], "BF16");
+    assert_eq!(m[0]["shape"], serde_json::json!([64, 173]));
+    assert_eq!(m[0]["differing"], 1);
+    assert_eq!(m[0]["first"]["index"], serde_json::json!([2, 5]));
+    let (e, f) = (
+        m[0]["first"]["expected"].as_f64().unwrap(),
+        m[0]["first"]["found"].as_f64().unwrap(),
+    );
+    assert!(e != f && e.is_finite() && f.is_finite(), "{v}");
+}

@@ -1301,7 +1301,7 @@ pub fn drop_cached(dir: &Path, plan: &Plan) {
 }
 
 /// A C-order flat index as coordinates.
-fn unravel(mut i: u64, shape: &[u64]) -> Vec<u64> {
+pub fn unravel(mut i: u64, shape: &[u64]) -> Vec<u64> {
     let mut idx = vec![0; shape.len()];
     for (x, &n) in idx.iter_mut().zip(shape).rev() {
         let n = n.max(1);
