@@ -25,6 +25,11 @@ pub struct DiffArgs {
     /// No progress bar.
     #[arg(long, short)]
     quiet: bool,
+
+    /// Print the result as one JSON object on stdout (schema in README.md): every
+    /// common tensor, identical or not. The exit code is the same.
+    #[arg(long)]
+    json: bool,
 }
 
 /// Returns whether the two inputs are identical.
@@ -34,7 +39,12 @@ pub fn run(args: DiffArgs) -> anyhow::Result<bool> {
     let progress = output::Bar::new(!args.quiet && std::io::stderr().is_terminal());
     let report = diff::diff(&a, &b, &progress)?;
     let mut out = std::io::stdout().lock();
-    print_report(&mut out, &a, &b, &report, args.all)?;
+    if args.json {
+        serde_json::to_writer_pretty(&mut out, &to_json(&a, &b, &report))?;
+        writeln!(out)?;
+    } else {
+        print_report(&mut out, &a, &b, &report, args.all)?;
+    }
     out.flush()?;
     Ok(report.identical())
 }
@@ -200,4 +210,44 @@ fn num(v: f64) -> String {
     } else {
         format!("{v:.3e}")
     }
+}
+
+/// The report as JSON. Numbers that are not finite (a max abs diff of inf) become null.
+fn to_json(a: &Checkpoint, b: &Checkpoint, r: &DiffReport) -> serde_json::Value {
+    use serde_json::json;
+    let side = |c: &Checkpoint| {
+        json!({
+            "path": c.path.display().to_string(),
+            "format": c.format.id(),
+            "tensors": c.tensors.len(),
+        })
+    };
+    let tensors: Vec<_> = r
+        .tensors
+        .iter()
+        .map(|t| {
+            json!({
+                "name": t.name,
+                "identical": t.identical(),
+                "dtype_a": t.dtype_a.safetensors_name(),
+                "dtype_b": t.dtype_b.safetensors_name(),
+                "shape_a": t.shape_a,
+                "shape_b": t.shape_b,
+                "values": t.values.map(|v| json!({
+                    "differing": v.differing,
+                    "nan_mismatch": v.nan_mismatch,
+                    "max_abs_diff": v.max_abs,
+                    "rel_l2": v.rel_l2,
+                })),
+            })
+        })
+        .collect();
+    json!({
+        "identical": r.identical(),
+        "a": side(a),
+        "b": side(b),
+        "only_a": r.only_a,
+        "only_b": r.only_b,
+        "tensors": tensors,
+    })
 }

@@ -631,3 +631,42 @@ fn verify_json_reports_the_pass_and_the_flipped_byte_as_data() {
     );
     assert!(e != f && e.is_finite() && f.is_finite(), "{v}");
 }
+
+#[test]
+fn diff_json_lists_every_tensor_and_the_names_on_one_side() {
+    let c = case("qwen2_policy_into_qwen2-fp16");
+    let o = run(&["diff", &c.checkpoint, &c.expected_dir, "--json"]);
+    assert_eq!(o.status.code(), Some(1), "{}", all_output(&o));
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(v["identical"], false);
+    assert_eq!(v["a"]["format"], "torch-zip");
+    assert_eq!(v["b"]["format"], "hf-dir");
+    assert_eq!(v["only_a"], serde_json::json!(["lm_head.weight"]));
+    assert_eq!(v["only_b"], serde_json::json!([]));
+    let tensors = v["tensors"].as_array().unwrap();
+    assert_eq!(tensors.len(), 26);
+    let norm = tensors
+        .iter()
+        .find(|t| t["name"] == "model.norm.weight")
+        .unwrap();
+    assert_eq!(norm["identical"], false);
+    assert_eq!(
+        (&norm["dtype_a"], &norm["dtype_b"]),
+        (&"F32".into(), &"F16".into())
+    );
+    assert_eq!(norm["shape_a"], norm["shape_b"]);
+    let rel = norm["values"]["rel_l2"].as_f64().unwrap();
+    // float16 rounding of weights near 1: a relative error of a few 1e-4 at most.
+    assert!(rel > 0.0 && rel < 1e-3, "{norm}");
+
+    // The same directory against itself: identical, exit 0.
+    let o = run(&["diff", &c.expected_dir, &c.expected_dir, "--json"]);
+    assert!(o.status.success(), "{}", all_output(&o));
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(v["identical"], true);
+    assert!(v["tensors"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .all(|t| t["identical"] == true && t["values"]["differing"] == 0));
+}
