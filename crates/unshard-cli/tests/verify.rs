@@ -236,18 +236,26 @@ fn verify_passes_on_tensors_materialised_by_torch() {
     assert!(stdout(&o).contains("11 tensor(s) in 1 file(s) match"));
 }
 
+/// Flips one bit of element [2, 5] of the [64, 173] bf16 tensor
+/// `model.layers.1.mlp.down_proj.weight` in `dir` (its high byte: sign and exponent);
+/// returns the shard that holds it.
+fn flip_down_proj_2_5(dir: &Path) -> PathBuf {
+    let t = "model.layers.1.mlp.down_proj.weight";
+    let file = shard_of(dir, t);
+    let mut bytes = std::fs::read(&file).unwrap();
+    let at = (data_offset(&file, t) + (2 * 173 + 5) * 2 + 1) as usize;
+    bytes[at] ^= 0x01;
+    std::fs::write(&file, bytes).unwrap();
+    file
+}
+
 #[test]
 fn verify_names_one_flipped_byte_in_a_shard() {
     let c = case("llama_policy_into_llama-bf16-sharded");
     let tmp = tempfile::tempdir().unwrap();
     let dir = copy_dir(&c.expected_dir, &tmp);
     let t = "model.layers.1.mlp.down_proj.weight";
-    let file = shard_of(&dir, t);
-    let mut bytes = std::fs::read(&file).unwrap();
-    // Element [2, 5] of a [64, 173] bf16 tensor: its high byte (sign and exponent).
-    let at = (data_offset(&file, t) + (2 * 173 + 5) * 2 + 1) as usize;
-    bytes[at] ^= 0x01;
-    std::fs::write(&file, bytes).unwrap();
+    let file = flip_down_proj_2_5(&dir);
     let text = assert_fails(&c, &dir);
     let shard = file.file_name().unwrap().to_str().unwrap();
     assert!(
@@ -609,11 +617,7 @@ fn verify_json_reports_the_pass_and_the_flipped_byte_as_data() {
     assert!(v["mismatches"].as_array().unwrap().is_empty());
 
     let t = "model.layers.1.mlp.down_proj.weight";
-    let file = shard_of(&dir, t);
-    let mut bytes = std::fs::read(&file).unwrap();
-    let at = (data_offset(&file, t) + (2 * 173 + 5) * 2 + 1) as usize;
-    bytes[at] ^= 0x01;
-    std::fs::write(&file, bytes).unwrap();
+    let file = flip_down_proj_2_5(&dir);
     let (code, v) = json(&dir);
     assert_eq!(code, Some(1), "{v}");
     assert_eq!(v["ok"], false);
