@@ -49,24 +49,43 @@ impl Bar {
             .ok()
             .and_then(|v| v.parse().ok())
             .map(Duration::from_millis);
-        Bar(enabled.then(|| {
-            let pb = ProgressBar::new(0);
-            pb.set_style(
-                ProgressStyle::with_template(
-                    "{spinner} [{elapsed_precise}] [{wide_bar}] {bytes}/{total_bytes} {bytes_per_sec} ETA {eta}",
-                )
-                .unwrap_or_else(|_| ProgressStyle::default_bar())
-                .progress_chars("=> "),
-            );
-            pb.enable_steady_tick(Duration::from_millis(200));
-            pb
-        }), delay)
+        Bar(
+            enabled.then(|| {
+                let pb = ProgressBar::new(0);
+                pb.set_style(stage_style());
+                pb.enable_steady_tick(Duration::from_millis(200));
+                pb
+            }),
+            delay,
+        )
     }
 }
 
+/// A spinner and a line saying what is being done, before any bytes are counted.
+fn stage_style() -> ProgressStyle {
+    ProgressStyle::with_template("{spinner} [{elapsed_precise}] {msg}")
+        .unwrap_or_else(|_| ProgressStyle::default_spinner())
+}
+
+fn bar_style() -> ProgressStyle {
+    ProgressStyle::with_template(
+        "{spinner} [{elapsed_precise}] [{wide_bar}] {bytes}/{total_bytes} {bytes_per_sec} ETA {eta}",
+    )
+    .unwrap_or_else(|_| ProgressStyle::default_bar())
+    .progress_chars("=> ")
+}
+
 impl Progress for Bar {
+    fn stage(&self, what: &str) {
+        if let Some(pb) = &self.0 {
+            pb.set_style(stage_style());
+            pb.set_message(what.to_string());
+        }
+    }
     fn start(&self, total: u64) {
         if let Some(pb) = &self.0 {
+            pb.set_style(bar_style());
+            pb.set_message("");
             pb.set_length(total);
         }
     }

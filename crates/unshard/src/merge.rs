@@ -121,6 +121,8 @@ pub fn merge(opts: &MergeOptions, progress: &dyn Progress) -> Result<MergeOutcom
     };
     // Output problems are cheap to find: report them before reading anything.
     let cleaned = write::check_output(&opts.output, &wopts)?;
+    // A checkpoint of thousands of ranks takes seconds to open: say what is going on.
+    progress.stage(&format!("reading {}", opts.checkpoint.display()));
     let (ckpt, base, mut plan) = prepare(opts)?;
     let wopts = WriteOptions {
         extra_files: base

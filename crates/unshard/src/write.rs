@@ -38,6 +38,8 @@ pub static INTERRUPTED: AtomicBool = AtomicBool::new(false);
 
 /// Receives progress in output bytes.
 pub trait Progress: Sync {
+    /// A step before any bytes are counted (reading metadata, planning).
+    fn stage(&self, _what: &str) {}
     fn start(&self, _total_bytes: u64) {}
     fn advance(&self, _bytes: u64) {}
     fn finish(&self) {}
