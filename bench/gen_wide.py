@@ -9,7 +9,11 @@ metadata, the number of files and chunks) can be measured without terabytes of d
 
 Writes OUT/dcp (the checkpoint) and OUT/base (config.json for `unshard merge --base`).
 --optim adds Adam's exp_avg and exp_avg_sq for every parameter to the same
-checkpoint, as torchtitan saves them. Needs torch.
+checkpoint, as torchtitan saves them. --metadata-only writes the `.metadata` of
+Llama-3-405B's real shapes (hidden 16384, 126 layers unless --layers says otherwise,
+fp32) and rank files of the right length that hold no archives: for measuring the
+metadata alone (`unshard inspect` parses it, then stops at the first chunk with an
+error). Needs torch.
 """
 
 import argparse
@@ -48,13 +52,59 @@ def llama_shapes(layers, hidden, inter, vocab, kv):
     return shapes
 
 
+def metadata_only(args):
+    r = args.ranks
+    shapes = llama_shapes(args.layers, 16384, 53248, 128256, 1024)
+    entries = []
+    for name, shape in shapes.items():
+        entries.append(("model." + name, ("model", name), shape))
+        if args.optim:
+            for k in ("exp_avg", "exp_avg_sq"):
+                entries.append(("optim.state.%s.%s" % (name, k), ("optim", "state", name, k),
+                                shape))
+    sdm, storage, planner = {}, {}, {}
+    sizes = [0] * r
+    for fqn, path, shape in entries:
+        rows = -(-shape[0] // r)
+        chunks = []
+        for rank in range(r):
+            a, b = min(rank * rows, shape[0]), min((rank + 1) * rows, shape[0])
+            if b <= a:
+                continue
+            part = torch.Size([b - a] + list(shape[1:]))
+            off = torch.Size([a] + [0] * (len(shape) - 1))
+            chunks.append(ChunkStorageMetadata(offsets=off, sizes=part))
+            nbytes = part.numel() * 4
+            storage[MetadataIndex(fqn, off)] = _StorageInfo(
+                "__%d_0.distcp" % rank, sizes[rank], nbytes)
+            sizes[rank] += nbytes
+        sdm[fqn] = TensorStorageMetadata(
+            properties=TensorProperties(dtype=torch.float32), size=torch.Size(shape),
+            chunks=chunks)
+        planner[fqn] = path
+    dcp = os.path.join(args.out, "dcp")
+    os.makedirs(dcp, exist_ok=True)
+    md = Metadata(state_dict_metadata=sdm, planner_data=planner, storage_data=storage)
+    with open(os.path.join(dcp, ".metadata"), "wb") as f:
+        pickle.dump(md, f)
+    for rank in range(r):
+        with open(os.path.join(dcp, "__%d_0.distcp" % rank), "wb") as f:
+            f.truncate(sizes[rank])  # sparse: no disk space, no archives
+    md_bytes = os.path.getsize(os.path.join(dcp, ".metadata"))
+    print("%d entries, %d chunks, .metadata %.1f MB (metadata only)" % (
+        len(entries), len(storage), md_bytes / 1e6))
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--ranks", type=int, default=512)
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--optim", action="store_true")
+    ap.add_argument("--metadata-only", action="store_true")
     args = ap.parse_args()
+    if args.metadata_only:
+        return metadata_only(args)
     r = args.ranks
     # Every dimension that is sharded is a multiple of the rank count: no rank is empty.
     hidden, inter, vocab, kv = r, 2 * r, 2 * r, r
