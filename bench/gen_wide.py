@@ -52,16 +52,23 @@ def llama_shapes(layers, hidden, inter, vocab, kv):
     return shapes
 
 
-def metadata_only(args):
-    r = args.ranks
-    shapes = llama_shapes(args.layers, 16384, 53248, 128256, 1024)
+def checkpoint_entries(shapes, optim):
+    """(fqn in the checkpoint, planner path, shape) of every entry: the model's, then,
+    with optim, Adam's two moments per parameter."""
     entries = []
     for name, shape in shapes.items():
         entries.append(("model." + name, ("model", name), shape))
-        if args.optim:
+        if optim:
             for k in ("exp_avg", "exp_avg_sq"):
                 entries.append(("optim.state.%s.%s" % (name, k), ("optim", "state", name, k),
                                 shape))
+    return entries
+
+
+def metadata_only(args):
+    r = args.ranks
+    shapes = llama_shapes(args.layers, 16384, 53248, 128256, 1024)
+    entries = checkpoint_entries(shapes, args.optim)
     sdm, storage, planner = {}, {}, {}
     sizes = [0] * r
     for fqn, path, shape in entries:
@@ -109,13 +116,7 @@ def main():
     # Every dimension that is sharded is a multiple of the rank count: no rank is empty.
     hidden, inter, vocab, kv = r, 2 * r, 2 * r, r
     shapes = llama_shapes(args.layers, hidden, inter, vocab, kv)
-    entries = []  # (fqn in the checkpoint, planner path, shape)
-    for name, shape in shapes.items():
-        entries.append(("model." + name, ("model", name), shape))
-        if args.optim:
-            for k in ("exp_avg", "exp_avg_sq"):
-                entries.append(("optim.state.%s.%s" % (name, k), ("optim", "state", name, k),
-                                shape))
+    entries = checkpoint_entries(shapes, args.optim)
 
     dcp = os.path.join(args.out, "dcp")
     os.makedirs(dcp, exist_ok=True)
