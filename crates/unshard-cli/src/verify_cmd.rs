@@ -70,20 +70,18 @@ pub fn run(args: VerifyArgs) -> anyhow::Result<()> {
     if args.json {
         serde_json::to_writer_pretty(&mut out, &to_json(&report))?;
         writeln!(out)?;
-        out.flush()?;
-        if report.is_ok() {
-            return Ok(());
+    } else {
+        for f in report.findings() {
+            writeln!(out, "{f}")?;
         }
-        anyhow::bail!("verification failed: {}", report.summary());
-    }
-    for f in report.findings() {
-        writeln!(out, "{f}")?;
-    }
-    if report.is_ok() {
-        writeln!(out, "ok: {}", report.summary())?;
-        return Ok(());
+        if report.is_ok() {
+            writeln!(out, "ok: {}", report.summary())?;
+        }
     }
     out.flush()?;
+    if report.is_ok() {
+        return Ok(());
+    }
     anyhow::bail!("verification failed: {}", report.summary())
 }
 
