@@ -27,13 +27,18 @@ pub struct JsonArg {
     pub json: bool,
 }
 
-/// dtype of the floating-point tensors written.
-#[derive(Clone, Copy, Debug, ValueEnum)]
+/// dtype of the floating-point tensors written. Besides the names `--help` lists,
+/// the spellings people carry over from torch and other tools are accepted, in
+/// any case (`bf16`, `fp16`, `half`, `fp32`, `float`, `torch.bfloat16`, ...).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 pub enum DtypeArg {
     /// The base config's dtype, else the base weights', else the checkpoint's.
     Auto,
+    #[value(aliases = ["fp16", "f16", "half", "torch.float16", "torch.half"])]
     Float16,
+    #[value(aliases = ["bf16", "torch.bfloat16"])]
     Bfloat16,
+    #[value(aliases = ["fp32", "f32", "float", "torch.float32", "torch.float"])]
     Float32,
 }
 
@@ -46,8 +51,9 @@ pub struct PlanArgs {
     #[arg(long, value_name = "DIR")]
     pub base: Option<PathBuf>,
 
-    /// dtype of the floating-point tensors written.
-    #[arg(long, value_enum, default_value = "auto")]
+    /// dtype of the floating-point tensors written (also accepted: bf16, fp16, half,
+    /// fp32, float, torch.bfloat16, ..., in any case).
+    #[arg(long, value_enum, ignore_case = true, default_value = "auto")]
     pub dtype: DtypeArg,
 
     /// Largest shard file: decimal units as transformers (5GB = 5e9 bytes), or

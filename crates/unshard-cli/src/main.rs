@@ -12,14 +12,16 @@ mod exit;
 mod panic_hook;
 mod progress;
 mod signals;
+mod text;
 
-/// Turn distributed-training checkpoints into Hugging Face model directories.
-///
-/// unshard reads what PyTorch FSDP, FSDP2 and torch.save leave on disk, without
-/// Python and without executing the pickle, and writes sharded safetensors with
-/// config, generation config and tokenizer, in bounded memory.
+/// What `unshard --help` says first: what the tool does, in two lines.
+const ABOUT: &str = "\
+Turns distributed-training checkpoints (FSDP/DCP directories, per-rank files, torch.save)
+into Hugging Face model directories, bit-exact, without running their pickles.";
+
+/// The command line: a subcommand and its arguments.
 #[derive(Parser, Debug)]
-#[command(name = "unshard", version, about, long_about = None, propagate_version = true)]
+#[command(name = "unshard", version, about = ABOUT, long_about = None, propagate_version = true)]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -30,6 +32,9 @@ enum Command {
     /// Merge a training checkpoint (onto a base model) into a Hugging Face directory.
     Merge(cmd::merge::MergeArgs),
     /// Show what a checkpoint, safetensors file or model directory holds.
+    ///
+    /// Lists every tensor (name, dtype, shape, size; for sharded inputs how each
+    /// is split), the totals, and the non-tensor entries a merge ignores.
     Inspect(cmd::inspect::InspectArgs),
     /// Check that a model directory holds exactly what merging a checkpoint gives.
     ///
@@ -52,6 +57,10 @@ enum Command {
     /// prefixes. Exits 0 when A and B hold the same names, dtypes, shapes and
     /// values, 1 otherwise.
     Diff(cmd::diff::DiffArgs),
+    /// Print a shell completion script: `unshard completions bash > /etc/bash_completion.d/unshard`.
+    Completions(cmd::completions::CompletionsArgs),
+    /// Print a man page (roff), made from these help texts: `unshard man | man -l -`.
+    Man(cmd::man::ManArgs),
 }
 
 /// A sharded checkpoint has one file per rank, and a merge keeps each open: raise the
@@ -85,5 +94,7 @@ fn main() -> ExitCode {
         Command::Inspect(args) => cmd::inspect::run(args),
         Command::Verify(args) => cmd::verify::run(args),
         Command::Diff(args) => cmd::diff::run(args),
+        Command::Completions(args) => cmd::completions::run(args),
+        Command::Man(args) => cmd::man::run(args),
     })
 }

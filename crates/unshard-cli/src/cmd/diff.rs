@@ -1,6 +1,6 @@
 //! `unshard diff`: compare two checkpoints or model directories tensor by tensor.
 
-use std::io::{IsTerminal, Write};
+use std::io::Write;
 use std::path::PathBuf;
 
 use unshard::diff::{self, DiffReport, TensorDiff};
@@ -10,6 +10,7 @@ use unshard::source::{self, Checkpoint, OpenOptions};
 use crate::args::JsonArg;
 use crate::exit::Status;
 use crate::progress::Bar;
+use crate::text::{self, escape};
 
 /// Arguments of the command (its help is on `Command` in main.rs).
 #[derive(clap::Args, Debug)]
@@ -24,7 +25,7 @@ pub struct DiffArgs {
     #[arg(long)]
     all: bool,
 
-    /// No progress bar.
+    /// No progress output.
     #[arg(long, short)]
     quiet: bool,
 
@@ -37,14 +38,14 @@ pub struct DiffArgs {
 pub fn run(args: DiffArgs) -> anyhow::Result<Status> {
     let a = source::open(&args.a, &OpenOptions::default())?;
     let b = source::open(&args.b, &OpenOptions::default())?;
-    let progress = Bar::new(!args.quiet && std::io::stderr().is_terminal());
+    let progress = Bar::new(args.quiet, "compared");
     let report = diff::diff(&a, &b, &progress)?;
     let mut out = std::io::stdout().lock();
     if args.json.json {
         serde_json::to_writer_pretty(&mut out, &to_json(&a, &b, &report))?;
         writeln!(out)?;
     } else {
-        print_report(&mut out, &a, &b, &report, args.all)?;
+        text::write_escaped(&mut out, |w| print_report(w, &a, &b, &report, args.all))?;
     }
     out.flush()?;
     Ok(if report.identical() {
@@ -186,7 +187,7 @@ fn row(t: &TensorDiff) -> [String; 6] {
                 differing.push_str(&format!(" ({} NaN)", v.nan_mismatch));
             }
             [
-                t.name.clone(),
+                escape(&t.name).into_owned(),
                 dtypes,
                 shape,
                 differing,
@@ -195,7 +196,7 @@ fn row(t: &TensorDiff) -> [String; 6] {
             ]
         }
         None => [
-            t.name.clone(),
+            escape(&t.name).into_owned(),
             dtypes,
             shape,
             "shapes differ".into(),

@@ -10,11 +10,14 @@ use unshard::stats::TensorStats;
 
 use crate::args::{JsonArg, KeyArg};
 use crate::exit::Status;
+use crate::text::{self, escape};
 
 /// Arguments of the command (its help is on `Command` in main.rs).
 #[derive(clap::Args, Debug)]
 pub struct InspectArgs {
-    /// A torch.save file, a .safetensors file, or a model directory.
+    /// What to inspect: a torch.save file (.pt, .bin), a .safetensors file, a
+    /// model directory, a torch.distributed.checkpoint (DCP) directory (.metadata and
+    /// .distcp files), or a directory of per-rank files (one torch.save per rank).
     path: PathBuf,
 
     #[command(flatten)]
@@ -46,10 +49,13 @@ pub fn run(args: InspectArgs) -> anyhow::Result<Status> {
         serde_json::to_writer_pretty(&mut out, &v)?;
         writeln!(out)?;
     } else {
-        print_table(&mut out, &ckpt)?;
-        if let Some(stats) = &stats {
-            print_stats(&mut out, &ckpt, stats)?;
-        }
+        text::write_escaped(&mut out, |w| {
+            print_table(w, &ckpt)?;
+            if let Some(stats) = &stats {
+                print_stats(w, &ckpt, stats)?;
+            }
+            Ok(())
+        })?;
     }
     Ok(Status::Success)
 }
@@ -79,7 +85,11 @@ fn print_stats(w: &mut dyn Write, ckpt: &Checkpoint, stats: &[TensorStats]) -> s
         write!(
             w,
             "  {:name_w$}  {:>12.5e}  {:>12.5e}  {:>12.5e}  {:>12.5e}",
-            t.name, s.mean, s.std, s.min, s.max
+            escape(&t.name),
+            s.mean,
+            s.std,
+            s.min,
+            s.max
         )?;
         if s.nan + s.inf > 0 {
             write!(w, "  {} NaN, {} inf", s.nan, s.inf)?;
@@ -151,7 +161,7 @@ fn print_table(w: &mut dyn Write, ckpt: &Checkpoint) -> std::io::Result<()> {
         write!(
             w,
             "  {:name_w$}  {:8}  {:shape_w$}  {:>10}",
-            t.name,
+            escape(&t.name),
             t.dtype.safetensors_name(),
             shape,
             human_bytes(t.nbytes())
@@ -178,12 +188,12 @@ fn print_table(w: &mut dyn Write, ckpt: &Checkpoint) -> std::io::Result<()> {
         let ew = ckpt
             .extras
             .iter()
-            .map(|e| e.name.len())
+            .map(|e| escape(&e.name).chars().count())
             .max()
             .unwrap_or(0)
             .min(48);
         for e in &ckpt.extras {
-            writeln!(w, "  {:ew$}  {}", e.name, e.kind)?;
+            writeln!(w, "  {:ew$}  {}", escape(&e.name), e.kind)?;
         }
     }
     for n in &ckpt.notes {
@@ -196,7 +206,7 @@ fn print_table(w: &mut dyn Write, ckpt: &Checkpoint) -> std::io::Result<()> {
 fn name_width(ckpt: &Checkpoint) -> usize {
     ckpt.tensors
         .iter()
-        .map(|t| t.name.len())
+        .map(|t| escape(&t.name).chars().count())
         .max()
         .unwrap_or(4)
         .clamp(4, 72)

@@ -1,7 +1,7 @@
 //! `unshard verify`: check that a model directory holds exactly what merging a
 //! checkpoint gives, tensor by tensor, and that its files are consistent.
 
-use std::io::{IsTerminal, Write};
+use std::io::Write;
 use std::path::PathBuf;
 
 use unshard::merge::MergeOptions;
@@ -11,6 +11,7 @@ use unshard::verify;
 use crate::args::{JsonArg, PlanArgs};
 use crate::exit::{self, Status};
 use crate::progress::Bar;
+use crate::text;
 
 /// Arguments of the command (its help is on `Command` in main.rs).
 #[derive(clap::Args, Debug)]
@@ -26,7 +27,7 @@ pub struct VerifyArgs {
     #[command(flatten)]
     plan: PlanArgs,
 
-    /// No progress bar.
+    /// No progress output.
     #[arg(long, short)]
     quiet: bool,
 
@@ -45,7 +46,7 @@ pub fn run(args: VerifyArgs) -> anyhow::Result<Status> {
         plan: args.plan.plan_options()?,
         ..MergeOptions::default()
     };
-    let progress = Bar::new(!args.quiet && std::io::stderr().is_terminal());
+    let progress = Bar::new(args.quiet, "compared");
     let report = verify::verify_against(&opts, &progress)?;
     let mut out = std::io::stdout().lock();
     if args.json.json {
@@ -53,7 +54,7 @@ pub fn run(args: VerifyArgs) -> anyhow::Result<Status> {
         writeln!(out)?;
     } else {
         for f in report.findings() {
-            writeln!(out, "{f}")?;
+            writeln!(out, "{}", text::escape_lines(&f))?;
         }
         if report.is_ok() {
             writeln!(out, "ok: {}", report.summary())?;
