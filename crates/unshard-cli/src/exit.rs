@@ -4,6 +4,9 @@
 //! Every subcommand returns `anyhow::Result<Status>`: `Ok` carries the outcome of
 //! a command that ran (including a check that found differences), `Err` an error
 //! that stopped it. [`finish`] turns either into the exit code.
+//!
+//! Two exits bypass [`Status`]: a signal (128 + its number, see `signals.rs`)
+//! and a panic (Rust's 101, see `panic_hook.rs`).
 
 use std::io::Write;
 use std::process::ExitCode;
