@@ -105,6 +105,13 @@ impl OutFile {
         })
     }
 
+    /// Writes `buf` at any `offset`, through the page cache.
+    pub(crate) fn write_at(&self, buf: &[u8], offset: u64) -> Result<()> {
+        self.file
+            .write_all_at(buf, offset)
+            .map_err(|e| Error::io("write", &self.path, e))
+    }
+
     /// Writes `buf` at `offset`, a multiple of [`DIRECT_ALIGN`] like `buf`'s address.
     pub(crate) fn write_block(&self, buf: &[u8], offset: u64) -> Result<()> {
         let aligned = buf.len() / DIRECT_ALIGN * DIRECT_ALIGN;

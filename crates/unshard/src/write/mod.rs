@@ -31,6 +31,7 @@ use crate::dtype::ConvertStats;
 use crate::plan::Plan;
 use crate::{Error, Result};
 
+mod computed;
 mod direct;
 mod engine;
 mod geometry;
@@ -108,7 +109,10 @@ pub fn write_into(
         .map(|s| s.file_size - s.header.len() as u64)
         .sum();
     progress.start(total);
-    let stats = write_blocks(plan, inputs, &files, WINDOW_BYTES, progress)?;
+    let mut stats = write_blocks(plan, inputs, &files, WINDOW_BYTES, progress)?;
+    for (ti, s) in computed::write_computed(plan, inputs, &files)? {
+        stats[ti].add(s);
+    }
     // A signal that arrived while the last blocks were in flight still stops the run.
     if INTERRUPTED.load(Ordering::Relaxed) {
         return Err(Error::Interrupted);
