@@ -8,6 +8,7 @@ use std::path::Path;
 use rayon::prelude::*;
 
 use super::compare::same_values;
+use crate::cancel::Cancel;
 use crate::dtype::{self, ConvertStats};
 use crate::plan::{Origin, Plan, PlannedTensor};
 use crate::prepare::Inputs;
@@ -23,7 +24,11 @@ use crate::{Error, Result};
 ///
 /// Cheap when training changed something: the first window of each tensor is
 /// compared first, and the rest is read only if all of those match.
-pub fn unchanged_from_base(plan: &Plan, inputs: Inputs<'_>) -> Result<Option<usize>> {
+pub fn unchanged_from_base(
+    plan: &Plan,
+    inputs: Inputs<'_>,
+    cancel: &Cancel,
+) -> Result<Option<usize>> {
     const FIRST_BYTES: u64 = 64 << 10;
     let Some(base) = inputs.base else {
         return Ok(None);
@@ -55,6 +60,7 @@ pub fn unchanged_from_base(plan: &Plan, inputs: Inputs<'_>) -> Result<Option<usi
                         e1: u64,
                         bufs: &mut (Vec<u8>, Vec<u8>)|
      -> Result<bool> {
+        cancel.check()?;
         let len = ((e1 - e0) * t.dtype.size() as u64) as usize;
         bufs.0.resize(len, 0);
         bufs.1.resize(len, 0);

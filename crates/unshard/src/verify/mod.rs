@@ -33,14 +33,14 @@
 
 use std::collections::HashSet;
 use std::path::Path;
-use std::sync::atomic::Ordering;
 
 use rayon::prelude::*;
 
+use crate::cancel::Cancel;
 use crate::options::MergeOptions;
 use crate::plan::{Content, Origin, Plan};
 use crate::prepare::{prepare, Inputs};
-use crate::write::{windows, Progress, INTERRUPTED, WINDOW_BYTES};
+use crate::write::{windows, Progress, WINDOW_BYTES};
 use crate::{Error, Result};
 
 pub mod checks;
@@ -68,7 +68,13 @@ pub fn verify_against(opts: &MergeOptions, progress: &dyn Progress) -> Result<Ve
         )));
     }
     let prepared = prepare(opts)?;
-    verify_dir(&opts.output, &prepared.plan, prepared.inputs(), progress)
+    verify_dir(
+        &opts.output,
+        &prepared.plan,
+        prepared.inputs(),
+        progress,
+        &opts.cancel,
+    )
 }
 
 /// Checks the model directory `dir` against `plan`, whose tensors point into `inputs`.
@@ -77,6 +83,7 @@ pub fn verify_dir(
     plan: &Plan,
     inputs: Inputs<'_>,
     progress: &dyn Progress,
+    cancel: &Cancel,
 ) -> Result<VerifyReport> {
     let mut problems = Vec::new();
     let written = Written::read(dir, &mut problems)?;
@@ -156,9 +163,7 @@ pub fn verify_dir(
         .map_init(
             || (Vec::new(), Vec::new(), GatherBufs::default()),
             |(expected, found, bufs), &(ci, e0, e1)| {
-                if INTERRUPTED.load(Ordering::Relaxed) {
-                    return Err(Error::Interrupted);
-                }
+                cancel.check()?;
                 let (ti, loc) = checks[ci];
                 let t = &plan.tensors[ti];
                 let size = t.dtype.size() as u64;

@@ -16,11 +16,11 @@
 use crate::dtype::{self, ConvertStats};
 use crate::plan::{Content, Expr, Plan};
 use crate::prepare::Inputs;
-use crate::{DType, Error, Result};
+use crate::{DType, Result};
 
-use super::direct::OutFile;
 use super::read::read_tensor;
-use super::INTERRUPTED;
+use super::sink::ShardFile;
+use crate::cancel::Cancel;
 
 /// Bytes of one float32 element.
 const F32: usize = 4;
@@ -30,7 +30,8 @@ const F32: usize = 4;
 pub(crate) fn write_computed(
     plan: &Plan,
     inputs: Inputs<'_>,
-    files: &[OutFile],
+    files: &[Box<dyn ShardFile>],
+    cancel: &Cancel,
 ) -> Result<Vec<(usize, ConvertStats)>> {
     let mut stats = Vec::new();
     for (shard, s) in plan.shards.iter().enumerate() {
@@ -39,9 +40,7 @@ pub(crate) fn write_computed(
             let Content::Computed(expr) = &t.content else {
                 continue;
             };
-            if INTERRUPTED.load(std::sync::atomic::Ordering::Relaxed) {
-                return Err(Error::Interrupted);
-            }
+            cancel.check()?;
             let values = eval(expr, inputs)?;
             let mut out = vec![0u8; values.len() / F32 * t.dtype.size()];
             stats.push((ti, dtype::convert(&values, DType::F32, &mut out, t.dtype)));

@@ -149,3 +149,19 @@ pub(crate) fn preallocate(f: &File, len: u64) -> std::io::Result<()> {
         e => Err(std::io::Error::from_raw_os_error(e)),
     }
 }
+
+impl super::sink::ShardFile for OutFile {
+    fn write_block(&self, buf: &[u8], offset: u64) -> Result<()> {
+        OutFile::write_block(self, buf, offset)
+    }
+
+    fn write_at(&self, buf: &[u8], offset: u64) -> Result<()> {
+        OutFile::write_at(self, buf, offset)
+    }
+
+    fn finish(&self) -> Result<()> {
+        self.file
+            .sync_all()
+            .map_err(|e| Error::io("flush", &self.path, e))
+    }
+}

@@ -3,16 +3,17 @@
 //! converting on the way, and writes each block with one positioned write.
 
 use std::path::Path;
-use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use rayon::prelude::*;
 
-use super::direct::{BufferPool, OutFile};
+use super::direct::BufferPool;
 use super::geometry::PieceRuns;
+use super::sink::ShardFile;
 #[cfg(test)]
 use super::NoProgress;
-use super::{Inputs, Progress, INTERRUPTED};
+use super::{Inputs, Progress};
+use crate::cancel::Cancel;
 use crate::dtype::{self, ConvertStats};
 use crate::plan::{Origin, Plan};
 use crate::source::{Blob, FileId, Piece, TensorSource};
@@ -23,9 +24,10 @@ use crate::{DType, Error, Result};
 pub(crate) fn write_blocks(
     plan: &Plan,
     inputs: Inputs<'_>,
-    files: &[OutFile],
+    files: &[Box<dyn ShardFile>],
     block_bytes: u64,
     progress: &dyn Progress,
+    cancel: &Cancel,
 ) -> Result<Vec<ConvertStats>> {
     let mut blocks = Vec::new();
     for (shard, s) in plan.shards.iter().enumerate() {
@@ -49,9 +51,7 @@ pub(crate) fn write_blocks(
         blocks
             .par_iter()
             .map(|b| {
-                if INTERRUPTED.load(Ordering::Relaxed) {
-                    return Err(Error::Interrupted);
-                }
+                cancel.check()?;
                 let mut bufs = pool.take();
                 let out = bufs.block.slice_mut(b.len as usize);
                 let (stats, tensor_bytes) = fill_block(plan, inputs, b, out, &mut bufs.scratch)?;
@@ -505,13 +505,15 @@ mod tests {
         };
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("x.safetensors");
-        let files = vec![OutFile::create(&path, file_size).unwrap()];
+        let files: Vec<Box<dyn ShardFile>> = vec![Box::new(
+            super::super::direct::OutFile::create(&path, file_size).unwrap(),
+        )];
         let inputs = Inputs {
             checkpoint: &ckpt,
             base: None,
             extra: &[],
         };
-        let stats = write_blocks(&plan, inputs, &files, 4096, &NoProgress).unwrap();
+        let stats = write_blocks(&plan, inputs, &files, 4096, &NoProgress, &Cancel::new()).unwrap();
         drop(files);
 
         let mut want = header;
