@@ -8,16 +8,19 @@
 use std::path::Path;
 use std::sync::Arc;
 
-use crate::options::MergeOptions;
-use crate::plan::{self, BaseView, Origin, Plan};
+use crate::options::{MergeOptions, VerifyOptions};
+use crate::plan::{self, BaseView, Origin, Plan, PlanOptions};
 use crate::source::hf_dir::HfDir;
-use crate::source::{self, Blob, Checkpoint};
+use crate::source::{self, Blob, Checkpoint, OpenOptions};
 use crate::{Error, Result};
 
 /// The opened inputs and the plan, ready to write or to verify against.
 pub struct Prepared {
+    /// The checkpoint, opened.
     pub checkpoint: Checkpoint,
+    /// The base, opened.
     pub base: Option<Base>,
+    /// The plan.
     pub plan: Plan,
 }
 
@@ -40,7 +43,9 @@ impl Prepared {
 /// The inputs a plan's tensors point into, by [`Origin`].
 #[derive(Clone, Copy)]
 pub struct Inputs<'a> {
+    /// The checkpoint.
     pub checkpoint: &'a Checkpoint,
+    /// The base's weights.
     pub base: Option<&'a Checkpoint>,
     /// Further inputs (an adapter...): `Origin::Input(i)` is `extra[i]`.
     pub extra: &'a [&'a Checkpoint],
@@ -72,12 +77,16 @@ impl<'a> Inputs<'a> {
 
 /// Reads the base directory (if any): config, weights and extra files.
 pub struct Base {
+    /// The directory: config, tokenizer and other files.
     pub dir: HfDir,
+    /// Its weights, when it has any.
     pub weights: Option<Checkpoint>,
+    /// `metadata.total_parameters` of its index.
     pub total_parameters: Option<u64>,
 }
 
 impl Base {
+    /// Opens a base model directory.
     pub fn open(path: &Path) -> Result<Base> {
         if !path.is_dir() {
             return Err(Error::plan(
@@ -98,6 +107,7 @@ impl Base {
         })
     }
 
+    /// The base as planning sees it.
     pub fn view(&self) -> BaseView<'_> {
         BaseView {
             config: self.dir.config.as_ref(),
@@ -107,9 +117,45 @@ impl Base {
     }
 }
 
+/// What to open and how to plan: the part of [`MergeOptions`] and
+/// [`VerifyOptions`] that describes the merge.
+pub struct Sources<'a> {
+    /// The checkpoint.
+    pub checkpoint: &'a Path,
+    /// The base model directory.
+    pub base: Option<&'a Path>,
+    /// How to find the tensors in the checkpoint.
+    pub open: &'a OpenOptions,
+    /// How to plan.
+    pub plan: &'a PlanOptions,
+}
+
+impl<'a> From<&'a MergeOptions> for Sources<'a> {
+    fn from(o: &'a MergeOptions) -> Self {
+        Sources {
+            checkpoint: &o.checkpoint,
+            base: o.base.as_deref(),
+            open: &o.open,
+            plan: &o.plan,
+        }
+    }
+}
+
+impl<'a> From<&'a VerifyOptions> for Sources<'a> {
+    fn from(o: &'a VerifyOptions) -> Self {
+        Sources {
+            checkpoint: &o.checkpoint,
+            base: o.base.as_deref(),
+            open: &o.open,
+            plan: &o.plan,
+        }
+    }
+}
+
 /// Opens the checkpoint and the base and plans the merge, writing nothing.
-pub fn prepare(opts: &MergeOptions) -> Result<Prepared> {
-    let ckpt = source::open(&opts.checkpoint, &opts.open)?;
+pub fn prepare<'a>(opts: impl Into<Sources<'a>>) -> Result<Prepared> {
+    let opts: Sources<'a> = opts.into();
+    let ckpt = source::open(opts.checkpoint, opts.open)?;
     let local = ckpt.tensors.iter().find(|t| {
         t.layout
             .as_deref()
@@ -126,14 +172,14 @@ pub fn prepare(opts: &MergeOptions) -> Result<Prepared> {
             Some("pass the directory that holds every rank's file; unshard reassembles them".into()),
         ));
     }
-    let base = match &opts.base {
+    let base = match opts.base {
         Some(b) => Some(Base::open(b)?),
-        None => source::config_dir_for(&opts.checkpoint)
+        None => source::config_dir_for(opts.checkpoint)
             .map(|d| Base::open(&d))
             .transpose()?,
     };
     let view = base.as_ref().map(Base::view).unwrap_or_default();
-    let plan = plan::plan(&ckpt, view, &[], &opts.plan)?;
+    let plan = plan::plan(&ckpt, view, &[], opts.plan)?;
     Ok(Prepared {
         checkpoint: ckpt,
         base,
