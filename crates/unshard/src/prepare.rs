@@ -90,7 +90,7 @@ impl Base {
     pub fn open(path: &Path) -> Result<Base> {
         if !path.is_dir() {
             return Err(Error::plan(
-                format!("--base {} is not a directory", path.display()),
+                format!("the base {} is not a directory", path.display()),
                 Some("pass the Hugging Face model directory the training started from (config.json, tokenizer, weights)".into()),
             ));
         }
