@@ -34,6 +34,8 @@ pub mod error;
 #[doc(hidden)]
 pub mod inspect;
 #[doc(hidden)]
+pub mod json;
+#[doc(hidden)]
 pub mod merge;
 #[doc(hidden)]
 pub mod options;

@@ -8,6 +8,7 @@
 use std::path::Path;
 use std::sync::Arc;
 
+use crate::cancel::Cancel;
 use crate::options::{MergeOptions, VerifyOptions};
 use crate::plan::{self, BaseView, Origin, Plan, PlanOptions};
 use crate::source::hf_dir::HfDir;
@@ -128,6 +129,8 @@ pub struct Sources<'a> {
     pub open: &'a OpenOptions,
     /// How to plan.
     pub plan: &'a PlanOptions,
+    /// Checked once each input is parsed.
+    pub cancel: &'a Cancel,
 }
 
 impl<'a> From<&'a MergeOptions> for Sources<'a> {
@@ -137,6 +140,7 @@ impl<'a> From<&'a MergeOptions> for Sources<'a> {
             base: o.base.as_deref(),
             open: &o.open,
             plan: &o.plan,
+            cancel: &o.cancel,
         }
     }
 }
@@ -148,6 +152,7 @@ impl<'a> From<&'a VerifyOptions> for Sources<'a> {
             base: o.base.as_deref(),
             open: &o.open,
             plan: &o.plan,
+            cancel: &o.cancel,
         }
     }
 }
@@ -156,6 +161,8 @@ impl<'a> From<&'a VerifyOptions> for Sources<'a> {
 pub fn prepare<'a>(opts: impl Into<Sources<'a>>) -> Result<Prepared> {
     let opts: Sources<'a> = opts.into();
     let ckpt = source::open(opts.checkpoint, opts.open)?;
+    // Parsing a checkpoint of thousands of ranks takes a while: stop here if asked.
+    opts.cancel.check()?;
     let local = ckpt.tensors.iter().find(|t| {
         t.layout
             .as_deref()
@@ -178,6 +185,7 @@ pub fn prepare<'a>(opts: impl Into<Sources<'a>>) -> Result<Prepared> {
             .map(|d| Base::open(&d))
             .transpose()?,
     };
+    opts.cancel.check()?;
     let view = base.as_ref().map(Base::view).unwrap_or_default();
     let plan = plan::plan(&ckpt, view, &[], opts.plan)?;
     Ok(Prepared {
