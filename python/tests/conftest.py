@@ -16,7 +16,7 @@ FIXTURES = ROOT / "fixtures"
 def cases():
     """The merge cases whose expected directories transformers wrote."""
     with open(FIXTURES / "expected" / "cases.json") as f:
-        return json.load(f)["cases"]
+        return [c for c in json.load(f)["cases"] if "expected_dir" in c]
 
 
 def same_tree(a: Path, b: Path) -> list:

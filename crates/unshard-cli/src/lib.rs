@@ -83,6 +83,13 @@ fn raise_open_file_limit() {
     }
 }
 
+/// Parses a dtype as `--dtype` does (`auto`, `bfloat16`, `bf16`, `torch.float16`,
+/// `half`, ... in any case), for front ends that take it as a string.
+pub fn parse_dtype(s: &str) -> Option<unshard::DtypeChoice> {
+    use clap::ValueEnum;
+    args::DtypeArg::from_str(s, true).ok().map(args::DtypeArg::choice)
+}
+
 /// Runs the command line `argv` (`argv[0]` is the program name) and returns the
 /// process exit code. It owns the process while it runs: it installs the panic
 /// hook and the SIGINT/SIGTERM handling, raises the open-files limit, and may end

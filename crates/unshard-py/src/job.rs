@@ -59,6 +59,8 @@ where
 {
     std::thread::scope(|scope| {
         let (tx, rx) = mpsc::channel();
+        // Waiting happens off the GIL, where only `Sync` data may be borrowed.
+        let rx = std::sync::Mutex::new(rx);
         scope.spawn(move || {
             // The receiver outlives this thread (same scope): the send cannot fail
             // unless the waiting thread panicked, and then the result has no reader.
@@ -67,7 +69,10 @@ where
         let mut interrupted: Option<PyErr> = None;
         let mut last = (u64::MAX, u64::MAX);
         loop {
-            let received = py.detach(|| rx.recv_timeout(SLICE));
+            let received = py.detach(|| match rx.lock() {
+                Ok(rx) => rx.recv_timeout(SLICE),
+                Err(_) => Err(mpsc::RecvTimeoutError::Disconnected),
+            });
             let finished = match received {
                 Ok(result) => Some(result),
                 Err(mpsc::RecvTimeoutError::Timeout) => None,

@@ -51,7 +51,7 @@ fn merge(
         .map_err(|e| to_py(&e))?;
     let counters = job::Counters::default();
     let cancel = unshard::Cancel::new();
-    let reporter = options::Reporter(&counters);
+    let reporter = options::Reporter::new(&counters);
     let result = job::run(py, &counters, progress.as_ref(), &|| cancel.cancel(), || {
         request.run(&reporter, &cancel)
     })?;
@@ -90,7 +90,7 @@ fn verify(
         options::MergeRequest::parse(&against, &output, options_json).map_err(|e| to_py(&e))?;
     let counters = job::Counters::default();
     let cancel = unshard::Cancel::new();
-    let reporter = options::Reporter(&counters);
+    let reporter = options::Reporter::new(&counters);
     let result = job::run(py, &counters, progress.as_ref(), &|| cancel.cancel(), || {
         request.verify(&reporter, &cancel)
     })?;
@@ -108,7 +108,7 @@ fn diff(
 ) -> PyResult<String> {
     let counters = job::Counters::default();
     let cancel = unshard::Cancel::new();
-    let reporter = options::Reporter(&counters);
+    let reporter = options::Reporter::new(&counters);
     let result = job::run(py, &counters, progress.as_ref(), &|| cancel.cancel(), || {
         options::diff(&a, &b, &reporter, &cancel)
     })?;
