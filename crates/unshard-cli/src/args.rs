@@ -42,6 +42,18 @@ pub enum DtypeArg {
     Float32,
 }
 
+impl DtypeArg {
+    /// The library's dtype choice.
+    pub fn choice(self) -> DtypeChoice {
+        match self {
+            DtypeArg::Auto => DtypeChoice::Auto,
+            DtypeArg::Float16 => DtypeChoice::Fixed(DType::F16),
+            DtypeArg::Bfloat16 => DtypeChoice::Fixed(DType::BF16),
+            DtypeArg::Float32 => DtypeChoice::Fixed(DType::F32),
+        }
+    }
+}
+
 /// The options that decide what a merge writes, shared by `merge` (which writes
 /// it) and `verify` (which re-derives it: pass the same values).
 #[derive(clap::Args, Debug)]
@@ -93,14 +105,8 @@ impl PlanArgs {
             })?;
             renames.push((re, rep.to_string()));
         }
-        let dtype = match self.dtype {
-            DtypeArg::Auto => DtypeChoice::Auto,
-            DtypeArg::Float16 => DtypeChoice::Fixed(DType::F16),
-            DtypeArg::Bfloat16 => DtypeChoice::Fixed(DType::BF16),
-            DtypeArg::Float32 => DtypeChoice::Fixed(DType::F32),
-        };
         Ok(PlanOptions {
-            dtype,
+            dtype: self.dtype.choice(),
             strict: self.strict,
             renames,
             max_shard_size,

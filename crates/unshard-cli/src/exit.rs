@@ -9,8 +9,6 @@
 //! and a panic (Rust's 101, see `panic_hook.rs`).
 
 use std::io::Write;
-use std::process::ExitCode;
-
 use unshard::Error;
 
 use crate::signals;
@@ -31,12 +29,12 @@ pub enum Status {
 
 impl Status {
     /// The process exit code of this outcome.
-    pub fn code(self) -> ExitCode {
-        ExitCode::from(match self {
+    pub fn code(self) -> u8 {
+        match self {
             Status::Success => 0,
             Status::Failure => 1,
             Status::Error => 2,
-        })
+        }
     }
 }
 
@@ -59,7 +57,7 @@ impl std::fmt::Display for UsageError {
 impl std::error::Error for UsageError {}
 
 /// The exit code of a finished command; prints the error when there is one.
-pub fn finish(result: anyhow::Result<Status>) -> ExitCode {
+pub fn finish(result: anyhow::Result<Status>) -> u8 {
     match result {
         Ok(status) => status.code(),
         // A reader that went away (`unshard inspect ... | head`) is not an error.
