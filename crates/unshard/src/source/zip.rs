@@ -342,22 +342,17 @@ fn find_eocd(a: &mut Archive<'_>) -> std::result::Result<u64, Fail> {
     let mut tail = TAIL.min(len);
     loop {
         let start = len - tail;
-        let data = match a.held_bytes(start, tail) {
-            Some(d) => d.to_vec(),
-            None => a.read_vec(start, tail)?,
-        };
+        if a.held_bytes(start, tail).is_none() {
+            let data = a.read_vec(start, tail)?;
+            a.held.push((start, data));
+        }
+        let data = a.held_bytes(start, tail).unwrap_or(&[]);
         // Candidate positions from `len - 22` down to `start`.
-        let mut i = data.len() - 22;
-        loop {
-            if data[i..i + 4] == EOCD_SIG.to_le_bytes() {
-                let at = start + i as u64;
-                a.held.push((start, data));
-                return Ok(at);
-            }
-            if i == 0 {
-                break;
-            }
-            i -= 1;
+        if let Some(i) = (0..data.len().saturating_sub(21))
+            .rev()
+            .find(|&i| data[i..i + 4] == EOCD_SIG.to_le_bytes())
+        {
+            return Ok(start + i as u64);
         }
         if tail >= MAX_TAIL.min(len) {
             return bad(
@@ -555,6 +550,55 @@ mod tests {
                 "prefix of {n} bytes parsed"
             );
         }
+    }
+
+    /// Counts the positioned reads made on a file, and the bytes they read.
+    #[derive(Debug)]
+    struct Counting(
+        super::super::LocalFile,
+        std::sync::atomic::AtomicUsize,
+        std::sync::atomic::AtomicUsize,
+    );
+
+    impl super::super::ByteSource for Counting {
+        fn name(&self) -> &std::path::Path {
+            self.0.name()
+        }
+        fn len(&self) -> u64 {
+            self.0.len()
+        }
+        fn read_at(&self, offset: u64, buf: &mut [u8]) -> crate::Result<()> {
+            self.1.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            self.2
+                .fetch_add(buf.len(), std::sync::atomic::Ordering::Relaxed);
+            self.0.read_at(offset, buf)
+        }
+    }
+
+    #[test]
+    fn a_torch_archive_is_indexed_in_a_few_reads_that_skip_the_data() {
+        use super::super::ByteSource;
+        use std::sync::atomic::Ordering::Relaxed;
+        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../../fixtures/ckpt/llama_policy.pt");
+        let file = super::super::LocalFile::open(&path).expect("fixture");
+        let len = file.len();
+        let counting = std::sync::Arc::new(Counting(file, Default::default(), Default::default()));
+        let blob = Blob::new(counting.clone());
+        let idx = ZipIndex::read(&mut Archive::whole(&blob)).expect("index");
+        let (reads, bytes) = (counting.1.load(Relaxed), counting.2.load(Relaxed));
+        // The tail, then the local headers in one request: fewer reads than entries,
+        // and a small part of the file (the tensors between the headers are skipped).
+        assert!(idx.entries.len() > 20, "{}", idx.entries.len());
+        assert!(
+            reads < idx.entries.len() / 2,
+            "{reads} reads for {} entries",
+            idx.entries.len()
+        );
+        assert!((bytes as u64) < len / 4, "{bytes} of {len} bytes read");
+        // The same index as from the whole file in memory.
+        let data = std::fs::read(&path).expect("fixture");
+        assert_eq!(idx.entries, ZipIndex::parse(&data).expect("index").entries);
     }
 
     #[test]
