@@ -6,10 +6,19 @@ use super::{short_read, ByteSource};
 use crate::Result;
 
 /// A [`ByteSource`] over a buffer in memory.
-#[derive(Debug)]
 pub struct MemBytes {
     name: PathBuf,
     data: Vec<u8>,
+}
+
+/// Names the buffer and gives its length, not its bytes (they may be megabytes).
+impl std::fmt::Debug for MemBytes {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MemBytes")
+            .field("name", &self.name)
+            .field("len", &self.data.len())
+            .finish()
+    }
 }
 
 impl MemBytes {
