@@ -161,9 +161,9 @@ impl ZipIndex {
 
     /// Indexes an archive, reading only its records; errors name the blob's file.
     pub fn read(a: &mut Archive<'_>) -> Result<ZipIndex> {
-        let path = a.blob.path.clone();
+        let blob = a.blob;
         index(a).map_err(|f| match f {
-            Fail::Bad(m) => Error::corrupt(&path, m),
+            Fail::Bad(m) => Error::corrupt(&blob.path, m),
             Fail::Read(e) => e,
         })
     }
