@@ -47,6 +47,10 @@ impl ByteSource for MemBytes {
         Ok(())
     }
 
+    fn read_strided(&self, offset: u64, stride: u64, elem: usize, out: &mut [u8]) -> Result<()> {
+        super::gather(&self.data, &self.name, offset, stride, elem, out)
+    }
+
     fn as_bytes(&self) -> Option<&[u8]> {
         Some(&self.data)
     }
