@@ -211,6 +211,9 @@ fn sources_are_shareable_trait_objects() {
     assert!(blob.read_vec(8, 3).is_err());
 }
 
+/// One way of reading a strided view: `(offset, stride, elem, out)`.
+type StridedRead<'a> = &'a dyn Fn(u64, u64, usize, &mut [u8]) -> Result<()>;
+
 #[test]
 fn strided_reads_pick_every_element_at_any_stride() {
     let data = pattern(3 << 20);
@@ -219,7 +222,7 @@ fn strided_reads_pick_every_element_at_any_stride() {
     f.write_all(&data).unwrap();
     let local = LocalFile::open(f.path()).unwrap();
     // In memory, from a local file's map, and by spans (the default).
-    let ways: [(&str, &dyn Fn(u64, u64, usize, &mut [u8]) -> Result<()>); 3] = [
+    let ways: [(&str, StridedRead<'_>); 3] = [
         ("memory", &|o, s, e, out| mem.read_strided(o, s, e, out)),
         ("local", &|o, s, e, out| local.read_strided(o, s, e, out)),
         ("spans", &|o, s, e, out| {
