@@ -87,7 +87,9 @@ fn raise_open_file_limit() {
 /// `half`, ... in any case), for front ends that take it as a string.
 pub fn parse_dtype(s: &str) -> Option<unshard::DtypeChoice> {
     use clap::ValueEnum;
-    args::DtypeArg::from_str(s, true).ok().map(args::DtypeArg::choice)
+    args::DtypeArg::from_str(s, true)
+        .ok()
+        .map(args::DtypeArg::choice)
 }
 
 /// Runs the command line `argv` (`argv[0]` is the program name) and returns the

@@ -43,7 +43,10 @@ fn a_panic_asks_for_a_bug_report() {
         err.contains(&format!("unshard {}", env!("CARGO_PKG_VERSION"))),
         "{err}"
     );
-    assert!(err.contains("unshard-cli/src/lib.rs:"), "no location: {err}");
+    assert!(
+        err.contains("unshard-cli/src/lib.rs:"),
+        "no location: {err}"
+    );
     assert!(err.contains("hint: please report it at https://"), "{err}");
     assert!(!err.contains("RUST_BACKTRACE"), "{err}");
     assert!(err.lines().count() <= 4, "{err}");

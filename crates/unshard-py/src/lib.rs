@@ -47,14 +47,18 @@ fn merge(
     options_json: &str,
     progress: Option<Bound<'_, PyAny>>,
 ) -> PyResult<String> {
-    let request = options::MergeRequest::parse(&checkpoint, &output, options_json)
-        .map_err(|e| to_py(&e))?;
+    let request =
+        options::MergeRequest::parse(&checkpoint, &output, options_json).map_err(|e| to_py(&e))?;
     let counters = job::Counters::default();
     let cancel = unshard::Cancel::new();
     let reporter = options::Reporter::new(&counters);
-    let result = job::run(py, &counters, progress.as_ref(), &|| cancel.cancel(), || {
-        request.run(&reporter, &cancel)
-    })?;
+    let result = job::run(
+        py,
+        &counters,
+        progress.as_ref(),
+        &|| cancel.cancel(),
+        || request.run(&reporter, &cancel),
+    )?;
     result.map_err(|e| to_py(&e))
 }
 
@@ -70,9 +74,13 @@ fn inspect(
 ) -> PyResult<String> {
     let counters = job::Counters::default();
     let cancel = unshard::Cancel::new();
-    let result = job::run(py, &counters, progress.as_ref(), &|| cancel.cancel(), || {
-        options::inspect(&path, key, stats, &cancel)
-    })?;
+    let result = job::run(
+        py,
+        &counters,
+        progress.as_ref(),
+        &|| cancel.cancel(),
+        || options::inspect(&path, key, stats, &cancel),
+    )?;
     result.map_err(|e| to_py(&e))
 }
 
@@ -91,9 +99,13 @@ fn verify(
     let counters = job::Counters::default();
     let cancel = unshard::Cancel::new();
     let reporter = options::Reporter::new(&counters);
-    let result = job::run(py, &counters, progress.as_ref(), &|| cancel.cancel(), || {
-        request.verify(&reporter, &cancel)
-    })?;
+    let result = job::run(
+        py,
+        &counters,
+        progress.as_ref(),
+        &|| cancel.cancel(),
+        || request.verify(&reporter, &cancel),
+    )?;
     result.map_err(|e| to_py(&e))
 }
 
@@ -109,9 +121,13 @@ fn diff(
     let counters = job::Counters::default();
     let cancel = unshard::Cancel::new();
     let reporter = options::Reporter::new(&counters);
-    let result = job::run(py, &counters, progress.as_ref(), &|| cancel.cancel(), || {
-        options::diff(&a, &b, &reporter, &cancel)
-    })?;
+    let result = job::run(
+        py,
+        &counters,
+        progress.as_ref(),
+        &|| cancel.cancel(),
+        || options::diff(&a, &b, &reporter, &cancel),
+    )?;
     result.map_err(|e| to_py(&e))
 }
 

@@ -10,8 +10,8 @@ use std::time::Duration;
 
 use serde::Deserialize;
 use unshard::{
-    Cancel, DiffOptions, Error, InspectOptions, MergeOptions, OpenOptions,
-    PlanOptions, Progress, VerifyOptions,
+    Cancel, DiffOptions, Error, InspectOptions, MergeOptions, OpenOptions, PlanOptions, Progress,
+    VerifyOptions,
 };
 
 use crate::job::Counters;
@@ -42,15 +42,13 @@ impl MergeRequest {
         let k: Kwargs = serde_json::from_str(kwargs)
             .map_err(|e| Error::Usage(format!("malformed options from the Python layer: {e}")))?;
         let plan = plan_options(&k)?;
+        let open = OpenOptions { key: k.key };
         Ok(MergeRequest {
             opts: MergeOptions {
                 checkpoint: PathBuf::from(checkpoint),
                 base: k.base.map(PathBuf::from),
                 output: PathBuf::from(output),
-                open: OpenOptions {
-                    key: k.key,
-                    ..OpenOptions::default()
-                },
+                open,
                 plan,
                 force: k.force,
                 allow_overflow: k.allow_overflow,
@@ -117,12 +115,10 @@ pub fn inspect(
     stats: bool,
     cancel: &Cancel,
 ) -> Result<String, Error> {
+    let open = OpenOptions { key };
     let report = unshard::inspect(&InspectOptions {
         path: PathBuf::from(path),
-        open: OpenOptions {
-            key,
-            ..OpenOptions::default()
-        },
+        open,
         stats,
         cancel: cancel.clone(),
     })?;
