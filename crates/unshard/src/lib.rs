@@ -16,6 +16,7 @@
 pub mod diff;
 pub mod dtype;
 pub mod error;
+pub mod lora;
 pub mod merge;
 pub mod plan;
 pub mod report;
