@@ -42,7 +42,7 @@ fn open_adapter(case: &serde_json::Value, base: &Path) -> unshard::Result<Adapte
         name: arg(case, "--adapter"),
         config: arg(case, "--adapter-config").map(|p| fixtures().join(p)),
     };
-    if path.is_dir() {
+    if unshard::lora::locate::is_adapter_dir(&path) {
         input::open_dir(&path, &opts, &OpenOptions::default())
     } else {
         let ckpt = source::open(&path, &OpenOptions::default())?;

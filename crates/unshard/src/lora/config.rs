@@ -146,13 +146,15 @@ impl AdapterConfig {
     pub fn from_map(path: &Path, raw: Map<String, Value>) -> Result<AdapterConfig> {
         match raw.get("peft_type").and_then(Value::as_str) {
             Some("LORA") => {}
-            Some(other) => return Err(adapter_error(
-                path,
-                format!(
+            Some(other) => {
+                return Err(adapter_error(
+                    path,
+                    format!(
                     "peft_type is {other:?}; only LoRA (and DoRA, use_dora) adapters can be fused"
                 ),
-                "merge this adapter with peft's merge_and_unload, or convert it to LoRA",
-            )),
+                    "merge this adapter with peft's merge_and_unload, or convert it to LoRA",
+                ))
+            }
             None => {
                 return Err(adapter_error(
                     path,
