@@ -178,3 +178,56 @@ fn error_cases_name_what_is_wrong() {
         );
     }
 }
+
+/// `--no-fuse` from a training checkpoint writes what peft's own `save_pretrained`
+/// wrote for the same adapter: the same names, the same bytes, the same config.
+#[test]
+fn exported_adapter_equals_what_peft_saved() {
+    for (train, saved) in [
+        (
+            "lora/train/llama_modules_to_save_pt/policy.pt",
+            "lora/adapters/llama_modules_to_save",
+        ),
+        (
+            "lora/train/llama_dora_pt/policy.pt",
+            "lora/adapters/llama_dora",
+        ),
+        (
+            "lora/train/llama_lora_pt/policy.pt",
+            "lora/adapters/llama_lora",
+        ),
+    ] {
+        let ckpt = source::open(&fixtures().join(train), &OpenOptions::default()).unwrap();
+        let input = input::from_checkpoint(ckpt, None, &AdapterOptions::default()).unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        unshard::lora::export::write_adapter_dir(dir.path(), &input).unwrap();
+        let ours = std::fs::read(dir.path().join("adapter_model.safetensors")).unwrap();
+        let ours = safetensors::SafeTensors::deserialize(&ours).unwrap();
+        let peft = std::fs::read(fixtures().join(saved).join("adapter_model.safetensors")).unwrap();
+        let peft = safetensors::SafeTensors::deserialize(&peft).unwrap();
+        let mut names = ours.names();
+        names.sort();
+        let mut want = peft.names();
+        want.sort();
+        assert_eq!(names, want, "{train}");
+        for n in names {
+            let (a, b) = (ours.tensor(n).unwrap(), peft.tensor(n).unwrap());
+            assert_eq!(
+                (a.dtype(), a.shape(), a.data()),
+                (b.dtype(), b.shape(), b.data()),
+                "{train}: {n}"
+            );
+        }
+        let cfg = |p: &Path| -> serde_json::Value {
+            serde_json::from_slice(&std::fs::read(p).unwrap()).unwrap()
+        };
+        let ours = cfg(&dir.path().join("adapter_config.json"));
+        let theirs = cfg(&fixtures()
+            .join(train)
+            .parent()
+            .unwrap()
+            .join("adapter_config.json"));
+        assert_eq!(ours, theirs, "{train}");
+        assert_ne!(ours["lora_alpha"], serde_json::json!(0));
+    }
+}

@@ -14,7 +14,8 @@
 //! - [`resolve`]: names + config -> tensors and fuses, every shape checked;
 //! - [`input`]: opening an adapter directory or a training checkpoint;
 //! - [`math`]: the fuse in float32, and [`eval`], which reads its inputs;
-//! - [`reference`]: the same in plain float64 loops (verify's evaluation).
+//! - [`reference`]: the same in plain float64 loops (verify's evaluation);
+//! - [`export`]: `--no-fuse`, the adapter written back as a peft adapter directory.
 
 use std::path::Path;
 
@@ -22,6 +23,7 @@ use crate::Error;
 
 pub mod config;
 pub mod eval;
+pub mod export;
 pub mod input;
 pub mod locate;
 pub mod math;

@@ -105,6 +105,15 @@ pub struct Resolved {
     pub notes: Vec<String>,
 }
 
+impl Resolved {
+    /// Whether a tensor (by base name) belongs to the adapter rather than the base:
+    /// the tensors of a module in `modules_to_save`.
+    pub fn owns(&self, name: &str) -> bool {
+        let module = name.rsplit_once('.').map_or(name, |(m, _)| m);
+        self.config.saves(module)
+    }
+}
+
 #[derive(Default)]
 struct Factors {
     a: Option<TensorSource>,
