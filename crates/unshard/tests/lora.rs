@@ -41,6 +41,7 @@ fn open_adapter(case: &serde_json::Value, base: &Path) -> unshard::Result<Adapte
     let opts = AdapterOptions {
         name: arg(case, "--adapter"),
         config: arg(case, "--adapter-config").map(|p| fixtures().join(p)),
+        ..AdapterOptions::default()
     };
     if unshard::lora::locate::is_adapter_dir(&path) {
         input::open_dir(&path, &opts, &OpenOptions::default())

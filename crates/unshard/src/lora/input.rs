@@ -11,13 +11,16 @@ use crate::plan::strip_wrappers;
 use crate::source::{self, Checkpoint, OpenOptions};
 use crate::Result;
 
-/// `--adapter` and `--adapter-config`.
+/// `--adapter`, `--adapter-config` and `--no-fuse`.
 #[derive(Clone, Debug, Default)]
 pub struct AdapterOptions {
     /// The adapter to fuse when the input holds several.
     pub name: Option<String>,
     /// The `adapter_config.json` to use (a file, or a directory holding one).
     pub config: Option<PathBuf>,
+    /// Keep the base weights unchanged and write the adapter beside them, in
+    /// `OUT/adapter/`, as a peft adapter directory.
+    pub no_fuse: bool,
 }
 
 /// An adapter, opened and resolved.
