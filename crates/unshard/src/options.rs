@@ -5,6 +5,7 @@
 use std::path::PathBuf;
 
 use crate::lora::AdapterOptions;
+use crate::cancel::Cancel;
 use crate::plan::PlanOptions;
 use crate::source::OpenOptions;
 
@@ -25,4 +26,6 @@ pub struct MergeOptions {
     pub fail_on_nonfinite: bool,
     /// How a LoRA adapter input is fused (ignored for other inputs).
     pub adapter: AdapterOptions,
+    /// Stops the operation at its next check; what it wrote is removed.
+    pub cancel: Cancel,
 }

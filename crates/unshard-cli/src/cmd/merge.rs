@@ -88,6 +88,7 @@ pub fn run(args: MergeArgs) -> anyhow::Result<Status> {
         verify: args.verify,
         fail_on_nonfinite: args.fail_on_nonfinite,
         adapter: args.plan.adapter.options(),
+        cancel: signals::token(),
     };
     signals::protect_output(&opts.output);
     let progress = Bar::new(args.quiet, "written");

@@ -45,6 +45,7 @@ pub fn run(args: VerifyArgs) -> anyhow::Result<Status> {
         },
         plan: args.plan.plan_options()?,
         adapter: args.plan.adapter.options(),
+        cancel: crate::signals::token(),
         ..MergeOptions::default()
     };
     let progress = Bar::new(args.quiet, "compared");
