@@ -4,8 +4,8 @@
 
 use std::path::PathBuf;
 
-use crate::lora::AdapterOptions;
 use crate::cancel::Cancel;
+use crate::lora::AdapterOptions;
 use crate::plan::PlanOptions;
 use crate::source::OpenOptions;
 

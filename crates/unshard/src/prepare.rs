@@ -8,6 +8,7 @@
 use std::path::Path;
 use std::sync::Arc;
 
+use crate::lora::{self, LoraFuse};
 use crate::options::MergeOptions;
 use crate::plan::{self, BaseView, Origin, Plan};
 use crate::source::hf_dir::HfDir;
@@ -19,6 +20,8 @@ pub struct Prepared {
     pub checkpoint: Checkpoint,
     pub base: Option<Base>,
     pub plan: Plan,
+    /// When the checkpoint is a LoRA adapter: how it is fused.
+    pub adapter: Option<Arc<LoraFuse>>,
 }
 
 impl Prepared {
@@ -109,7 +112,14 @@ impl Base {
 
 /// Opens the checkpoint and the base and plans the merge, writing nothing.
 pub fn prepare(opts: &MergeOptions) -> Result<Prepared> {
-    let ckpt = source::open(&opts.checkpoint, &opts.open)?;
+    // A peft adapter (directory, or a checkpoint of a peft-wrapped model) is the
+    // checkpoint here, resolved against its config before anything is planned.
+    let (ckpt, adapter) = lora::input::open(
+        &opts.checkpoint,
+        opts.base.as_deref(),
+        &opts.adapter,
+        &opts.open,
+    )?;
     let local = ckpt.tensors.iter().find(|t| {
         t.layout
             .as_deref()
@@ -133,10 +143,19 @@ pub fn prepare(opts: &MergeOptions) -> Result<Prepared> {
             .transpose()?,
     };
     let view = base.as_ref().map(Base::view).unwrap_or_default();
-    let plan = plan::plan(&ckpt, view, &[], &opts.plan)?;
+    let adapter = adapter.map(|r| Arc::new(LoraFuse::new(r, opts.adapter.no_fuse)));
+    let mut plan_opts = opts.plan.clone();
+    if let Some(a) = &adapter {
+        plan_opts.mappings.insert(0, a.clone());
+    }
+    let mut plan = plan::plan(&ckpt, view, &[], &plan_opts)?;
+    if let Some(a) = &adapter {
+        lora::report::add(a, &ckpt, &mut plan.report)?;
+    }
     Ok(Prepared {
         checkpoint: ckpt,
         base,
         plan,
+        adapter,
     })
 }

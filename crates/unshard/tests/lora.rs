@@ -201,7 +201,12 @@ fn exported_adapter_equals_what_peft_saved() {
         let ckpt = source::open(&fixtures().join(train), &OpenOptions::default()).unwrap();
         let input = input::from_checkpoint(ckpt, None, &AdapterOptions::default()).unwrap();
         let dir = tempfile::tempdir().unwrap();
-        unshard::lora::export::write_adapter_dir(dir.path(), &input).unwrap();
+        unshard::lora::export::write_adapter_dir(
+            dir.path(),
+            &input.resolved,
+            &input.checkpoint.files,
+        )
+        .unwrap();
         let ours = std::fs::read(dir.path().join("adapter_model.safetensors")).unwrap();
         let ours = safetensors::SafeTensors::deserialize(&ours).unwrap();
         let peft = std::fs::read(fixtures().join(saved).join("adapter_model.safetensors")).unwrap();

@@ -15,7 +15,7 @@ use std::sync::Arc;
 use serde_json::{Map, Value};
 
 use super::config::CONFIG_FILE;
-use super::input::AdapterInput;
+use super::resolve::Resolved;
 use crate::source::{Blob, TensorSource};
 use crate::write::read_tensor;
 use crate::{Error, Result};
@@ -27,9 +27,9 @@ pub const WEIGHTS_FILE: &str = "adapter_model.safetensors";
 const PREFIX: &str = "base_model.model.";
 
 /// `(name in the adapter file, tensor)` for every tensor the adapter owns.
-pub fn adapter_tensors(input: &AdapterInput) -> Vec<(String, &TensorSource)> {
+pub fn adapter_tensors(resolved: &Resolved) -> Vec<(String, &TensorSource)> {
     let mut out = Vec::new();
-    for f in &input.resolved.fuses {
+    for f in &resolved.fuses {
         let (a, b) = if f.embedding {
             ("lora_embedding_A", "lora_embedding_B")
         } else {
@@ -41,34 +41,27 @@ pub fn adapter_tensors(input: &AdapterInput) -> Vec<(String, &TensorSource)> {
             out.push((format!("{PREFIX}{}.lora_magnitude_vector", f.module), m));
         }
     }
-    for t in input
-        .resolved
-        .tensors
-        .iter()
-        .filter(|t| input.resolved.owns(&t.name))
-    {
+    for t in resolved.tensors.iter().filter(|t| resolved.owns(&t.name)) {
         out.push((format!("{PREFIX}{}", t.name), t));
     }
     out.sort_by(|x, y| x.0.cmp(&y.0));
     out
 }
 
-/// Writes the adapter directory into `dir` (which must exist).
-pub fn write_adapter_dir(dir: &Path, input: &AdapterInput) -> Result<()> {
+/// Writes the adapter directory into `dir` (created if absent); `files` are the
+/// files of the input the adapter was resolved from.
+pub fn write_adapter_dir(dir: &Path, resolved: &Resolved, files: &[Arc<Blob>]) -> Result<()> {
+    std::fs::create_dir_all(dir).map_err(|e| Error::io("create", dir, e))?;
     let config_path = dir.join(CONFIG_FILE);
-    let text = serde_json::to_string_pretty(&Value::Object(input.resolved.config.raw.clone()))
-        .map_err(|e| {
+    let text =
+        serde_json::to_string_pretty(&Value::Object(resolved.config.raw.clone())).map_err(|e| {
             Error::corrupt(
                 &config_path,
                 format!("cannot serialise the adapter config: {e}"),
             )
         })?;
     std::fs::write(&config_path, text + "\n").map_err(|e| Error::io("write", &config_path, e))?;
-    write_safetensors(
-        &dir.join(WEIGHTS_FILE),
-        &adapter_tensors(input),
-        &input.checkpoint.files,
-    )
+    write_safetensors(&dir.join(WEIGHTS_FILE), &adapter_tensors(resolved), files)
 }
 
 /// A safetensors file of `tensors`, in the order given, each in its stored dtype.

@@ -40,6 +40,41 @@ pub fn is_peft_checkpoint(ckpt: &Checkpoint) -> bool {
         .any(|t| names::looks_like_peft(&strip_wrappers(&t.name)))
 }
 
+/// Opens the merge's input: an adapter directory, or a checkpoint (which is an
+/// adapter input when its names are peft's). The adapter options on anything else
+/// are an error, so that a flag is never silently ignored.
+pub fn open(
+    path: &Path,
+    base: Option<&Path>,
+    opts: &AdapterOptions,
+    open: &OpenOptions,
+) -> Result<(Checkpoint, Option<Resolved>)> {
+    if locate::is_adapter_dir(path) {
+        let input = open_dir(path, opts, open)?;
+        return Ok((input.checkpoint, Some(input.resolved)));
+    }
+    let ckpt = source::open(path, open)?;
+    if is_peft_checkpoint(&ckpt) {
+        let input = from_checkpoint(ckpt, base, opts)?;
+        return Ok((input.checkpoint, Some(input.resolved)));
+    }
+    let flag = [
+        (opts.name.is_some(), "--adapter"),
+        (opts.config.is_some(), "--adapter-config"),
+        (opts.no_fuse, "--no-fuse"),
+    ]
+    .into_iter()
+    .find_map(|(set, f)| set.then_some(f));
+    if let Some(flag) = flag {
+        return Err(super::adapter_error(
+            path,
+            format!("{flag} applies to LoRA adapters, and this input holds none (no lora_A / lora_B tensors)"),
+            "pass a peft adapter directory or a checkpoint of a peft-wrapped model, or drop the flag",
+        ));
+    }
+    Ok((ckpt, None))
+}
+
 /// Opens an adapter directory (`adapter_config.json` + `adapter_model.*`).
 pub fn open_dir(dir: &Path, opts: &AdapterOptions, open: &OpenOptions) -> Result<AdapterInput> {
     let chosen = locate::select_in_dir(dir, opts.name.as_deref())?;

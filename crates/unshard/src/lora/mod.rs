@@ -12,9 +12,11 @@
 //! - [`config`]: `adapter_config.json`, and the refusal of what cannot be fused;
 //! - [`names`]: peft's tensor names read back into base names;
 //! - [`resolve`]: names + config -> tensors and fuses, every shape checked;
+//! - [`mapping`]: the plan's `LoraFuse` mapping: fused weights become `Expr::Fuse`;
 //! - [`input`]: opening an adapter directory or a training checkpoint;
 //! - [`math`]: the fuse in float32, and [`eval`], which reads its inputs;
 //! - [`reference`]: the same in plain float64 loops (verify's evaluation);
+//! - [`report`]: the notes and the loud warning when the fuse changes nothing;
 //! - [`export`]: `--no-fuse`, the adapter written back as a peft adapter directory.
 
 use std::path::Path;
@@ -26,13 +28,16 @@ pub mod eval;
 pub mod export;
 pub mod input;
 pub mod locate;
+pub mod mapping;
 pub mod math;
 pub mod names;
 pub mod reference;
+pub mod report;
 pub mod resolve;
 
 pub use config::AdapterConfig;
 pub use input::{AdapterInput, AdapterOptions};
+pub use mapping::LoraFuse;
 pub use resolve::{resolve, Fuse, Resolved};
 
 /// An error about an adapter input, naming the file.

@@ -27,6 +27,16 @@ pub struct Expected {
 }
 
 impl Expected {
+    /// How far (absolute) a value of `dtype` may be from element `i`'s exact value.
+    pub fn allowed(&self, i: usize, dtype: DType) -> f64 {
+        tolerance(
+            self.values[i],
+            self.magnitude[i],
+            self.float32_roundoffs,
+            dtype,
+        )
+    }
+
     /// Whether `found` (a value of `dtype`) is an acceptable fused value of element `i`.
     pub fn allows(&self, i: usize, found: f64, dtype: DType) -> bool {
         within_tolerance(
@@ -144,11 +154,15 @@ pub fn within_tolerance(
     if found.is_nan() || expected.is_nan() {
         return found.is_nan() && expected.is_nan();
     }
-    if found == expected {
-        return true;
-    }
+    found == expected
+        || (found - expected).abs() <= tolerance(expected, magnitude, roundoffs, dtype)
+}
+
+/// One ulp of `dtype` plus `roundoffs` float32 unit roundoffs, at the larger of
+/// `magnitude` and `|expected|`.
+pub fn tolerance(expected: f64, magnitude: f64, roundoffs: f64, dtype: DType) -> f64 {
     let at = magnitude.max(expected.abs());
-    (found - expected).abs() <= ulp(dtype, at) + roundoffs * 2f64.powi(-24) * at
+    ulp(dtype, at) + roundoffs * 2f64.powi(-24) * at
 }
 
 #[cfg(test)]

@@ -8,7 +8,7 @@
 //! them would give a model peft never produced), DoRA magnitudes without `use_dora`
 //! or the reverse.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::path::Path;
 
 use super::adapter_error;
@@ -100,6 +100,10 @@ pub struct Resolved {
     /// Tensors under base names that replace (or, for a training checkpoint, give)
     /// the base's values.
     pub tensors: Vec<TensorSource>,
+    /// The input's name of each of `tensors` -> its base name. Every other tensor
+    /// of the input (factors, other adapters', a saved module's frozen original) is
+    /// not written as it is.
+    pub kept: HashMap<String, String>,
     pub fuses: Vec<Fuse>,
     /// What was left out and why (other adapters' tensors).
     pub notes: Vec<String>,
@@ -166,13 +170,17 @@ pub fn resolve(
     let mine = |a: &Adapted| a.adapter.as_deref().is_none_or(|n| n == adapter);
 
     let mut factors: BTreeMap<String, Factors> = BTreeMap::new();
-    let mut base: BTreeMap<String, TensorSource> = BTreeMap::new();
-    let mut saved: BTreeMap<String, TensorSource> = BTreeMap::new();
+    // Base name -> (the input's name, the tensor under its base name).
+    let mut base: BTreeMap<String, (String, TensorSource)> = BTreeMap::new();
+    let mut saved: BTreeMap<String, (String, TensorSource)> = BTreeMap::new();
     let mut skipped = 0usize;
     for (t, kind) in classified {
-        let renamed = |name: &str| TensorSource {
-            name: name.to_string(),
-            ..t.clone()
+        let renamed = |name: &str| {
+            let t2 = TensorSource {
+                name: name.to_string(),
+                ..t.clone()
+            };
+            (t.name.clone(), t2)
         };
         match kind {
             PeftName::Base(name) => {
@@ -235,10 +243,15 @@ pub fn resolve(
             "{skipped} tensor(s) of other adapters left out (adapter '{adapter}' fused)"
         ));
     }
+    let kept = base
+        .iter()
+        .map(|(name, (orig, _))| (orig.clone(), name.clone()))
+        .collect();
     Ok(Resolved {
         adapter,
         config,
-        tensors: base.into_values().collect(),
+        kept,
+        tensors: base.into_values().map(|(_, t)| t).collect(),
         fuses,
         notes,
     })

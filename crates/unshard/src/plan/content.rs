@@ -25,6 +25,7 @@
 //!    fixture generator), and that verify catches a wrong one
 //!    (`crates/unshard/tests/computed.rs`).
 
+use crate::lora::math::Layout;
 use crate::source::TensorSource;
 use crate::{DType, Error, Result};
 
@@ -66,6 +67,23 @@ pub enum Expr {
         start: u64,
         len: u64,
         input: Box<Expr>,
+    },
+    /// A LoRA / DoRA adapter fused into a 2-D weight, as peft's `merge_and_unload`
+    /// computes it: `base + scale * (b @ a)` (the update transposed for
+    /// `fan_in_fan_out` and embeddings, see [`Layout`]), then, with a DoRA
+    /// `magnitude`, each output channel rescaled to `magnitude / ||row||`
+    /// (`crate::lora::math`).
+    Fuse {
+        base: Box<Expr>,
+        /// `[r, ..]`: lora_A (or lora_embedding_A).
+        a: Box<Expr>,
+        /// `[.., r]`: lora_B (or lora_embedding_B).
+        b: Box<Expr>,
+        /// DoRA's magnitude, one per output channel.
+        magnitude: Option<Box<Expr>>,
+        /// `alpha / r` or `alpha / sqrt(r)`, as peft holds it.
+        scale: f64,
+        layout: Layout,
     },
 }
 
@@ -148,6 +166,39 @@ impl Expr {
                 s[*dim] = *len;
                 Ok(s)
             }
+            Expr::Fuse {
+                base,
+                a,
+                b,
+                magnitude,
+                layout,
+                ..
+            } => {
+                let s = base.shape(name)?;
+                let (sa, sb) = (a.shape(name)?, b.shape(name)?);
+                let [rows, cols] = s[..] else {
+                    return Err(bad(format!(
+                        "an adapter can only be fused into a 2-D weight, not {s:?}"
+                    )));
+                };
+                let r = sa.first().copied().unwrap_or(0);
+                let (want_a, want_b) = layout.factor_shapes(rows, cols, r);
+                if sa != want_a || sb != want_b {
+                    return Err(bad(format!(
+                        "adapter factors {sa:?} and {sb:?} do not fit a {s:?} weight ({layout:?})"
+                    )));
+                }
+                if let Some(m) = magnitude {
+                    let sm = m.shape(name)?;
+                    let want = [layout.out_channels(rows, cols)];
+                    if sm != want {
+                        return Err(bad(format!(
+                            "DoRA magnitude {sm:?} does not fit a {s:?} weight"
+                        )));
+                    }
+                }
+                Ok(s)
+            }
         }
     }
 
@@ -160,6 +211,16 @@ impl Expr {
                 Expr::Leaf(l) => out.push(l),
                 Expr::Concat { parts, .. } => stack.extend(parts.iter().rev()),
                 Expr::PermuteRows { input, .. } | Expr::Slice { input, .. } => stack.push(input),
+                Expr::Fuse {
+                    base,
+                    a,
+                    b,
+                    magnitude,
+                    ..
+                } => {
+                    stack.extend(magnitude.as_deref());
+                    stack.extend([&**b, &**a, &**base]);
+                }
             }
         }
         out
