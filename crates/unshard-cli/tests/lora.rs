@@ -403,3 +403,24 @@ fn verify_rejects_a_fused_weight_that_is_off() {
         "{stdout}"
     );
 }
+
+/// An adapter directory alone has no weights to fuse into: the error says to pass
+/// --base, and nothing is written.
+#[test]
+fn an_adapter_without_a_base_asks_for_one() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("out");
+    let r = unshard(&[
+        "merge",
+        &fx("lora/adapters/llama_lora"),
+        "--output",
+        out.to_str().unwrap(),
+    ]);
+    let stderr = String::from_utf8_lossy(&r.stderr);
+    assert!(!r.status.success());
+    assert!(
+        stderr.contains("no base model to fuse it into") && stderr.contains("--base"),
+        "{stderr}"
+    );
+    assert!(!out.exists());
+}

@@ -74,6 +74,16 @@ impl Mapping for LoraFuse {
                     Content::Computed(e) => e.clone(),
                 },
                 None => {
+                    if inputs.base.is_none() {
+                        return Err(Error::plan(
+                            format!(
+                                "the adapter changes '{}' and {} other weight(s), and there is no base model to fuse it into",
+                                f.target,
+                                r.fuses.len() - 1
+                            ),
+                            Some("pass the model the adapter was trained on with --base DIR".into()),
+                        ));
+                    }
                     let t = inputs
                         .base
                         .and_then(|b| b.tensors.iter().find(|t| t.name == f.target))
@@ -90,6 +100,9 @@ impl Mapping for LoraFuse {
                 }
             };
             let shape = base.shape(&f.target)?;
+            // Reports quote the tensor the weight came from: the checkpoint's frozen
+            // copy (a rename), or the base's (none).
+            let source_name = at.map_or_else(|| f.target.clone(), |i| out[i].source_name.clone());
             let expr = Expr::Fuse {
                 layout: f.layout_for(&shape)?,
                 base: Box::new(base),
@@ -102,7 +115,7 @@ impl Mapping for LoraFuse {
                 scale: f.scale,
             };
             let mut cand =
-                Candidate::computed(f.target.clone(), f.a.name.clone(), Origin::Checkpoint, expr)?;
+                Candidate::computed(f.target.clone(), source_name, Origin::Checkpoint, expr)?;
             match at {
                 Some(i) => {
                     // A tied embedding is still tied once fused: keep what it views.
