@@ -8,17 +8,20 @@
 use std::path::Path;
 use std::sync::Arc;
 
-use crate::lora::{self, LoraFuse};
-use crate::options::MergeOptions;
-use crate::plan::{self, BaseView, Origin, Plan};
+use crate::lora::{self, AdapterOptions, LoraFuse};
+use crate::options::{MergeOptions, VerifyOptions};
+use crate::plan::{self, BaseView, Origin, Plan, PlanOptions};
 use crate::source::hf_dir::HfDir;
-use crate::source::{self, Blob, Checkpoint};
+use crate::source::{self, Blob, Checkpoint, OpenOptions};
 use crate::{Error, Result};
 
 /// The opened inputs and the plan, ready to write or to verify against.
 pub struct Prepared {
+    /// The checkpoint, opened.
     pub checkpoint: Checkpoint,
+    /// The base, opened.
     pub base: Option<Base>,
+    /// The plan.
     pub plan: Plan,
     /// When the checkpoint is a LoRA adapter: how it is fused.
     pub adapter: Option<Arc<LoraFuse>>,
@@ -43,7 +46,9 @@ impl Prepared {
 /// The inputs a plan's tensors point into, by [`Origin`].
 #[derive(Clone, Copy)]
 pub struct Inputs<'a> {
+    /// The checkpoint.
     pub checkpoint: &'a Checkpoint,
+    /// The base's weights.
     pub base: Option<&'a Checkpoint>,
     /// Further inputs (an adapter...): `Origin::Input(i)` is `extra[i]`.
     pub extra: &'a [&'a Checkpoint],
@@ -75,16 +80,20 @@ impl<'a> Inputs<'a> {
 
 /// Reads the base directory (if any): config, weights and extra files.
 pub struct Base {
+    /// The directory: config, tokenizer and other files.
     pub dir: HfDir,
+    /// Its weights, when it has any.
     pub weights: Option<Checkpoint>,
+    /// `metadata.total_parameters` of its index.
     pub total_parameters: Option<u64>,
 }
 
 impl Base {
+    /// Opens a base model directory.
     pub fn open(path: &Path) -> Result<Base> {
         if !path.is_dir() {
             return Err(Error::plan(
-                format!("--base {} is not a directory", path.display()),
+                format!("the base {} is not a directory", path.display()),
                 Some("pass the Hugging Face model directory the training started from (config.json, tokenizer, weights)".into()),
             ));
         }
@@ -101,6 +110,7 @@ impl Base {
         })
     }
 
+    /// The base as planning sees it.
     pub fn view(&self) -> BaseView<'_> {
         BaseView {
             config: self.dir.config.as_ref(),
@@ -110,16 +120,51 @@ impl Base {
     }
 }
 
+/// What to open and how to plan: the part of [`MergeOptions`] and
+/// [`VerifyOptions`] that describes the merge.
+pub struct Sources<'a> {
+    /// The checkpoint.
+    pub checkpoint: &'a Path,
+    /// The base model directory.
+    pub base: Option<&'a Path>,
+    /// How to find the tensors in the checkpoint.
+    pub open: &'a OpenOptions,
+    /// How to plan.
+    pub plan: &'a PlanOptions,
+    /// How a LoRA adapter input is fused.
+    pub adapter: &'a AdapterOptions,
+}
+
+impl<'a> From<&'a MergeOptions> for Sources<'a> {
+    fn from(o: &'a MergeOptions) -> Self {
+        Sources {
+            checkpoint: &o.checkpoint,
+            base: o.base.as_deref(),
+            open: &o.open,
+            plan: &o.plan,
+            adapter: &o.adapter,
+        }
+    }
+}
+
+impl<'a> From<&'a VerifyOptions> for Sources<'a> {
+    fn from(o: &'a VerifyOptions) -> Self {
+        Sources {
+            checkpoint: &o.checkpoint,
+            base: o.base.as_deref(),
+            open: &o.open,
+            plan: &o.plan,
+            adapter: &o.adapter,
+        }
+    }
+}
+
 /// Opens the checkpoint and the base and plans the merge, writing nothing.
-pub fn prepare(opts: &MergeOptions) -> Result<Prepared> {
+pub fn prepare<'a>(opts: impl Into<Sources<'a>>) -> Result<Prepared> {
+    let opts: Sources<'a> = opts.into();
     // A peft adapter (directory, or a checkpoint of a peft-wrapped model) is the
     // checkpoint here, resolved against its config before anything is planned.
-    let (ckpt, adapter) = lora::input::open(
-        &opts.checkpoint,
-        opts.base.as_deref(),
-        &opts.adapter,
-        &opts.open,
-    )?;
+    let (ckpt, adapter) = lora::input::open(opts.checkpoint, opts.base, opts.adapter, opts.open)?;
     let local = ckpt.tensors.iter().find(|t| {
         t.layout
             .as_deref()
@@ -136,9 +181,9 @@ pub fn prepare(opts: &MergeOptions) -> Result<Prepared> {
             Some("pass the directory that holds every rank's file; unshard reassembles them".into()),
         ));
     }
-    let base = match &opts.base {
+    let base = match opts.base {
         Some(b) => Some(Base::open(b)?),
-        None => source::config_dir_for(&opts.checkpoint)
+        None => source::config_dir_for(opts.checkpoint)
             .map(|d| Base::open(&d))
             .transpose()?,
     };

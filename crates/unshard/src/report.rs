@@ -1,8 +1,9 @@
-//! Small formatting helpers shared by reports and errors.
+//! Small formatting helpers shared by reports and errors, and the `Serialize`
+//! forms of paths and formats in reports.
 
 /// Lists up to `max` items, then says how many more there are.
-pub fn list_some<S: AsRef<str>>(items: &[S], max: usize) -> String {
-    let shown: Vec<&str> = items.iter().take(max).map(AsRef::as_ref).collect();
+pub fn list_some<S: std::fmt::Display>(items: &[S], max: usize) -> String {
+    let shown: Vec<String> = items.iter().take(max).map(ToString::to_string).collect();
     let mut s = shown.join(", ");
     if items.len() > max {
         s.push_str(&format!(" and {} more", items.len() - max));
@@ -24,4 +25,20 @@ pub fn human_bytes(n: u64) -> String {
     } else {
         format!("{v:.1} {}", UNITS[u])
     }
+}
+
+/// Serializes a path as it displays (lossy for names that are not UTF-8).
+pub(crate) fn display_path<S: serde::Serializer>(
+    p: &std::path::Path,
+    s: S,
+) -> std::result::Result<S::Ok, S::Error> {
+    s.serialize_str(&p.display().to_string())
+}
+
+/// Serializes an input format as its stable id (`torch-zip`, `dcp`...).
+pub(crate) fn format_id<S: serde::Serializer>(
+    f: &crate::source::Format,
+    s: S,
+) -> std::result::Result<S::Ok, S::Error> {
+    s.serialize_str(f.id())
 }
