@@ -95,6 +95,8 @@ pub struct AdapterConfig {
     pub exclude_modules: Option<ModuleSelector>,
     /// Modules trained in full; the adapter's copy replaces the base's.
     pub modules_to_save: Vec<String>,
+    /// `modules_to_save` as peft matches them: `(^|.*\.)NAME($|\..*)`, NAME a regex.
+    saved_modules: Vec<Regex>,
 }
 
 /// Fields that change the merged weights in ways unshard does not compute. Each is
@@ -219,7 +221,18 @@ impl AdapterConfig {
                 .ok_or_else(|| bad_field(path, "modules_to_save", "a list of module names"))?,
             Some(_) => return Err(bad_field(path, "modules_to_save", "a list of module names")),
         };
+        let saved_modules = modules_to_save
+            .iter()
+            .map(|m| {
+                full_regex(
+                    path,
+                    "modules_to_save",
+                    &format!("(?:.*\\.)?(?:{m})(?:\\..*)?"),
+                )
+            })
+            .collect::<Result<Vec<_>>>()?;
         Ok(AdapterConfig {
+            saved_modules,
             path: path.to_path_buf(),
             raw,
             r,
@@ -278,21 +291,7 @@ impl AdapterConfig {
 
     /// Whether `module` (or a module it is inside) is in `modules_to_save`.
     pub fn saves(&self, module: &str) -> bool {
-        self.modules_to_save.iter().any(|m| {
-            let mut from = 0;
-            // `(^|.*\.)m($|\..*)`: m as a run of whole components, anywhere.
-            while let Some(i) = module[from..].find(m.as_str()) {
-                let start = from + i;
-                let end = start + m.len();
-                let left = start == 0 || module.as_bytes()[start - 1] == b'.';
-                let right = end == module.len() || module.as_bytes()[end] == b'.';
-                if left && right {
-                    return true;
-                }
-                from = start + 1;
-            }
-            false
-        })
+        self.saved_modules.iter().any(|re| re.is_match(module))
     }
 }
 
@@ -440,7 +439,11 @@ mod tests {
         let c = config(serde_json::json!({"target_modules": ["lm_head", "q_proj"], "modules_to_save": ["lm_head"]}))
             .unwrap();
         assert!(c.saves("lm_head"));
+        assert!(c.saves("model.lm_head.inner"));
         assert!(!c.saves("xlm_head"));
+        assert!(!c.saves("lm_headx"));
+        // Names are any UTF-8: matching never slices inside a character.
+        assert!(!c.saves("é.lm_heé"));
         assert!(!c.targets("lm_head"));
     }
 

@@ -327,6 +327,15 @@ fn fuse_of(path: &Path, config: &AdapterConfig, module: String, f: Factors) -> R
             "pass the adapter_config.json this adapter was trained with",
         ));
     }
+    if a.shape.len() != 2 || b.shape.len() != 2 {
+        return Err(err(
+            format!(
+                "lora_A is {:?} and lora_B is {:?}: LoRA on a convolution or another layer than a linear or an embedding cannot be fused by unshard",
+                a.shape, b.shape
+            ),
+            "merge this adapter with peft's merge_and_unload",
+        ));
+    }
     let rank = config.rank_for(&module);
     let a_rank = a.shape.first().copied();
     let b_rank = b.shape.get(1).copied();
