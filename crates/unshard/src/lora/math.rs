@@ -8,8 +8,10 @@
 //! order, so results differ from peft's only by the summation order of the matrix
 //! product (matrixmultiply's blocked kernel instead of torch's) and of the norm.
 //!
-//! Memory: the weight being fused (float32) plus one block of the update of at most
-//! [`BLOCK_ELEMS`] elements; the adapter's A and B are small (rank r).
+//! Memory: the weight being fused (float32) plus, per thread, one block of the
+//! update of at most [`BLOCK_ELEMS`] elements; the adapter's A and B are small (rank r).
+
+use rayon::prelude::*;
 
 /// How the update `B @ A` lies over the stored weight.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -86,20 +88,21 @@ pub fn fuse(w: &mut [f32], rows: usize, cols: usize, f: &Factors<'_>) {
     if rows == 0 || cols == 0 {
         return;
     }
+    // Blocks of rows are independent: each thread computes its block of the update
+    // into its own buffer and adds it (one buffer of BLOCK_ELEMS per thread).
     let block_rows = (BLOCK_ELEMS / cols).clamp(1, rows);
-    let mut delta = vec![0f32; block_rows * cols];
-    let mut row0 = 0;
-    while row0 < rows {
-        let n_rows = block_rows.min(rows - row0);
-        let block = &mut delta[..n_rows * cols];
-        product_rows(f, rows, cols, row0, n_rows, block);
-        let wblock = &mut w[row0 * cols..(row0 + n_rows) * cols];
-        for (wv, d) in wblock.iter_mut().zip(block.iter()) {
-            // Two roundings, as peft: delta = (B@A) * scale, then W += delta.
-            *wv += *d * scale;
-        }
-        row0 += n_rows;
-    }
+    w.par_chunks_mut(block_rows * cols)
+        .enumerate()
+        .for_each_init(Vec::new, |delta, (i, wblock)| {
+            let row0 = i * block_rows;
+            let n_rows = wblock.len() / cols;
+            delta.resize(n_rows * cols, 0f32);
+            product_rows(f, rows, cols, row0, n_rows, delta);
+            for (wv, d) in wblock.iter_mut().zip(delta.iter()) {
+                // Two roundings, as peft: delta = (B@A) * scale, then W += delta.
+                *wv += *d * scale;
+            }
+        });
     if let Some(m) = f.magnitude {
         apply_dora(w, rows, cols, f.layout, m);
     }
