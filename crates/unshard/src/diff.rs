@@ -13,9 +13,9 @@ use rayon::prelude::*;
 use serde::Serialize;
 
 use crate::cancel::Cancel;
+use crate::json::{display_path, format_id};
 use crate::options::DiffOptions;
 use crate::plan::{natural_cmp, strip_wrappers};
-use crate::report::{display_path, format_id};
 use crate::source::{Checkpoint, Format, TensorSource};
 use crate::stats::{decode_f64, CHUNK_ELEMS, WINDOW_ELEMS};
 use crate::write::{read_tensor_range, windows, Progress};

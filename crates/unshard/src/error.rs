@@ -22,21 +22,32 @@ pub enum Error {
     /// An operating-system call on a file failed.
     #[error("cannot {op} {}", path.display())]
     Io {
+        /// What was being done (`open`, `read`, `create`...).
         op: &'static str,
+        /// The file.
         path: PathBuf,
+        /// The system's error.
         #[source]
         source: std::io::Error,
     },
 
     /// A file's bytes do not form what they claim to be (truncated, corrupt, inconsistent).
     #[error("{}: {msg}", path.display())]
-    Corrupt { path: PathBuf, msg: String },
+    Corrupt {
+        /// The file.
+        path: PathBuf,
+        /// What is wrong with it.
+        msg: String,
+    },
 
     /// A pickle inside a file could not be parsed.
     #[error("{}: cannot parse the pickle in {entry}", path.display())]
     Pickle {
+        /// The file.
         path: PathBuf,
+        /// The archive entry holding the pickle.
         entry: String,
+        /// What the pickle machine found.
         #[source]
         source: unshard_pickle::Error,
     },
@@ -44,57 +55,84 @@ pub enum Error {
     /// The file is a known kind that unshard deliberately does not read.
     #[error("{}: {what} is not supported", path.display())]
     Unsupported {
+        /// The file.
         path: PathBuf,
+        /// What it holds that is not read.
         what: String,
+        /// What to do instead.
         hint: Option<String>,
     },
 
     /// The input is not a format unshard knows.
     #[error("{}: not a checkpoint unshard can read ({found})", path.display())]
-    UnknownFormat { path: PathBuf, found: String },
+    UnknownFormat {
+        /// The input.
+        path: PathBuf,
+        /// What it looks like.
+        found: String,
+    },
 
     /// A tensor's description is invalid (bad shape, out-of-bounds strides, ...).
     #[error("{}: tensor '{tensor}': {msg}", path.display())]
     BadTensor {
+        /// The file that describes it.
         path: PathBuf,
+        /// The tensor.
         tensor: String,
+        /// What is wrong.
         msg: String,
     },
 
     /// A checkpoint made of several files lacks one of them (a rank's file).
     #[error("{}: {msg}", path.display())]
     Incomplete {
+        /// The checkpoint.
         path: PathBuf,
+        /// What is missing.
         msg: String,
+        /// What to do about it.
         hint: Option<String>,
     },
 
     /// No tensors were found where they were looked for.
     #[error("{}: no tensors found{}", path.display(), at.as_ref().map(|k| format!(" under '{k}'")).unwrap_or_default())]
     NoTensors {
+        /// The input.
         path: PathBuf,
+        /// The key looked under, if any.
         at: Option<String>,
+        /// What to do about it.
         hint: Option<String>,
     },
 
-    /// `--key` named a path that does not exist.
+    /// The `key` open option named a path that does not exist.
     #[error("{}: key '{key}' not found", path.display())]
     KeyNotFound {
+        /// The input.
         path: PathBuf,
+        /// The key asked for.
         key: String,
+        /// The keys at the level where it was looked for.
         available: Vec<String>,
     },
 
     /// Several candidate tensor dicts and no way to choose between them.
     #[error("{}: tensors found under several keys: {}", path.display(), candidates.join(", "))]
     AmbiguousTensors {
+        /// The input.
         path: PathBuf,
+        /// The keys that hold tensor dicts.
         candidates: Vec<String>,
     },
 
     /// The merge plan is invalid: the checkpoint does not fit the base.
     #[error("{msg}")]
-    Plan { msg: String, hint: Option<String> },
+    Plan {
+        /// What does not fit.
+        msg: String,
+        /// What to do about it.
+        hint: Option<String>,
+    },
 
     /// Checkpoint tensors that the base model does not have.
     #[error("{} checkpoint tensor(s) are not in the base model {}: {}", .names.len(), .base.display(), list_some(.names, 8))]
@@ -149,16 +187,22 @@ pub enum Error {
     /// A cast overflowed to infinity.
     #[error("casting tensor '{tensor}' to {dtype} overflows: {count} finite value(s) become inf")]
     Overflow {
+        /// The tensor.
         tensor: String,
+        /// The dtype it is cast to.
         dtype: crate::DType,
+        /// How many values overflow.
         count: u64,
     },
 
     /// The output location is unusable.
     #[error("{}: {msg}", path.display())]
     Output {
+        /// The output.
         path: PathBuf,
+        /// What is wrong with it.
         msg: String,
+        /// What to do about it.
         hint: Option<String>,
     },
 
@@ -166,13 +210,18 @@ pub enum Error {
     #[error("{0}")]
     Usage(String),
 
-    /// The operation was interrupted (Ctrl-C or a signal).
+    /// The operation was cancelled (its [`Cancel`](crate::Cancel) token).
     #[error("interrupted")]
     Interrupted,
 
-    /// A check on the output failed (`--verify`, `--fail-on-nonfinite`).
+    /// A check on the output failed (a merge's read-back verification).
     #[error("{msg}")]
-    Check { msg: String, hint: Option<String> },
+    Check {
+        /// What failed.
+        msg: String,
+        /// What to do about it.
+        hint: Option<String>,
+    },
 }
 
 /// A tensor whose shape differs in the checkpoint and the base.

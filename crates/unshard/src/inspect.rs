@@ -6,8 +6,8 @@ use std::path::PathBuf;
 
 use serde::Serialize;
 
+use crate::json::{display_path, format_id};
 use crate::options::InspectOptions;
-use crate::report::{display_path, format_id};
 use crate::source::{self, Checkpoint, Format};
 use crate::stats::{checkpoint_stats, TensorStats};
 use crate::{DType, Result};

@@ -17,6 +17,24 @@
 //! tensor at fault; [`Error::hint`] says what to change, in terms of the options.
 //! Reports derive `Serialize`: the command line's `--json` outputs are their JSON.
 //!
+//! ```no_run
+//! use unshard::{Cancel, MergeOptions, NoProgress, VerifyOptions};
+//!
+//! let cancel = Cancel::new(); // keep a clone to cancel from another thread
+//! let opts = MergeOptions {
+//!     checkpoint: "checkpoints/global_step_100/actor".into(),
+//!     base: Some("Qwen2.5-7B".into()),
+//!     output: "merged".into(),
+//!     cancel: cancel.clone(),
+//!     ..MergeOptions::default()
+//! };
+//! let outcome = unshard::merge(&opts, &NoProgress)?;
+//! println!("{}", serde_json::to_string_pretty(&outcome).unwrap_or_default());
+//! let report = unshard::verify(&VerifyOptions::of_merge(&opts, &opts.output), &NoProgress)?;
+//! assert!(report.is_ok());
+//! # Ok::<(), unshard::Error>(())
+//! ```
+//!
 //! How the library is organised (readers, mapping, plan, engine, sink) and where
 //! new formats, transforms and stores plug in is in `docs/architecture.md`. The
 //! modules below the facade are public for the command line, the tests and the
@@ -33,6 +51,8 @@ pub mod dtype;
 pub mod error;
 #[doc(hidden)]
 pub mod inspect;
+#[doc(hidden)]
+pub mod json;
 #[doc(hidden)]
 pub mod lora;
 #[doc(hidden)]

@@ -8,6 +8,7 @@
 use std::path::Path;
 use std::sync::Arc;
 
+use crate::cancel::Cancel;
 use crate::lora::{self, AdapterOptions, LoraFuse};
 use crate::options::{MergeOptions, VerifyOptions};
 use crate::plan::{self, BaseView, Origin, Plan, PlanOptions};
@@ -133,6 +134,8 @@ pub struct Sources<'a> {
     pub plan: &'a PlanOptions,
     /// How a LoRA adapter input is fused.
     pub adapter: &'a AdapterOptions,
+    /// Checked once each input is parsed.
+    pub cancel: &'a Cancel,
 }
 
 impl<'a> From<&'a MergeOptions> for Sources<'a> {
@@ -143,6 +146,7 @@ impl<'a> From<&'a MergeOptions> for Sources<'a> {
             open: &o.open,
             plan: &o.plan,
             adapter: &o.adapter,
+            cancel: &o.cancel,
         }
     }
 }
@@ -155,6 +159,7 @@ impl<'a> From<&'a VerifyOptions> for Sources<'a> {
             open: &o.open,
             plan: &o.plan,
             adapter: &o.adapter,
+            cancel: &o.cancel,
         }
     }
 }
@@ -165,6 +170,8 @@ pub fn prepare<'a>(opts: impl Into<Sources<'a>>) -> Result<Prepared> {
     // A peft adapter (directory, or a checkpoint of a peft-wrapped model) is the
     // checkpoint here, resolved against its config before anything is planned.
     let (ckpt, adapter) = lora::input::open(opts.checkpoint, opts.base, opts.adapter, opts.open)?;
+    // Parsing a checkpoint of thousands of ranks takes a while: stop here if asked.
+    opts.cancel.check()?;
     let local = ckpt.tensors.iter().find(|t| {
         t.layout
             .as_deref()
@@ -187,6 +194,7 @@ pub fn prepare<'a>(opts: impl Into<Sources<'a>>) -> Result<Prepared> {
             .map(|d| Base::open(&d))
             .transpose()?,
     };
+    opts.cancel.check()?;
     let view = base.as_ref().map(Base::view).unwrap_or_default();
     let adapter = adapter.map(|r| Arc::new(LoraFuse::new(r, opts.adapter.no_fuse)));
     let mut plan_opts = opts.plan.clone();

@@ -1,5 +1,4 @@
-//! Small formatting helpers shared by reports and errors, and the `Serialize`
-//! forms of paths and formats in reports.
+//! Small formatting helpers shared by reports and errors.
 
 /// Lists up to `max` items, then says how many more there are.
 pub fn list_some<S: std::fmt::Display>(items: &[S], max: usize) -> String {
@@ -25,20 +24,4 @@ pub fn human_bytes(n: u64) -> String {
     } else {
         format!("{v:.1} {}", UNITS[u])
     }
-}
-
-/// Serializes a path as it displays (lossy for names that are not UTF-8).
-pub(crate) fn display_path<S: serde::Serializer>(
-    p: &std::path::Path,
-    s: S,
-) -> std::result::Result<S::Ok, S::Error> {
-    s.serialize_str(&p.display().to_string())
-}
-
-/// Serializes an input format as its stable id (`torch-zip`, `dcp`...).
-pub(crate) fn format_id<S: serde::Serializer>(
-    f: &crate::source::Format,
-    s: S,
-) -> std::result::Result<S::Ok, S::Error> {
-    s.serialize_str(f.id())
 }

@@ -155,6 +155,11 @@ fn concat_permute_and_slice_are_written_with_the_values_they_compute() {
         assert!(t.data() == data.as_slice(), "{n}: values differ");
     }
     assert_eq!(outcome.plan.tensors.len(), names.len());
+    // The outcome's JSON says what was written.
+    let json = serde_json::to_value(&outcome).unwrap();
+    assert_eq!(json["tensors_written"], names.len());
+    assert_eq!(json["files"][0], "model.safetensors");
+    assert_eq!(json["checkpoint_format"], "hf-dir");
 
     // verify re-derives the same plan and finds every value in place.
     let report = unshard::verify(
