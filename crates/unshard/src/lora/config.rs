@@ -73,6 +73,7 @@ pub struct Pattern {
     /// The key as written in the config.
     pub key: String,
     re: Regex,
+    /// The rank or alpha it gives.
     pub value: f64,
 }
 
@@ -83,15 +84,23 @@ pub struct AdapterConfig {
     pub path: PathBuf,
     /// The whole JSON object, written back unchanged by `--no-fuse`.
     pub raw: Map<String, Value>,
+    /// The rank of every module without a `rank_pattern` match.
     pub r: u64,
+    /// The alpha of every module without an `alpha_pattern` match.
     pub lora_alpha: f64,
+    /// Scale `alpha / sqrt(r)` instead of `alpha / r`.
     pub use_rslora: bool,
+    /// Per-module ranks, in the file's order.
     pub rank_pattern: Vec<Pattern>,
+    /// Per-module alphas, in the file's order.
     pub alpha_pattern: Vec<Pattern>,
     /// Weights are stored `[in, out]` (GPT-2 `Conv1D`).
     pub fan_in_fan_out: bool,
+    /// DoRA: each output channel rescaled to its trained magnitude.
     pub use_dora: bool,
+    /// The modules peft injects LoRA layers into.
     pub target_modules: Option<ModuleSelector>,
+    /// Modules excluded even when `target_modules` selects them.
     pub exclude_modules: Option<ModuleSelector>,
     /// Modules trained in full; the adapter's copy replaces the base's.
     pub modules_to_save: Vec<String>,

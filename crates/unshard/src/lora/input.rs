@@ -28,6 +28,7 @@ pub struct AdapterOptions {
 pub struct AdapterInput {
     /// The tensors read (the adapter's weight file, or the whole checkpoint).
     pub checkpoint: Checkpoint,
+    /// Its tensors and fuses under base names.
     pub resolved: Resolved,
     /// Whether the input was an adapter directory (else a training checkpoint).
     pub from_dir: bool,

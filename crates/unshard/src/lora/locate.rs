@@ -22,8 +22,11 @@ pub const DEFAULT_ADAPTER: &str = "default";
 /// One adapter of an adapter directory.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct DirAdapter {
+    /// peft's name for it (`default` at the top).
     pub name: String,
+    /// Its `adapter_config.json`.
     pub config: PathBuf,
+    /// Its `adapter_model.safetensors` (or `.bin`).
     pub weights: PathBuf,
 }
 

@@ -23,6 +23,7 @@ pub struct LoraFuse {
 }
 
 impl LoraFuse {
+    /// The mapping of `resolved`; with `no_fuse`, base tensors only.
     pub fn new(resolved: Resolved, no_fuse: bool) -> LoraFuse {
         LoraFuse { resolved, no_fuse }
     }

@@ -57,11 +57,13 @@ pub const BLOCK_ELEMS: usize = 1 << 20;
 /// One adapted weight's factors.
 #[derive(Clone, Copy, Debug)]
 pub struct Factors<'a> {
+    /// How the update lies over the weight.
     pub layout: Layout,
     /// `[r, ..]`, row-major.
     pub a: &'a [f32],
     /// `[.., r]`, row-major.
     pub b: &'a [f32],
+    /// `r`: rows of A, columns of B.
     pub rank: usize,
     /// The scale as peft holds it (a Python float), applied in float32.
     pub scale: f64,

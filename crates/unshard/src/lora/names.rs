@@ -37,7 +37,9 @@ pub enum PeftName {
 /// directories, where the name is implied).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Adapted {
+    /// The module's name in the base model (`model.layers.0.self_attn.q_proj`).
     pub module: String,
+    /// The adapter's name, when the tensor name carries one.
     pub adapter: Option<String>,
 }
 

@@ -20,7 +20,9 @@ use super::math::Layout;
 /// The exact (float64) fused weight and, per element, the magnitude its float32
 /// computation works at.
 pub struct Expected {
+    /// The fused values, C order.
     pub values: Vec<f64>,
+    /// Per element, the magnitude the float32 arithmetic works at.
     pub magnitude: Vec<f64>,
     /// Unit roundoffs a float32 evaluation may lose, relative to the magnitude.
     pub float32_roundoffs: f64,
@@ -51,14 +53,23 @@ impl Expected {
 
 /// Inputs of one fused weight, in float64, row-major.
 pub struct Operands<'a> {
+    /// How the update lies over the weight.
     pub layout: Layout,
+    /// The weight, `[rows, cols]`.
     pub w: &'a [f64],
+    /// Rows of the stored weight.
     pub rows: usize,
+    /// Columns of the stored weight.
     pub cols: usize,
+    /// lora_A (or lora_embedding_A), `[r, ..]`.
     pub a: &'a [f64],
+    /// lora_B (or lora_embedding_B), `[.., r]`.
     pub b: &'a [f64],
+    /// `r`.
     pub rank: usize,
+    /// `alpha / r` or `alpha / sqrt(r)`.
     pub scale: f64,
+    /// DoRA's magnitude, one per output channel.
     pub dora_magnitude: Option<&'a [f64]>,
 }
 

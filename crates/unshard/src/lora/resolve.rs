@@ -30,10 +30,13 @@ pub struct Fuse {
     pub embedding: bool,
     /// The config says the module stores `[in, out]` (GPT-2 `Conv1D`).
     pub fan_in_fan_out: bool,
+    /// lora_A (or lora_embedding_A).
     pub a: TensorSource,
+    /// lora_B (or lora_embedding_B).
     pub b: TensorSource,
     /// DoRA's magnitude, one per output channel.
     pub magnitude: Option<TensorSource>,
+    /// `r` for this module (rank_pattern applied).
     pub rank: u64,
     /// `alpha / r` (or `alpha / sqrt(r)` with rsLoRA), as peft computes it.
     pub scale: f64,
@@ -96,6 +99,7 @@ impl Fuse {
 pub struct Resolved {
     /// The adapter's name (`default`, or the one chosen).
     pub adapter: String,
+    /// The config it was resolved with.
     pub config: AdapterConfig,
     /// Tensors under base names that replace (or, for a training checkpoint, give)
     /// the base's values.
@@ -104,6 +108,7 @@ pub struct Resolved {
     /// of the input (factors, other adapters', a saved module's frozen original) is
     /// not written as it is.
     pub kept: HashMap<String, String>,
+    /// One per adapted weight.
     pub fuses: Vec<Fuse>,
     /// What was left out and why (other adapters' tensors).
     pub notes: Vec<String>,

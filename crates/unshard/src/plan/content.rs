@@ -89,6 +89,7 @@ pub enum Expr {
     /// `magnitude`, each output channel rescaled to `magnitude / ||row||`
     /// (`crate::lora::math`).
     Fuse {
+        /// The weight fused into, `[rows, cols]` as stored.
         base: Box<Expr>,
         /// `[r, ..]`: lora_A (or lora_embedding_A).
         a: Box<Expr>,
@@ -98,6 +99,7 @@ pub enum Expr {
         magnitude: Option<Box<Expr>>,
         /// `alpha / r` or `alpha / sqrt(r)`, as peft holds it.
         scale: f64,
+        /// How the update lies over the weight (linear, Conv1D, embedding).
         layout: Layout,
     },
 }
