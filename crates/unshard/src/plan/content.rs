@@ -317,4 +317,57 @@ mod tests {
             .to_string()
             .contains("only floating"));
     }
+
+    #[test]
+    fn a_fuse_keeps_the_weight_shape_and_checks_its_factors() {
+        let f32s = |name: &str, shape: &[u64]| {
+            Expr::leaf(Origin::Checkpoint, tensor(name, DType::F32, shape))
+        };
+        let fuse = |a: &[u64], b: &[u64], layout| Expr::Fuse {
+            base: Box::new(leaf("w", &[6, 4])),
+            a: Box::new(f32s("a", a)),
+            b: Box::new(f32s("b", b)),
+            magnitude: None,
+            scale: 2.0,
+            layout,
+        };
+        // nn.Linear: W [out=6, in=4], A [r, in], B [out, r].
+        assert_eq!(
+            fuse(&[2, 4], &[6, 2], Layout::Linear).shape("w").unwrap(),
+            [6, 4]
+        );
+        // Conv1D: W [in=6, out=4], A [r, in], B [out, r].
+        assert_eq!(
+            fuse(&[2, 6], &[4, 2], Layout::FanInFanOut)
+                .shape("w")
+                .unwrap(),
+            [6, 4]
+        );
+        let e = fuse(&[2, 6], &[4, 2], Layout::Linear)
+            .shape("w")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("do not fit"), "{e}");
+        let with_m = Expr::Fuse {
+            base: Box::new(leaf("w", &[6, 4])),
+            a: Box::new(f32s("a", &[2, 4])),
+            b: Box::new(f32s("b", &[6, 2])),
+            // One per output channel would be [6].
+            magnitude: Some(Box::new(f32s("m", &[4]))),
+            scale: 2.0,
+            layout: Layout::Linear,
+        };
+        assert!(with_m
+            .shape("w")
+            .unwrap_err()
+            .to_string()
+            .contains("DoRA magnitude"));
+        let linear = fuse(&[2, 4], &[6, 2], Layout::Linear);
+        let names: Vec<&str> = linear
+            .leaves()
+            .iter()
+            .map(|l| l.source.name.as_str())
+            .collect();
+        assert_eq!(names, ["w", "a", "b"]);
+    }
 }
