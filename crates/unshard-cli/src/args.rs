@@ -5,6 +5,7 @@
 use std::path::PathBuf;
 
 use clap::ValueEnum;
+use unshard::lora::AdapterOptions;
 use unshard::merge;
 use unshard::plan::{DtypeChoice, PlanOptions};
 use unshard::{DType, Error};
@@ -84,6 +85,40 @@ pub struct PlanArgs {
     /// applied after wrapper prefixes are stripped. Repeatable.
     #[arg(long, value_name = "REGEX=REPLACEMENT")]
     pub rename: Vec<String>,
+
+    #[command(flatten)]
+    pub adapter: AdapterArgs,
+}
+
+/// How a LoRA/DoRA adapter (a peft adapter directory, or a checkpoint of a
+/// peft-wrapped model) is fused into the base.
+#[derive(clap::Args, Debug)]
+pub struct AdapterArgs {
+    /// The adapter to fuse when the input holds several (peft's adapter names).
+    #[arg(long, value_name = "NAME")]
+    pub adapter: Option<String>,
+
+    /// The adapter_config.json the adapter was trained with (a file or its
+    /// directory). By default: the adapter directory's own, or the one beside the
+    /// checkpoint, in its parent, or in --base.
+    #[arg(long, value_name = "PATH")]
+    pub adapter_config: Option<PathBuf>,
+
+    /// Do not fuse: write the base weights unchanged, and the adapter in OUT/adapter/
+    /// as a peft adapter directory (with its real lora_alpha).
+    #[arg(long)]
+    pub no_fuse: bool,
+}
+
+impl AdapterArgs {
+    /// The library's adapter options.
+    pub fn options(&self) -> AdapterOptions {
+        AdapterOptions {
+            name: self.adapter.clone(),
+            config: self.adapter_config.clone(),
+            no_fuse: self.no_fuse,
+        }
+    }
 }
 
 impl PlanArgs {

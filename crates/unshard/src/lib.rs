@@ -54,6 +54,8 @@ pub mod inspect;
 #[doc(hidden)]
 pub mod json;
 #[doc(hidden)]
+pub mod lora;
+#[doc(hidden)]
 pub mod merge;
 #[doc(hidden)]
 pub mod options;

@@ -8,6 +8,7 @@ pub use crate::prepare::{prepare, Base};
 
 use serde::Serialize;
 
+use crate::lora;
 use crate::plan::{Origin, Plan};
 use crate::prepare::Prepared;
 use crate::source;
@@ -136,6 +137,7 @@ pub fn merge_into(
         checkpoint: ckpt,
         base,
         mut plan,
+        adapter,
     } = prepare(opts)?;
     let wopts = WriteOptions {
         extra_files: base
@@ -146,12 +148,25 @@ pub fn merge_into(
     };
     let sink = open_sink()?;
     let inputs = Prepared::inputs_of(&ckpt, base.as_ref());
-    if let Some(n) = verify::unchanged_from_base(&plan, inputs, &opts.cancel)? {
+    // With an adapter, lora::report says whether the fuse changes anything.
+    let unchanged = match adapter {
+        Some(_) => None,
+        None => verify::unchanged_from_base(&plan, inputs, &opts.cancel)?,
+    };
+    if let Some(n) = unchanged {
         plan.report.warnings.push(format!(
             "all {n} checkpoint tensor(s) equal the base's after conversion: the output is the base model again (an adapter-only export, or a checkpoint saved before training changed anything?)"
         ));
     }
     let summary = write::write_into(&plan, inputs, sink.as_ref(), &wopts, progress)?;
+    if let Some(a) = adapter.as_deref().filter(|a| a.no_fuse()) {
+        let Some(dir) = sink.staged_dir() else {
+            return Err(Error::Usage(
+                "--no-fuse writes the adapter into a local output directory, and this output has none".into(),
+            ));
+        };
+        lora::export::write_adapter_dir(&dir.join("adapter"), a.resolved(), &ckpt.files)?;
+    }
     if opts.fail_on_nonfinite {
         verify::check_finite(&plan, &summary.stats)?;
     }

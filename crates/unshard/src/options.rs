@@ -5,6 +5,7 @@
 use std::path::{Path, PathBuf};
 
 use crate::cancel::Cancel;
+use crate::lora::AdapterOptions;
 use crate::plan::PlanOptions;
 use crate::source::OpenOptions;
 
@@ -31,6 +32,8 @@ pub struct MergeOptions {
     pub verify: bool,
     /// NaN or inf in the output is an error instead of a warning.
     pub fail_on_nonfinite: bool,
+    /// How a LoRA adapter input is fused (ignored for other inputs).
+    pub adapter: AdapterOptions,
     /// Stops the operation at its next check; what it wrote is removed.
     pub cancel: Cancel,
 }
@@ -50,6 +53,8 @@ pub struct VerifyOptions {
     /// The merge's plan options (the shard size does not matter: tensors are
     /// matched by name).
     pub plan: PlanOptions,
+    /// How the merge fused a LoRA adapter input.
+    pub adapter: AdapterOptions,
     /// Stops the check at its next window.
     pub cancel: Cancel,
 }
@@ -63,6 +68,7 @@ impl VerifyOptions {
             base: merge.base.clone(),
             open: merge.open.clone(),
             plan: merge.plan.clone(),
+            adapter: merge.adapter.clone(),
             cancel: merge.cancel.clone(),
         }
     }

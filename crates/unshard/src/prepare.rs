@@ -9,6 +9,7 @@ use std::path::Path;
 use std::sync::Arc;
 
 use crate::cancel::Cancel;
+use crate::lora::{self, AdapterOptions, LoraFuse};
 use crate::options::{MergeOptions, VerifyOptions};
 use crate::plan::{self, BaseView, Origin, Plan, PlanOptions};
 use crate::source::hf_dir::HfDir;
@@ -23,6 +24,8 @@ pub struct Prepared {
     pub base: Option<Base>,
     /// The plan.
     pub plan: Plan,
+    /// When the checkpoint is a LoRA adapter: how it is fused.
+    pub adapter: Option<Arc<LoraFuse>>,
 }
 
 impl Prepared {
@@ -129,6 +132,8 @@ pub struct Sources<'a> {
     pub open: &'a OpenOptions,
     /// How to plan.
     pub plan: &'a PlanOptions,
+    /// How a LoRA adapter input is fused.
+    pub adapter: &'a AdapterOptions,
     /// Checked once each input is parsed.
     pub cancel: &'a Cancel,
 }
@@ -140,6 +145,7 @@ impl<'a> From<&'a MergeOptions> for Sources<'a> {
             base: o.base.as_deref(),
             open: &o.open,
             plan: &o.plan,
+            adapter: &o.adapter,
             cancel: &o.cancel,
         }
     }
@@ -152,6 +158,7 @@ impl<'a> From<&'a VerifyOptions> for Sources<'a> {
             base: o.base.as_deref(),
             open: &o.open,
             plan: &o.plan,
+            adapter: &o.adapter,
             cancel: &o.cancel,
         }
     }
@@ -160,7 +167,9 @@ impl<'a> From<&'a VerifyOptions> for Sources<'a> {
 /// Opens the checkpoint and the base and plans the merge, writing nothing.
 pub fn prepare<'a>(opts: impl Into<Sources<'a>>) -> Result<Prepared> {
     let opts: Sources<'a> = opts.into();
-    let ckpt = source::open(opts.checkpoint, opts.open)?;
+    // A peft adapter (directory, or a checkpoint of a peft-wrapped model) is the
+    // checkpoint here, resolved against its config before anything is planned.
+    let (ckpt, adapter) = lora::input::open(opts.checkpoint, opts.base, opts.adapter, opts.open)?;
     // Parsing a checkpoint of thousands of ranks takes a while: stop here if asked.
     opts.cancel.check()?;
     let local = ckpt.tensors.iter().find(|t| {
@@ -187,10 +196,19 @@ pub fn prepare<'a>(opts: impl Into<Sources<'a>>) -> Result<Prepared> {
     };
     opts.cancel.check()?;
     let view = base.as_ref().map(Base::view).unwrap_or_default();
-    let plan = plan::plan(&ckpt, view, &[], opts.plan)?;
+    let adapter = adapter.map(|r| Arc::new(LoraFuse::new(r, opts.adapter.no_fuse)));
+    let mut plan_opts = opts.plan.clone();
+    if let Some(a) = &adapter {
+        plan_opts.mappings.insert(0, a.clone());
+    }
+    let mut plan = plan::plan(&ckpt, view, &[], &plan_opts)?;
+    if let Some(a) = &adapter {
+        lora::report::add(a, &ckpt, &mut plan.report)?;
+    }
     Ok(Prepared {
         checkpoint: ckpt,
         base,
         plan,
+        adapter,
     })
 }

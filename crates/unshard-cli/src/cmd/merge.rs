@@ -19,7 +19,8 @@ use crate::text;
 #[derive(clap::Args, Debug)]
 pub struct MergeArgs {
     /// The checkpoint: a torch.save file (policy.pt, pytorch_model.bin, ...), a
-    /// torch.distributed.checkpoint directory, or a directory of per-rank files.
+    /// torch.distributed.checkpoint directory, a directory of per-rank files, or a
+    /// peft LoRA/DoRA adapter directory (fused into --base).
     checkpoint: PathBuf,
 
     /// Where to write the model directory (created; must be empty or absent).
@@ -91,6 +92,7 @@ pub fn run(args: MergeArgs) -> anyhow::Result<Status> {
         allow_overflow: args.allow_overflow,
         verify: args.verify,
         fail_on_nonfinite: args.fail_on_nonfinite,
+        adapter: args.plan.adapter.options(),
         cancel: signals::token(),
     };
     signals::protect_output(&opts.output);

@@ -42,6 +42,7 @@ pub fn run(args: VerifyArgs) -> anyhow::Result<Status> {
             key: args.plan.key.key.clone(),
         },
         plan: args.plan.plan_options()?,
+        adapter: args.plan.adapter.options(),
         cancel: crate::signals::token(),
     };
     let progress = Bar::new(args.quiet, "compared");

@@ -25,6 +25,7 @@
 //!    fixture generator), and that verify catches a wrong one
 //!    (`crates/unshard/tests/computed.rs`).
 
+use crate::lora::math::Layout;
 use crate::source::TensorSource;
 use crate::{DType, Error, Result};
 
@@ -81,6 +82,25 @@ pub enum Expr {
         len: u64,
         /// The tensor narrowed.
         input: Box<Expr>,
+    },
+    /// A LoRA / DoRA adapter fused into a 2-D weight, as peft's `merge_and_unload`
+    /// computes it: `base + scale * (b @ a)` (the update transposed for
+    /// `fan_in_fan_out` and embeddings, see [`Layout`]), then, with a DoRA
+    /// `magnitude`, each output channel rescaled to `magnitude / ||row||`
+    /// (`crate::lora::math`).
+    Fuse {
+        /// The weight fused into, `[rows, cols]` as stored.
+        base: Box<Expr>,
+        /// `[r, ..]`: lora_A (or lora_embedding_A).
+        a: Box<Expr>,
+        /// `[.., r]`: lora_B (or lora_embedding_B).
+        b: Box<Expr>,
+        /// DoRA's magnitude, one per output channel.
+        magnitude: Option<Box<Expr>>,
+        /// `alpha / r` or `alpha / sqrt(r)`, as peft holds it.
+        scale: f64,
+        /// How the update lies over the weight (linear, Conv1D, embedding).
+        layout: Layout,
     },
 }
 
@@ -163,6 +183,39 @@ impl Expr {
                 s[*dim] = *len;
                 Ok(s)
             }
+            Expr::Fuse {
+                base,
+                a,
+                b,
+                magnitude,
+                layout,
+                ..
+            } => {
+                let s = base.shape(name)?;
+                let (sa, sb) = (a.shape(name)?, b.shape(name)?);
+                let [rows, cols] = s[..] else {
+                    return Err(bad(format!(
+                        "an adapter can only be fused into a 2-D weight, not {s:?}"
+                    )));
+                };
+                let r = sa.first().copied().unwrap_or(0);
+                let (want_a, want_b) = layout.factor_shapes(rows, cols, r);
+                if sa != want_a || sb != want_b {
+                    return Err(bad(format!(
+                        "adapter factors {sa:?} and {sb:?} do not fit a {s:?} weight ({layout:?})"
+                    )));
+                }
+                if let Some(m) = magnitude {
+                    let sm = m.shape(name)?;
+                    let want = [layout.out_channels(rows, cols)];
+                    if sm != want {
+                        return Err(bad(format!(
+                            "DoRA magnitude {sm:?} does not fit a {s:?} weight"
+                        )));
+                    }
+                }
+                Ok(s)
+            }
         }
     }
 
@@ -175,6 +228,16 @@ impl Expr {
                 Expr::Leaf(l) => out.push(l),
                 Expr::Concat { parts, .. } => stack.extend(parts.iter().rev()),
                 Expr::PermuteRows { input, .. } | Expr::Slice { input, .. } => stack.push(input),
+                Expr::Fuse {
+                    base,
+                    a,
+                    b,
+                    magnitude,
+                    ..
+                } => {
+                    stack.extend(magnitude.as_deref());
+                    stack.extend([&**b, &**a, &**base]);
+                }
             }
         }
         out
@@ -253,5 +316,58 @@ mod tests {
             .unwrap_err()
             .to_string()
             .contains("only floating"));
+    }
+
+    #[test]
+    fn a_fuse_keeps_the_weight_shape_and_checks_its_factors() {
+        let f32s = |name: &str, shape: &[u64]| {
+            Expr::leaf(Origin::Checkpoint, tensor(name, DType::F32, shape))
+        };
+        let fuse = |a: &[u64], b: &[u64], layout| Expr::Fuse {
+            base: Box::new(leaf("w", &[6, 4])),
+            a: Box::new(f32s("a", a)),
+            b: Box::new(f32s("b", b)),
+            magnitude: None,
+            scale: 2.0,
+            layout,
+        };
+        // nn.Linear: W [out=6, in=4], A [r, in], B [out, r].
+        assert_eq!(
+            fuse(&[2, 4], &[6, 2], Layout::Linear).shape("w").unwrap(),
+            [6, 4]
+        );
+        // Conv1D: W [in=6, out=4], A [r, in], B [out, r].
+        assert_eq!(
+            fuse(&[2, 6], &[4, 2], Layout::FanInFanOut)
+                .shape("w")
+                .unwrap(),
+            [6, 4]
+        );
+        let e = fuse(&[2, 6], &[4, 2], Layout::Linear)
+            .shape("w")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("do not fit"), "{e}");
+        let with_m = Expr::Fuse {
+            base: Box::new(leaf("w", &[6, 4])),
+            a: Box::new(f32s("a", &[2, 4])),
+            b: Box::new(f32s("b", &[6, 2])),
+            // One per output channel would be [6].
+            magnitude: Some(Box::new(f32s("m", &[4]))),
+            scale: 2.0,
+            layout: Layout::Linear,
+        };
+        assert!(with_m
+            .shape("w")
+            .unwrap_err()
+            .to_string()
+            .contains("DoRA magnitude"));
+        let linear = fuse(&[2, 4], &[6, 2], Layout::Linear);
+        let names: Vec<&str> = linear
+            .leaves()
+            .iter()
+            .map(|l| l.source.name.as_str())
+            .collect();
+        assert_eq!(names, ["w", "a", "b"]);
     }
 }

@@ -66,6 +66,47 @@ pub(crate) fn compare(expected: &[u8], found: &[u8], dtype: DType, e0: u64) -> D
     d
 }
 
+/// Compares a window of `dtype` elements with values that may each be off by up to
+/// `allowed[i]` (a computed value whose float32 evaluation order is not fixed, such
+/// as a fused adapter); NaN matches NaN.
+pub(crate) fn compare_within(
+    values: &[f64],
+    allowed: &[f64],
+    found: &[u8],
+    dtype: DType,
+    e0: u64,
+) -> Diffs {
+    let mut d = Diffs::default();
+    for (i, ((&ve, &tol), f)) in values
+        .iter()
+        .zip(allowed)
+        .zip(found.chunks_exact(dtype.size()))
+        .enumerate()
+    {
+        let vf = element_f64(f, dtype);
+        if (ve.is_nan() && vf.is_nan()) || (ve - vf).abs() <= tol || ve == vf {
+            continue;
+        }
+        d.differing += 1;
+        if ve.is_nan() || vf.is_nan() {
+            d.nan_mismatch += 1;
+        } else {
+            let diff = (ve - vf).abs();
+            d.max_abs = d
+                .max_abs
+                .max(if diff.is_nan() { f64::INFINITY } else { diff });
+        }
+        if d.first.is_none() {
+            d.first = Some(FirstDiff {
+                index: e0 + i as u64,
+                expected: ve,
+                found: vf,
+            });
+        }
+    }
+    d
+}
+
 /// Whether two windows hold the same values (bytes equal, NaN matching NaN).
 pub(crate) fn same_values(a: &[u8], b: &[u8], dtype: DType) -> bool {
     a == b || compare(a, b, dtype, 0).differing == 0

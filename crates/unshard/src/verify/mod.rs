@@ -53,7 +53,7 @@ mod structure;
 pub use checks::{check_finite, drop_cached, unchanged_from_base};
 pub use report::{unravel, FirstDiff, Mismatch, Problem, VerifyReport};
 
-use compare::{compare, Diffs};
+use compare::{compare, compare_within, Diffs};
 use gather::{gather, GatherBufs};
 use report::problem;
 use structure::{check_config, read_output, Located, Written};
@@ -169,6 +169,7 @@ pub fn verify_dir(
                 let size = t.dtype.size() as u64;
                 let len = ((e1 - e0) * size) as usize;
                 expected.resize(len, 0);
+                let mut within = None;
                 match &t.content {
                     Content::Copy(source) => gather(
                         source,
@@ -180,13 +181,23 @@ pub fn verify_dir(
                         bufs,
                     )?,
                     Content::Computed(e) => {
-                        *expected = reference::expected(e, &t.shape, t.dtype, inputs)?
+                        match reference::reference(e, &t.shape, t.dtype, inputs)? {
+                            reference::Reference::Exact(bytes) => *expected = bytes,
+                            reference::Reference::Within { values, allowed } => {
+                                within = Some((values, allowed))
+                            }
+                        }
                     }
                 }
                 found.resize(len, 0);
                 let window = match &written.shards[loc.shard].file {
                     Some(file) => match read_output(file, loc.offset + e0 * size, found) {
-                        Ok(()) => Window::Compared(compare(expected, found, t.dtype, e0)),
+                        Ok(()) => Window::Compared(match &within {
+                            Some((values, allowed)) => {
+                                compare_within(values, allowed, found, t.dtype, e0)
+                            }
+                            None => compare(expected, found, t.dtype, e0),
+                        }),
                         Err(e) => Window::Unreadable(format!(
                             "cannot read its data (the file changed during the check?): {e}"
                         )),

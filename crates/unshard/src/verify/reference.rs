@@ -36,6 +36,68 @@ enum Node<'e> {
     },
 }
 
+/// What a computed tensor must hold: exact bytes for nodes that move elements, or
+/// for arithmetic (a fused adapter) values with the error each element may carry.
+pub(crate) enum Reference {
+    Exact(Vec<u8>),
+    /// `values[i]` (float64) within `allowed[i]`, absolute.
+    Within {
+        values: Vec<f64>,
+        allowed: Vec<f64>,
+    },
+}
+
+/// The reference value of a computed tensor of shape `shape`, in dtype `to`. A
+/// fused adapter at the root is evaluated by `crate::lora::reference` (plain
+/// float64 loops over its operands, each gathered exactly by [`expected`]); every
+/// other expression is traced element by element.
+pub(crate) fn reference(
+    e: &Expr,
+    shape: &[u64],
+    to: DType,
+    inputs: Inputs<'_>,
+) -> Result<Reference> {
+    let Expr::Fuse {
+        base,
+        a,
+        b,
+        magnitude,
+        scale,
+        layout,
+    } = e
+    else {
+        return Ok(Reference::Exact(expected(e, shape, to, inputs)?));
+    };
+    let operand = |x: &Expr| -> Result<Vec<f64>> {
+        let s = x.shape("?")?;
+        let bytes = expected(x, &s, DType::F32, inputs)?;
+        Ok(bytes
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]) as f64)
+            .collect())
+    };
+    let (w, av, bv) = (operand(base)?, operand(a)?, operand(b)?);
+    let m = magnitude.as_deref().map(operand).transpose()?;
+    let (rows, cols) = (shape[0] as usize, shape[1] as usize);
+    let in_dim = if layout.transposed() { rows } else { cols };
+    let e = crate::lora::reference::evaluate(&crate::lora::reference::Operands {
+        layout: *layout,
+        w: &w,
+        rows,
+        cols,
+        a: &av,
+        b: &bv,
+        rank: av.len().checked_div(in_dim).unwrap_or(0),
+        scale: *scale,
+        dora_magnitude: m.as_deref(),
+    });
+    let allowed = (0..e.values.len()).map(|i| e.allowed(i, to)).collect();
+    Ok(Reference::Within {
+        values: e.values,
+        allowed,
+    })
+}
+
 /// The expected bytes of a computed tensor of shape `shape`, in dtype `to`.
 pub(crate) fn expected(e: &Expr, shape: &[u64], to: DType, inputs: Inputs<'_>) -> Result<Vec<u8>> {
     let mut leaves = Vec::new();
@@ -120,6 +182,13 @@ fn node<'e>(e: &'e Expr, leaves: &mut Vec<&'e crate::plan::Leaf>) -> Result<Node
             start: *start,
             input: Box::new(node(input, leaves)?),
         },
+        // An arithmetic node is evaluated whole by `reference`, at the root only.
+        Expr::Fuse { .. } => {
+            return Err(Error::plan(
+                "verify evaluates a fused adapter only as a whole tensor, not inside another node",
+                None,
+            ))
+        }
     })
 }
 

@@ -101,7 +101,52 @@ pub(crate) fn eval(e: &Expr, inputs: Inputs<'_>) -> Result<Vec<u8>> {
             }
             Ok(out)
         }
+        Expr::Fuse {
+            base,
+            a,
+            b,
+            magnitude,
+            scale,
+            layout,
+        } => {
+            // Memory: the weight in float32 (its bytes, then its values), the
+            // factors, and one block of the update (crate::lora::math).
+            let shape = base.shape("?")?;
+            let (rows, cols) = (shape[0] as usize, shape[1] as usize);
+            let mut w = floats(&eval(base, inputs)?);
+            let a = floats(&eval(a, inputs)?);
+            let b = floats(&eval(b, inputs)?);
+            let m = magnitude
+                .as_ref()
+                .map(|m| eval(m, inputs).map(|v| floats(&v)))
+                .transpose()?;
+            let rank = a
+                .len()
+                .checked_div(if layout.transposed() { rows } else { cols });
+            crate::lora::math::fuse(
+                &mut w,
+                rows,
+                cols,
+                &crate::lora::math::Factors {
+                    layout: *layout,
+                    a: &a,
+                    b: &b,
+                    rank: rank.unwrap_or(0),
+                    scale: *scale,
+                    magnitude: m.as_deref(),
+                },
+            );
+            Ok(w.iter().flat_map(|v| v.to_le_bytes()).collect())
+        }
     }
+}
+
+/// Little-endian float32 bytes as values.
+fn floats(bytes: &[u8]) -> Vec<f32> {
+    bytes
+        .chunks_exact(F32)
+        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+        .collect()
 }
 
 /// Bytes of a float32 block of `shape`.
