@@ -87,6 +87,9 @@ def _merge_options(
     allow_overflow: bool,
     verify: bool,
     fail_on_nonfinite: bool,
+    adapter: Optional[str] = None,
+    adapter_config: Optional[PathLike] = None,
+    no_fuse: bool = False,
 ) -> str:
     if isinstance(rename, str):
         rename = [rename]
@@ -102,6 +105,9 @@ def _merge_options(
             "allow_overflow": bool(allow_overflow),
             "verify": bool(verify),
             "fail_on_nonfinite": bool(fail_on_nonfinite),
+            "adapter": adapter,
+            "adapter_config": None if adapter_config is None else _path(adapter_config, "adapter_config"),
+            "no_fuse": bool(no_fuse),
         }
     )
 
@@ -120,6 +126,9 @@ def merge(
     allow_overflow: bool = False,
     verify: bool = False,
     fail_on_nonfinite: bool = False,
+    adapter: Optional[str] = None,
+    adapter_config: Optional[PathLike] = None,
+    no_fuse: bool = False,
     progress: ProgressArg = True,
 ) -> MergeReport:
     """Merge a training checkpoint (onto a base model) into a Hugging Face model directory.
@@ -130,10 +139,17 @@ def merge(
     The output appears complete or not at all. ``progress`` is True (a tqdm bar when
     tqdm is installed), False, or a callable ``progress(done_bytes, total_bytes)``.
 
+    A LoRA/DoRA adapter (a peft adapter directory, or a training checkpoint of a
+    peft-wrapped model) is fused into ``base``; ``adapter`` picks one of several named
+    adapters, ``adapter_config`` gives the ``adapter_config.json`` when it is not
+    beside the checkpoint, and ``no_fuse=True`` keeps the base weights and writes the
+    adapter beside them.
+
     Returns a :class:`MergeReport`; raises :class:`UnshardError` subclasses.
     """
     opts = _merge_options(
-        base, dtype, max_shard_size, strict, key, rename, force, allow_overflow, verify, fail_on_nonfinite
+        base, dtype, max_shard_size, strict, key, rename, force, allow_overflow, verify, fail_on_nonfinite,
+        adapter, adapter_config, no_fuse,
     )
     data = _run(
         _native.merge,
@@ -167,6 +183,9 @@ def verify(
     key: Optional[str] = None,
     rename: Iterable[str] = (),
     allow_overflow: bool = False,
+    adapter: Optional[str] = None,
+    adapter_config: Optional[PathLike] = None,
+    no_fuse: bool = False,
     progress: ProgressArg = False,
 ) -> VerifyReport:
     """Check that ``output`` holds exactly what merging ``against`` with these options gives.
@@ -174,7 +193,10 @@ def verify(
     Pass the options the merge ran with. Returns a :class:`VerifyReport` whose ``ok``
     is False when anything differs (it does not raise for a mismatch).
     """
-    opts = _merge_options(base, dtype, max_shard_size, strict, key, rename, False, allow_overflow, False, False)
+    opts = _merge_options(
+        base, dtype, max_shard_size, strict, key, rename, False, allow_overflow, False, False,
+        adapter, adapter_config, no_fuse,
+    )
     data = _run(
         _native.verify,
         _path(output, "output"),

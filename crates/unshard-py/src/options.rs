@@ -10,8 +10,8 @@ use std::time::Duration;
 
 use serde::Deserialize;
 use unshard::{
-    Cancel, DiffOptions, Error, InspectOptions, MergeOptions, OpenOptions, PlanOptions, Progress,
-    VerifyOptions,
+    AdapterOptions, Cancel, DiffOptions, Error, InspectOptions, MergeOptions, OpenOptions,
+    PlanOptions, Progress, VerifyOptions,
 };
 
 use crate::job::Counters;
@@ -29,6 +29,9 @@ struct Kwargs {
     allow_overflow: bool,
     verify: bool,
     fail_on_nonfinite: bool,
+    adapter: Option<String>,
+    adapter_config: Option<String>,
+    no_fuse: bool,
 }
 
 /// A merge (or the merge a `verify` re-derives), ready to run.
@@ -54,6 +57,11 @@ impl MergeRequest {
                 allow_overflow: k.allow_overflow,
                 verify: k.verify,
                 fail_on_nonfinite: k.fail_on_nonfinite,
+                adapter: AdapterOptions {
+                    name: k.adapter,
+                    config: k.adapter_config.map(PathBuf::from),
+                    no_fuse: k.no_fuse,
+                },
                 cancel: Cancel::new(),
             },
         })
