@@ -376,3 +376,6 @@ mod kernels;
 
 #[cfg(test)]
 mod tests;
+
+#[cfg(test)]
+mod reference_tests;
