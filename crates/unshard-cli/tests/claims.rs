@@ -100,6 +100,7 @@ fn every_claims_case_is_a_test() {
             "rename",
             "rotary_buffers",
             "tie_base_lacks_head",
+            "tie_config_says_so",
             "tie_shared_storage_no_base",
         ]
     );
@@ -148,6 +149,11 @@ fn key_is_honoured_by_inspect_and_verify() {
 #[test]
 fn rotary_buffers_are_dropped() {
     run_case("rotary_buffers");
+}
+
+#[test]
+fn tied_head_config_says_tie() {
+    run_case("tie_config_says_so");
 }
 
 #[test]
