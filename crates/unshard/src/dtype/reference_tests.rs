@@ -1,4 +1,4 @@
-//! The conversion kernels and the scalar path against `verify::reference`, which
+//! The conversion kernels and the scalar path against `verify::convert`, which
 //! converts by definition with no code in common with them, and that reference
 //! against the `half` crate (a third implementation) for every non-NaN value.
 //!
@@ -8,7 +8,7 @@
 //! and NaNs. The full 2^32 run is `--ignored` (minutes in release).
 
 use super::{f32_to_bf16_bits, f32_to_f16_bits, kernels, ConvertStats};
-use crate::verify::reference;
+use crate::verify::convert as reference;
 
 /// Every float32 whose rounding to bfloat16 or float16 is a tie, with the values
 /// just below and above it, both signs.
