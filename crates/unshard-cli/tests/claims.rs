@@ -39,8 +39,8 @@ fn cases() -> Vec<serde_json::Value> {
 }
 
 /// Runs one case of `fixtures/claims/cases.json` and compares the output with
-/// transformers' directory.
-fn run_case(name: &str) {
+/// transformers' directory; returns the merge's report (stderr).
+fn run_case(name: &str) -> String {
     let all = cases();
     let c = all
         .iter()
@@ -81,6 +81,7 @@ fn run_case(name: &str) {
         let b = std::fs::read(expected.join(f)).unwrap();
         assert!(a == b, "{name}: {f} differs from transformers' output");
     }
+    stderr(&o)
 }
 
 #[test]
@@ -97,6 +98,7 @@ fn every_claims_case_is_a_test() {
         [
             "key",
             "max_shard_size_10KB",
+            "max_shard_size_equal_8192B",
             "rename",
             "rotary_buffers",
             "tie_base_lacks_head",
@@ -158,7 +160,12 @@ fn tied_head_config_says_tie() {
 
 #[test]
 fn tied_head_config_silent_and_base_lacks_it() {
-    run_case("tie_base_lacks_head");
+    let report = run_case("tie_base_lacks_head");
+    // GPT-2's embedding is found by name (no shared storage to point at it).
+    assert!(
+        report.contains("dropped: lm_head.weight (tied to transformer.wte.weight; written once)"),
+        "{report}"
+    );
 }
 
 #[test]
@@ -169,6 +176,11 @@ fn tied_head_shares_storage_with_the_embedding() {
 #[test]
 fn a_tensor_over_the_shard_limit_gets_a_shard_of_its_own() {
     run_case("max_shard_size_10KB");
+}
+
+#[test]
+fn a_tensor_of_exactly_the_shard_limit_is_not_set_apart() {
+    run_case("max_shard_size_equal_8192B");
 }
 
 #[test]
