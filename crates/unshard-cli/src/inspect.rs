@@ -8,8 +8,14 @@ use unshard::report::human_bytes;
 use unshard::source::{self, Checkpoint, OpenOptions};
 use unshard::stats::TensorStats;
 
-pub fn run(path: &Path, key: Option<String>, json: bool, stats: bool) -> anyhow::Result<()> {
-    let ckpt = source::open(path, &OpenOptions { key })?;
+pub fn run(
+    path: &Path,
+    key: Option<String>,
+    tag: Option<String>,
+    json: bool,
+    stats: bool,
+) -> anyhow::Result<()> {
+    let ckpt = source::open(path, &OpenOptions { key, tag })?;
     let stats = if stats {
         Some(unshard::stats::checkpoint_stats(&ckpt)?)
     } else {

@@ -102,6 +102,11 @@ struct MergeArgs {
     #[arg(long, value_name = "PATH")]
     key: Option<String>,
 
+    /// DeepSpeed checkpoints: the tag folder to read instead of the one named by
+    /// `latest` (e.g. `global_step500`).
+    #[arg(long, value_name = "TAG")]
+    tag: Option<String>,
+
     /// Rename tensors: a regular expression and its replacement (`$1` for groups),
     /// applied after wrapper prefixes are stripped. Repeatable.
     #[arg(long, value_name = "REGEX=REPLACEMENT")]
@@ -138,6 +143,11 @@ struct InspectArgs {
     #[arg(long, value_name = "PATH")]
     key: Option<String>,
 
+    /// DeepSpeed checkpoints: the tag folder to read instead of the one named by
+    /// `latest` (e.g. `global_step500`).
+    #[arg(long, value_name = "TAG")]
+    tag: Option<String>,
+
     /// Also show mean, std, min and max of every tensor (reads all the values).
     #[arg(long)]
     stats: bool,
@@ -165,7 +175,9 @@ fn main() -> ExitCode {
     raise_open_file_limit();
     let result = match cli.command {
         Command::Merge(args) => run_merge(args),
-        Command::Inspect(args) => inspect::run(&args.path, args.key, args.json, args.stats),
+        Command::Inspect(args) => {
+            inspect::run(&args.path, args.key, args.tag, args.json, args.stats)
+        }
         Command::Verify(args) => verify_cmd::run(args),
         Command::Diff(args) => match diff_cmd::run(args) {
             Ok(false) => return ExitCode::from(1),
@@ -198,7 +210,10 @@ fn run_merge(args: MergeArgs) -> anyhow::Result<()> {
         checkpoint: args.checkpoint,
         base: args.base,
         output: args.output,
-        open: OpenOptions { key: args.key },
+        open: OpenOptions {
+            key: args.key,
+            tag: args.tag,
+        },
         plan: plan_options(args.dtype, &args.max_shard_size, args.strict, &args.rename)?,
         force: args.force,
         allow_overflow: args.allow_overflow,

@@ -41,6 +41,10 @@ pub struct VerifyArgs {
     #[arg(long, value_name = "PATH")]
     key: Option<String>,
 
+    /// The --tag given to the merge.
+    #[arg(long, value_name = "TAG")]
+    tag: Option<String>,
+
     /// The --rename rules given to the merge.
     #[arg(long, value_name = "REGEX=REPLACEMENT")]
     rename: Vec<String>,
@@ -60,7 +64,10 @@ pub fn run(args: VerifyArgs) -> anyhow::Result<()> {
         checkpoint: args.against,
         base: args.base,
         output: args.dir,
-        open: OpenOptions { key: args.key },
+        open: OpenOptions {
+            key: args.key,
+            tag: args.tag,
+        },
         plan: plan_options(args.dtype, &args.max_shard_size, args.strict, &args.rename)?,
         ..MergeOptions::default()
     };

@@ -144,6 +144,7 @@ fn picks_the_state_dict_named_by_key() {
         &fixtures().join("torch/nested.pt"),
         &OpenOptions {
             key: Some("model.module".into()),
+            ..OpenOptions::default()
         },
     )
     .unwrap();
@@ -152,6 +153,7 @@ fn picks_the_state_dict_named_by_key() {
         &fixtures().join("torch/dpo_policy.pt"),
         &OpenOptions {
             key: Some("nope".into()),
+            ..OpenOptions::default()
         },
     )
     .unwrap_err();
