@@ -167,6 +167,8 @@ pub fn find(path: &Path, opts: &OpenOptions) -> Result<Option<Found>> {
     let hint = || {
         if tags.is_empty() {
             "the folder holds no tag folder with *_model_states.pt files; copy the tag folder into it".to_string()
+        } else if tags.len() == 1 {
+            format!("pass --tag {} (the one tag folder here)", tags[0])
         } else {
             format!("pass --tag with one of: {}", tags.join(", "))
         }
