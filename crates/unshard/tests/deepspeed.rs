@@ -231,7 +231,7 @@ fn a_folder_without_optimizer_states_is_refused() {
             "llama_z3_bf16_w2",
             "zero_pp_rank_0_mp_rank_00_model_states.pt",
         ),
-        ("llama_z2_fp16_w3", "mp_rank_00_model_states.pt"),
+        ("llama_z2_fp16_w3_aligned", "mp_rank_00_model_states.pt"),
     ] {
         let dir = tmp.path().join(case);
         std::fs::create_dir(&dir).unwrap();

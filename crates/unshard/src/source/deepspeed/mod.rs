@@ -21,6 +21,7 @@
 
 mod files;
 mod layout;
+mod partitions;
 pub mod runs;
 
 use std::path::{Path, PathBuf};
