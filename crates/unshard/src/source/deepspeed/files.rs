@@ -157,6 +157,15 @@ pub fn model_states(f: &Parsed) -> Result<ModelStates> {
                         "'{what}' gives '{k}' a shape that is not a torch.Size"
                     ))
                 })?;
+                // Element counts are summed and multiplied later: refuse shapes
+                // whose element count does not fit, so nothing there can overflow.
+                if s.iter()
+                    .try_fold(1u64, |a, &d| a.checked_mul(d))
+                    .filter(|&n| n < 1 << 60)
+                    .is_none()
+                {
+                    return Err(f.bad(format!("'{what}' gives '{k}' the shape {s:?}, too large")));
+                }
                 Ok((k.to_string(), s))
             })
             .collect()

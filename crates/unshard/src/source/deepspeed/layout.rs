@@ -149,7 +149,14 @@ pub fn open(found: &Found) -> Result<Checkpoint> {
     } else if let Some(name) = &n.model {
         model_files.push(Parsed::open(&dir.join(name))?);
     }
-    let model = files::model_states(&model_files[0])?;
+    let Some(m0) = model_files.first() else {
+        return Err(Error::Incomplete {
+            path: dir.to_path_buf(),
+            msg: "no model-states file (mp_rank_00_model_states.pt or zero_pp_rank_0_mp_rank_00_model_states.pt): it records which parameter is where".into(),
+            hint: Some("copy the tag folder's *_model_states.pt files back into it".into()),
+        });
+    };
+    let model = files::model_states(m0)?;
     let first_model_file = files.len();
     for f in &model_files {
         files.push(f.blob.clone());
@@ -168,7 +175,7 @@ pub fn open(found: &Found) -> Result<Checkpoint> {
     let mut built: HashMap<String, TensorSource> = HashMap::new();
     if model.param_shapes.len() != optim[0].1.groups.len() {
         return Err(Error::corrupt(
-            &model_files[0].path,
+            &m0.path,
             format!(
                 "'param_shapes' lists {} parameter group(s), the optimizer-state files hold {}",
                 model.param_shapes.len(),
@@ -194,7 +201,6 @@ pub fn open(found: &Found) -> Result<Checkpoint> {
     let aliases: HashSet<&str> = model.shared.iter().map(|(a, _)| a.as_str()).collect();
     let buffers: HashSet<&str> = model.buffer_names.iter().map(String::as_str).collect();
     let mut from_module = Vec::new();
-    let m0 = &model_files[0];
     for (name, id) in &model.module {
         if built.contains_key(name) || aliases.contains(name.as_str()) {
             continue;

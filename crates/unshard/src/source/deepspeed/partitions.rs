@@ -122,7 +122,7 @@ pub(super) fn zero12_params(
                 }
             }
             built.insert(name.clone(), t);
-            offset = end + pads.map_or(0, |p| p[i]);
+            offset = end.saturating_add(pads.map_or(0, |p| p[i]));
         }
         // What is left is the padding that makes the group divisible by the world
         // size (DeepSpeed aligns it to 2 x world size elements).
@@ -174,7 +174,7 @@ pub(super) fn zero3_params(
     for (name, shape) in model.param_shapes.iter().flatten() {
         let n = numel(shape);
         let share = n.div_ceil(w);
-        if offset + share > per_rank {
+        if offset.saturating_add(share) > per_rank {
             return Err(Error::corrupt(
                 ctx.dir,
                 format!(
@@ -190,7 +190,10 @@ pub(super) fn zero3_params(
             format!("ZeRO-3 fp32 master, {} rank(s)", ctx.world),
         );
         for (r, groups) in ranks.iter().enumerate() {
-            let (a, b) = ((r as u64 * share).min(n), ((r as u64 + 1) * share).min(n));
+            let (a, b) = (
+                (r as u64).saturating_mul(share).min(n),
+                (r as u64 + 1).saturating_mul(share).min(n),
+            );
             // The run [a, b) sits at `offset` in this rank's concatenated groups; it
             // may cross from one group's tensor into the next.
             let mut done = a;
@@ -253,7 +256,10 @@ pub(super) fn frozen(
                 *id,
                 first_file + r,
             )?;
-            let (a, b) = ((r as u64 * share).min(n), ((r as u64 + 1) * share).min(n));
+            let (a, b) = (
+                (r as u64).saturating_mul(share).min(n),
+                (r as u64 + 1).saturating_mul(share).min(n),
+            );
             if flat.numel < b - a {
                 return Err(Error::bad_tensor(
                     &f.path,
