@@ -212,6 +212,11 @@ fn broken_checkpoints_are_clear_errors() {
     );
     assert!(hint.contains("optim_states"), "{hint}");
 
+    let optim = ds("llama_z1_bf16_w2/global_step1/bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt");
+    let (_, msg, hint) = error_of(&optim, &d);
+    assert!(msg.contains("optimizer-state file"), "{msg}");
+    assert!(hint.contains("folder"), "{hint}");
+
     let tagged = OpenOptions {
         tag: Some("global_step9".into()),
         ..OpenOptions::default()

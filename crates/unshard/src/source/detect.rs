@@ -110,6 +110,13 @@ fn from_payload(
     payload: torch::TorchPayload,
     opts: &OpenOptions,
 ) -> Result<Checkpoint> {
+    if opts.key.is_none() && deepspeed::is_optim_states(&payload.pickle) {
+        return Err(Error::Incomplete {
+            path: path.to_path_buf(),
+            msg: "a DeepSpeed optimizer-state file: one rank's flat partitions of the fp32 weights, which mean nothing without the other ranks' and the model-states file".into(),
+            hint: Some("pass the folder that holds it (or the folder holding 'latest') with every rank's files".into()),
+        });
+    }
     let found = torch::find_tensors(&payload.pickle, path, opts.key.as_deref())?;
     let tensors = torch::plain_sources(&payload, 0, &found)?;
     let mut notes = Vec::new();

@@ -115,6 +115,15 @@ pub fn is_model_states(p: &Pickle) -> bool {
     dict_get(p, root, "param_shapes").is_some() && dict_get(p, root, "buffer_names").is_some()
 }
 
+/// Whether a parsed pickle is one rank's DeepSpeed optimizer-states dict.
+pub fn is_optim_states(p: &Pickle) -> bool {
+    dict_get(p, p.root(), "optimizer_state_dict").is_some_and(|o| {
+        ["single_partition_of_fp32_groups", "fp32_flat_groups"]
+            .iter()
+            .any(|k| dict_get(p, o, k).is_some())
+    })
+}
+
 pub fn model_states(f: &Parsed) -> Result<ModelStates> {
     let p = f.p();
     if !is_model_states(p) {

@@ -31,7 +31,7 @@ use regex::Regex;
 use super::{Checkpoint, OpenOptions};
 use crate::{Error, Result};
 
-pub use files::is_model_states;
+pub use files::{is_model_states, is_optim_states};
 
 /// A DeepSpeed checkpoint found on disk.
 #[derive(Clone, Debug)]
