@@ -19,8 +19,7 @@ use std::sync::Arc;
 use unshard_pickle::{NodeId, Pickle, Value};
 
 use super::super::torch::{
-    self, call_of, dict_get, dict_of, dims_of, int_of, seq_of, str_of, Leaf, TensorRef,
-    TorchPayload,
+    self, dict_get, dict_of, dims_of, int_of, seq_of, str_of, Leaf, TensorRef, TorchPayload,
 };
 use super::super::{Blob, Piece};
 use crate::{Error, Result};
@@ -255,7 +254,10 @@ pub fn optim_states(f: &Parsed) -> Result<OptimStates> {
     let get = |k: &str| dict_get(p, osd, k);
     // `ZeroStageEnum(2)` is pickled as a call; older files hold a plain int.
     let stage = get("zero_stage").and_then(|id| {
-        int_of(p, id).or_else(|| call_of(p, id).and_then(|(_, args, _)| int_of(p, *args.first()?)))
+        int_of(p, id).or_else(|| match p.get(id) {
+            Value::Object { args, .. } => int_of(p, *seq_of(p, *args)?.first()?),
+            _ => None,
+        })
     });
     let partition_count = match get("partition_count").map(|id| (id, p.get(id))) {
         Some((id, Value::Int(_))) => int_of(p, id).and_then(|i| u64::try_from(i).ok()),
