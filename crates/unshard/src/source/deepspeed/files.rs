@@ -34,7 +34,7 @@ pub struct Parsed {
 impl Parsed {
     pub fn open(path: &Path) -> Result<Parsed> {
         let blob = Arc::new(Blob::open(path)?);
-        let payload = torch::read_zip_file(path, &blob)?;
+        let payload = torch::read_zip_file(&blob)?;
         Ok(Parsed {
             path: path.to_path_buf(),
             blob,
