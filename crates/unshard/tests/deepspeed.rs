@@ -174,6 +174,15 @@ fn notes_say_what_was_skipped() {
     // ZeRO-1 records no frozen_param_shapes: the frozen embedding comes from the module.
     assert!(notes.contains("model.embed_tokens.weight"), "{notes}");
     assert!(notes.contains("16-bit"), "{notes}");
+    // The stage is read from the pickled ZeroStageEnum; BF16_Optimizer records none.
+    for (case, label) in [
+        ("llama_z1_bf16_w2", "DeepSpeed ZeRO-1 checkpoint"),
+        ("llama_z2_bf16_w2_accelerate", "DeepSpeed ZeRO-2 checkpoint"),
+        ("llama_bf16_optimizer_w2", "DeepSpeed BF16_Optimizer"),
+    ] {
+        let c = open(&ds(case)).unwrap();
+        assert!(c.notes[0].starts_with(label), "{case}: {:?}", c.notes);
+    }
 }
 
 /// The error an input gives, with its hint.
