@@ -82,6 +82,7 @@ def _merge_options(
     max_shard_size: Union[str, int],
     strict: bool,
     key: Optional[str],
+    tag: Optional[str],
     rename: Iterable[str],
     force: bool,
     allow_overflow: bool,
@@ -100,6 +101,7 @@ def _merge_options(
             "max_shard_size": str(max_shard_size),
             "strict": bool(strict),
             "key": key,
+            "tag": tag,
             "rename": [str(r) for r in rename],
             "force": bool(force),
             "allow_overflow": bool(allow_overflow),
@@ -121,6 +123,7 @@ def merge(
     max_shard_size: Union[str, int] = "5GB",
     strict: bool = False,
     key: Optional[str] = None,
+    tag: Optional[str] = None,
     rename: Iterable[str] = (),
     force: bool = False,
     allow_overflow: bool = False,
@@ -135,7 +138,8 @@ def merge(
 
     Same job and options as ``unshard merge``: ``checkpoint`` is a torch.save file, a
     torch.distributed.checkpoint directory, a directory of per-rank files (or any other
-    input the CLI reads); ``base`` the Hugging Face directory training started from.
+    input the CLI reads, DeepSpeed ZeRO folders too: ``tag`` picks a tag other than
+    ``latest``'s); ``base`` the Hugging Face directory training started from.
     The output appears complete or not at all. ``progress`` is True (a tqdm bar when
     tqdm is installed), False, or a callable ``progress(done_bytes, total_bytes)``.
 
@@ -148,7 +152,7 @@ def merge(
     Returns a :class:`MergeReport`; raises :class:`UnshardError` subclasses.
     """
     opts = _merge_options(
-        base, dtype, max_shard_size, strict, key, rename, force, allow_overflow, verify, fail_on_nonfinite,
+        base, dtype, max_shard_size, strict, key, tag, rename, force, allow_overflow, verify, fail_on_nonfinite,
         adapter, adapter_config, no_fuse,
     )
     data = _run(
@@ -162,14 +166,16 @@ def merge(
     return MergeReport(data)
 
 
-def inspect(path: PathLike, *, key: Optional[str] = None, stats: bool = False) -> Dict[str, Any]:
+def inspect(
+    path: PathLike, *, key: Optional[str] = None, tag: Optional[str] = None, stats: bool = False
+) -> Dict[str, Any]:
     """What a checkpoint, safetensors file or model directory holds.
 
     Returns the object ``unshard inspect --json`` prints (format, key, tensors with
     names, dtypes, shapes and sizes, the non-tensor entries, notes; with
     ``stats=True`` each tensor's mean, std, min, max and non-finite counts).
     """
-    return _run(_native.inspect, _path(path, "path"), key, bool(stats))
+    return _run(_native.inspect, _path(path, "path"), key, tag, bool(stats))
 
 
 def verify(
@@ -181,6 +187,7 @@ def verify(
     max_shard_size: Union[str, int] = "5GB",
     strict: bool = False,
     key: Optional[str] = None,
+    tag: Optional[str] = None,
     rename: Iterable[str] = (),
     allow_overflow: bool = False,
     adapter: Optional[str] = None,
@@ -194,7 +201,7 @@ def verify(
     is False when anything differs (it does not raise for a mismatch).
     """
     opts = _merge_options(
-        base, dtype, max_shard_size, strict, key, rename, False, allow_overflow, False, False,
+        base, dtype, max_shard_size, strict, key, tag, rename, False, allow_overflow, False, False,
         adapter, adapter_config, no_fuse,
     )
     data = _run(

@@ -24,6 +24,7 @@ struct Kwargs {
     max_shard_size: String,
     strict: bool,
     key: Option<String>,
+    tag: Option<String>,
     rename: Vec<String>,
     force: bool,
     allow_overflow: bool,
@@ -45,7 +46,10 @@ impl MergeRequest {
         let k: Kwargs = serde_json::from_str(kwargs)
             .map_err(|e| Error::Usage(format!("malformed options from the Python layer: {e}")))?;
         let plan = plan_options(&k)?;
-        let open = OpenOptions { key: k.key };
+        let open = OpenOptions {
+            key: k.key,
+            tag: k.tag,
+        };
         Ok(MergeRequest {
             opts: MergeOptions {
                 checkpoint: PathBuf::from(checkpoint),
@@ -120,10 +124,11 @@ fn plan_options(k: &Kwargs) -> Result<PlanOptions, Error> {
 pub fn inspect(
     path: &str,
     key: Option<String>,
+    tag: Option<String>,
     stats: bool,
     cancel: &Cancel,
 ) -> Result<String, Error> {
-    let open = OpenOptions { key };
+    let open = OpenOptions { key, tag };
     let report = unshard::inspect(&InspectOptions {
         path: PathBuf::from(path),
         open,

@@ -130,9 +130,9 @@ fn detect_corpus_replays() {
         if let Ok(c) = source::open(&p, &OpenOptions::default()) {
             read_all(&c, &p);
         }
-        let blob = Arc::new(Blob::owned(p, data));
+        let blob = Arc::new(Blob::owned(p.clone(), data));
         if let Ok(c) = source::open_blob(blob, &OpenOptions::default()) {
-            read_all(&c);
+            read_all(&c, &p);
         }
     }
 }

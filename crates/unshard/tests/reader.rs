@@ -163,6 +163,7 @@ fn picks_the_state_dict_named_by_key() {
         &fixtures().join("torch/nested.pt"),
         &OpenOptions {
             key: Some("model.module".into()),
+            ..OpenOptions::default()
         },
     )
     .unwrap();
@@ -171,6 +172,7 @@ fn picks_the_state_dict_named_by_key() {
         &fixtures().join("torch/dpo_policy.pt"),
         &OpenOptions {
             key: Some("nope".into()),
+            ..OpenOptions::default()
         },
     )
     .unwrap_err();
