@@ -13,9 +13,11 @@
 //! - [`verify`]: proof that an output holds the checkpoint's values; [`diff`] and
 //!   [`stats`] compare and summarise tensors of any input.
 
+pub mod arch;
 pub mod diff;
 pub mod dtype;
 pub mod error;
+pub mod hub;
 pub mod merge;
 pub mod plan;
 pub mod report;

@@ -1,0 +1,138 @@
+//! The layout table against transformers: for each family, fixtures/arch/<family>/
+//! holds a tiny config.json and the names and shapes `save_pretrained` wrote for
+//! it (fixtures/gen_arch_table.py); evaluating the table on the config must give
+//! exactly that list.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::collections::BTreeMap;
+use std::path::Path;
+
+use serde_json::{Map, Value};
+
+fn fixture(family: &str) -> (Map<String, Value>, BTreeMap<String, Vec<u64>>) {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../../fixtures/arch")
+        .join(family);
+    let config: Map<String, Value> =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap()).unwrap();
+    let expected: Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("expected.json")).unwrap()).unwrap();
+    let tensors = expected["tensors"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| {
+            let shape = t["shape"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|d| d.as_u64().unwrap())
+                .collect();
+            (t["name"].as_str().unwrap().to_string(), shape)
+        })
+        .collect();
+    (config, tensors)
+}
+
+const FAMILIES: &[&str] = &[
+    "llama",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "qwen2_moe",
+    "qwen3_moe",
+    "gemma",
+    "gemma2",
+    "gemma3_text",
+    "phi3",
+    "gpt2",
+    "gpt_neox",
+    "olmo2",
+    "deepseek_v2",
+    "deepseek_v3",
+    "mixtral",
+];
+
+#[test]
+fn every_family_reproduces_what_transformers_saves() {
+    for family in FAMILIES {
+        let (config, want) = fixture(family);
+        let exp = unshard::arch::expected(&config).unwrap_or_else(|e| panic!("{family}: {e}"));
+        let got: BTreeMap<String, Vec<u64>> = exp
+            .tensors
+            .iter()
+            .map(|t| (t.name.clone(), t.shape.clone()))
+            .collect();
+        assert_eq!(exp.tensors.len(), got.len(), "{family}: duplicate names");
+        for (n, s) in &want {
+            assert_eq!(got.get(n), Some(s), "{family}: {n}");
+        }
+        for n in got.keys() {
+            assert!(
+                want.contains_key(n),
+                "{family}: {n} is not written by transformers"
+            );
+        }
+        // And the checkpoint of that layout passes the check.
+        let pairs: Vec<(&str, &[u64])> = want
+            .iter()
+            .map(|(n, s)| (n.as_str(), s.as_slice()))
+            .collect();
+        unshard::arch::check(&exp, &pairs).unwrap_or_else(|e| panic!("{family}: {e}"));
+    }
+}
+
+#[test]
+fn moe_fixtures_mix_dense_and_sparse_layers() {
+    // The fixtures must exercise per-layer variation, or the test above proves little.
+    for family in ["qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3"] {
+        let (_, want) = fixture(family);
+        let dense = want
+            .keys()
+            .filter(|n| n.ends_with("mlp.gate_proj.weight"))
+            .count();
+        let sparse = want
+            .keys()
+            .filter(|n| n.ends_with("mlp.gate.weight"))
+            .count();
+        assert!(
+            dense > 0 && sparse > 0,
+            "{family}: {dense} dense, {sparse} sparse layers"
+        );
+    }
+}
+
+#[test]
+fn a_config_without_defaults_the_table_knows_still_evaluates() {
+    // An old Llama config.json has no head_dim: transformers derives hidden/heads.
+    let (mut config, want) = fixture("llama");
+    config.remove("head_dim");
+    let hidden = config["hidden_size"].as_u64().unwrap();
+    let exp = unshard::arch::expected(&config).unwrap();
+    let q = exp
+        .tensors
+        .iter()
+        .find(|t| t.name == "model.layers.0.self_attn.q_proj.weight")
+        .unwrap();
+    assert_eq!(q.shape, vec![hidden, hidden]);
+    assert_ne!(
+        Some(&q.shape),
+        want.get(&q.name),
+        "the fixture's head_dim differs from hidden/heads"
+    );
+}
+
+#[test]
+fn an_unknown_architecture_is_said_so() {
+    let mut config = Map::new();
+    config.insert(
+        "architectures".into(),
+        serde_json::json!(["LlamaForSequenceClassification"]),
+    );
+    config.insert("model_type".into(), "llama".into());
+    let e = unshard::arch::expected(&config).unwrap_err();
+    assert!(
+        e.to_string().contains("LlamaForSequenceClassification"),
+        "{e}"
+    );
+}
