@@ -1,13 +1,16 @@
 //! `unshard diff`: compare two checkpoints or model directories tensor by tensor.
 
-use std::io::{IsTerminal, Write};
+use std::io::Write;
 use std::path::PathBuf;
 
 use unshard::diff::{self, DiffReport, TensorDiff};
 use unshard::report::list_some;
 use unshard::source::{self, Checkpoint, OpenOptions};
 
-use crate::output;
+use crate::args::JsonArg;
+use crate::exit::Status;
+use crate::progress::Bar;
+use crate::text::{self, escape};
 
 /// Arguments of the command (its help is on `Command` in main.rs).
 #[derive(clap::Args, Debug)]
@@ -22,31 +25,34 @@ pub struct DiffArgs {
     #[arg(long)]
     all: bool,
 
-    /// No progress bar.
+    /// No progress output.
     #[arg(long, short)]
     quiet: bool,
 
-    /// Print the result as one JSON object on stdout (schema in README.md): every
-    /// common tensor, identical or not. The exit code is the same.
-    #[arg(long)]
-    json: bool,
+    // The JSON lists every common tensor, identical or not (README.md).
+    #[command(flatten)]
+    json: JsonArg,
 }
 
-/// Returns whether the two inputs are identical.
-pub fn run(args: DiffArgs) -> anyhow::Result<bool> {
+/// Succeeds when the two inputs are identical, fails when they differ.
+pub fn run(args: DiffArgs) -> anyhow::Result<Status> {
     let a = source::open(&args.a, &OpenOptions::default())?;
     let b = source::open(&args.b, &OpenOptions::default())?;
-    let progress = output::Bar::new(!args.quiet && std::io::stderr().is_terminal());
+    let progress = Bar::new(args.quiet, "compared");
     let report = diff::diff(&a, &b, &progress)?;
     let mut out = std::io::stdout().lock();
-    if args.json {
+    if args.json.json {
         serde_json::to_writer_pretty(&mut out, &to_json(&a, &b, &report))?;
         writeln!(out)?;
     } else {
-        print_report(&mut out, &a, &b, &report, args.all)?;
+        text::write_escaped(&mut out, |w| print_report(w, &a, &b, &report, args.all))?;
     }
     out.flush()?;
-    Ok(report.identical())
+    Ok(if report.identical() {
+        Status::Success
+    } else {
+        Status::Failure
+    })
 }
 
 fn describe(c: &Checkpoint) -> String {
@@ -181,7 +187,7 @@ fn row(t: &TensorDiff) -> [String; 6] {
                 differing.push_str(&format!(" ({} NaN)", v.nan_mismatch));
             }
             [
-                t.name.clone(),
+                escape(&t.name).into_owned(),
                 dtypes,
                 shape,
                 differing,
@@ -190,7 +196,7 @@ fn row(t: &TensorDiff) -> [String; 6] {
             ]
         }
         None => [
-            t.name.clone(),
+            escape(&t.name).into_owned(),
             dtypes,
             shape,
             "shapes differ".into(),

@@ -2,21 +2,44 @@
 
 use std::collections::BTreeMap;
 use std::io::Write;
-use std::path::Path;
+use std::path::PathBuf;
 
 use unshard::report::human_bytes;
 use unshard::source::{self, Checkpoint, OpenOptions};
 use unshard::stats::TensorStats;
 
-pub fn run(path: &Path, key: Option<String>, json: bool, stats: bool) -> anyhow::Result<()> {
-    let ckpt = source::open(path, &OpenOptions { key })?;
-    let stats = if stats {
+use crate::args::{JsonArg, KeyArg};
+use crate::exit::Status;
+use crate::text::{self, escape};
+
+/// Arguments of the command (its help is on `Command` in main.rs).
+#[derive(clap::Args, Debug)]
+pub struct InspectArgs {
+    /// What to inspect: a torch.save file (.pt, .bin), a .safetensors file, a
+    /// model directory, a torch.distributed.checkpoint (DCP) directory (.metadata and
+    /// .distcp files), or a directory of per-rank files (one torch.save per rank).
+    path: PathBuf,
+
+    #[command(flatten)]
+    json: JsonArg,
+
+    #[command(flatten)]
+    key: KeyArg,
+
+    /// Also show mean, std, min and max of every tensor (reads all the values).
+    #[arg(long)]
+    stats: bool,
+}
+
+pub fn run(args: InspectArgs) -> anyhow::Result<Status> {
+    let ckpt = source::open(&args.path, &OpenOptions { key: args.key.key })?;
+    let stats = if args.stats {
         Some(unshard::stats::checkpoint_stats(&ckpt)?)
     } else {
         None
     };
     let mut out = std::io::stdout().lock();
-    if json {
+    if args.json.json {
         let mut v = to_json(&ckpt);
         if let (Some(stats), Some(tensors)) = (&stats, v["tensors"].as_array_mut()) {
             for (t, s) in tensors.iter_mut().zip(stats) {
@@ -26,12 +49,15 @@ pub fn run(path: &Path, key: Option<String>, json: bool, stats: bool) -> anyhow:
         serde_json::to_writer_pretty(&mut out, &v)?;
         writeln!(out)?;
     } else {
-        print_table(&mut out, &ckpt)?;
-        if let Some(stats) = &stats {
-            print_stats(&mut out, &ckpt, stats)?;
-        }
+        text::write_escaped(&mut out, |w| {
+            print_table(w, &ckpt)?;
+            if let Some(stats) = &stats {
+                print_stats(w, &ckpt, stats)?;
+            }
+            Ok(())
+        })?;
     }
-    Ok(())
+    Ok(Status::Success)
 }
 
 /// `--stats` in JSON: non-finite statistics (no finite values) become `null`.
@@ -59,7 +85,11 @@ fn print_stats(w: &mut dyn Write, ckpt: &Checkpoint, stats: &[TensorStats]) -> s
         write!(
             w,
             "  {:name_w$}  {:>12.5e}  {:>12.5e}  {:>12.5e}  {:>12.5e}",
-            t.name, s.mean, s.std, s.min, s.max
+            escape(&t.name),
+            s.mean,
+            s.std,
+            s.min,
+            s.max
         )?;
         if s.nan + s.inf > 0 {
             write!(w, "  {} NaN, {} inf", s.nan, s.inf)?;
@@ -131,7 +161,7 @@ fn print_table(w: &mut dyn Write, ckpt: &Checkpoint) -> std::io::Result<()> {
         write!(
             w,
             "  {:name_w$}  {:8}  {:shape_w$}  {:>10}",
-            t.name,
+            escape(&t.name),
             t.dtype.safetensors_name(),
             shape,
             human_bytes(t.nbytes())
@@ -158,12 +188,12 @@ fn print_table(w: &mut dyn Write, ckpt: &Checkpoint) -> std::io::Result<()> {
         let ew = ckpt
             .extras
             .iter()
-            .map(|e| e.name.len())
+            .map(|e| escape(&e.name).chars().count())
             .max()
             .unwrap_or(0)
             .min(48);
         for e in &ckpt.extras {
-            writeln!(w, "  {:ew$}  {}", e.name, e.kind)?;
+            writeln!(w, "  {:ew$}  {}", escape(&e.name), e.kind)?;
         }
     }
     for n in &ckpt.notes {
@@ -176,7 +206,7 @@ fn print_table(w: &mut dyn Write, ckpt: &Checkpoint) -> std::io::Result<()> {
 fn name_width(ckpt: &Checkpoint) -> usize {
     ckpt.tensors
         .iter()
-        .map(|t| t.name.len())
+        .map(|t| escape(&t.name).chars().count())
         .max()
         .unwrap_or(4)
         .clamp(4, 72)

@@ -1,0 +1,197 @@
+//! `unshard merge`: write a Hugging Face model directory from a checkpoint, then
+//! print what was done (the summary) unless asked to be quiet.
+
+use std::io::Write;
+use std::path::PathBuf;
+
+use unshard::merge::{self, MergeOptions, MergeOutcome};
+use unshard::plan::Origin;
+use unshard::report::{human_bytes, list_some};
+use unshard::source::OpenOptions;
+use unshard::Error;
+
+use crate::args::PlanArgs;
+use crate::exit::{Status, UsageError};
+use crate::progress::Bar;
+use crate::signals;
+use crate::text;
+
+/// Arguments of the command (its help is on `Command` in main.rs).
+#[derive(clap::Args, Debug)]
+pub struct MergeArgs {
+    /// The checkpoint: a torch.save file (policy.pt, pytorch_model.bin, ...), a
+    /// torch.distributed.checkpoint directory, or a directory of per-rank files.
+    checkpoint: PathBuf,
+
+    /// Where to write the model directory (created; must be empty or absent).
+    /// The same as --output.
+    #[arg(value_name = "OUT", required_unless_present = "output")]
+    out: Option<PathBuf>,
+
+    /// Where to write the model directory, when not given after the checkpoint.
+    #[arg(long, short, value_name = "DIR")]
+    output: Option<PathBuf>,
+
+    #[command(flatten)]
+    plan: PlanArgs,
+
+    /// Write inf where a cast to float16 overflows (instead of failing).
+    #[arg(long)]
+    allow_overflow: bool,
+
+    /// Replace a non-empty output directory.
+    #[arg(long)]
+    force: bool,
+
+    /// Read the written output back and check it against the checkpoint (as
+    /// `unshard verify` does) before moving it into place.
+    #[arg(long)]
+    verify: bool,
+
+    /// Fail, writing nothing, if any tensor holds NaN or inf (instead of warning).
+    #[arg(long)]
+    fail_on_nonfinite: bool,
+
+    /// No progress output and no summary: errors and warnings only.
+    #[arg(long, short)]
+    quiet: bool,
+}
+
+pub fn run(args: MergeArgs) -> anyhow::Result<Status> {
+    let output = match (args.out, args.output) {
+        (Some(a), Some(b)) if a != b => {
+            return Err(UsageError {
+                msg: format!(
+                    "two outputs given: '{}' after the checkpoint and --output '{}'",
+                    a.display(),
+                    b.display()
+                ),
+                hint: "give the output directory once: `unshard merge CHECKPOINT OUT`".into(),
+            }
+            .into())
+        }
+        (Some(o), _) | (None, Some(o)) => o,
+        // clap requires one of the two; this is the message it would give.
+        (None, None) => return Err(Error::Usage("no output directory given".into()).into()),
+    };
+    let opts = MergeOptions {
+        checkpoint: args.checkpoint,
+        base: args.plan.base.clone(),
+        output,
+        open: OpenOptions {
+            key: args.plan.key.key.clone(),
+        },
+        plan: args.plan.plan_options()?,
+        force: args.force,
+        allow_overflow: args.allow_overflow,
+        verify: args.verify,
+        fail_on_nonfinite: args.fail_on_nonfinite,
+    };
+    signals::protect_output(&opts.output);
+    let progress = Bar::new(args.quiet, "written");
+    let outcome = merge::merge(&opts, &progress)?;
+    let mut err = std::io::stderr().lock();
+    // --quiet silences what was done, never what may be wrong with the result.
+    text::write_escaped(&mut err, |w| match args.quiet {
+        true => print_warnings(w, &outcome),
+        false => print_summary(w, &opts, &outcome),
+    })?;
+    err.flush()?;
+    Ok(Status::Success)
+}
+
+/// The report after a successful merge.
+fn print_summary(w: &mut dyn Write, opts: &MergeOptions, o: &MergeOutcome) -> std::io::Result<()> {
+    let plan = &o.plan;
+    let r = &plan.report;
+    let from_ckpt = plan
+        .tensors
+        .iter()
+        .filter(|t| t.origin == Origin::Checkpoint)
+        .count();
+    let at = o
+        .checkpoint_key
+        .as_deref()
+        .map(|k| format!(", tensors under '{k}'"))
+        .unwrap_or_default();
+    writeln!(
+        w,
+        "read {} ({}{at})",
+        opts.checkpoint.display(),
+        o.checkpoint_format
+    )?;
+    for n in &o.checkpoint_notes {
+        writeln!(w, "note: {n}")?;
+    }
+    if let Some(c) = &o.config_from {
+        writeln!(w, "note: config and tokenizer taken from {}", c.display())?;
+    }
+    writeln!(
+        w,
+        "tensors: {} written, {from_ckpt} from the checkpoint, {} from the base",
+        plan.tensors.len(),
+        r.from_base.len()
+    )?;
+    if let Some((a, b)) = r.renamed.first() {
+        let more = if r.renamed.len() > 1 { ", ..." } else { "" };
+        writeln!(w, "renamed: {} ({a} -> {b}{more})", r.renamed.len())?;
+    }
+    for (name, why) in &r.dropped {
+        writeln!(w, "dropped: {name} ({why})")?;
+    }
+    if !r.from_base.is_empty() {
+        writeln!(w, "from base: {}", list_some(&r.from_base, 6))?;
+    }
+    for (from, to, n) in &r.casts {
+        writeln!(w, "cast: {n} tensor(s) {from} -> {to}")?;
+    }
+    for n in &r.notes {
+        writeln!(w, "note: {n}")?;
+    }
+    print_warnings(w, o)?;
+    if let Some(v) = &o.verified {
+        writeln!(w, "verified: {}", v.summary())?;
+    }
+    for c in &o.write.cleaned {
+        writeln!(
+            w,
+            "note: removed {} left by an interrupted run",
+            c.display()
+        )?;
+    }
+    let secs = o.elapsed.as_secs_f64();
+    writeln!(
+        w,
+        "wrote {} in {} shard(s) to {} in {secs:.2} s ({}/s)",
+        human_bytes(plan.total_size),
+        plan.shards.len(),
+        opts.output.display(),
+        human_bytes((plan.total_size as f64 / secs.max(1e-9)) as u64)
+    )
+}
+
+/// The warnings about the written model (non-finite values, overflows, what the
+/// plan found suspicious): printed even under --quiet.
+fn print_warnings(w: &mut dyn Write, o: &MergeOutcome) -> std::io::Result<()> {
+    let plan = &o.plan;
+    for (t, s) in plan.tensors.iter().zip(&o.write.stats) {
+        if s.nan > 0 || s.inf > 0 {
+            writeln!(
+                w,
+                "warning: tensor '{}' holds {} NaN and {} inf value(s) in the checkpoint",
+                t.name, s.nan, s.inf
+            )?;
+        }
+        if s.overflow > 0 {
+            writeln!(
+                w,
+                "warning: tensor '{}': {} value(s) overflowed to inf in {}",
+                t.name, s.overflow, t.dtype
+            )?;
+        }
+    }
+    for x in &plan.report.warnings {
+        writeln!(w, "warning: {x}")?;
+    }
+    Ok(())
+}
