@@ -9,6 +9,7 @@
 use std::collections::{BTreeSet, HashMap};
 
 use super::eval::{Expected, ExpectedTensor};
+use super::table::Entry;
 use crate::report::list_some;
 use crate::Error;
 
@@ -198,45 +199,73 @@ fn layer_prefix(layout: &[ExpectedTensor]) -> Option<String> {
     })
 }
 
-/// Says which config flag would add or remove the names that do not fit, e.g.
-/// biases a checkpoint has and a config with `attention_bias = false` lacks.
+/// Says which config flag decides that the names that do not fit exist, e.g.
+/// biases a checkpoint has and a config with `attention_bias = false` lacks. A
+/// name the checkpoint has beyond the layout points at the conditions that keep
+/// it out; a name it lacks, at the flags (`==` conditions) it exists under.
+/// Conditions that only pick between two shapes of a name say nothing here.
 fn flag_notes(exp: &Expected, unexpected: &[String], missing: &[String]) -> String {
     let fields = exp.fields();
-    let mut notes: Vec<String> = Vec::new();
-    let all = exp
+    let entries: Vec<&Entry> = exp
         .family
         .tensors
         .iter()
-        .chain(exp.family.state_dict_tensors.iter().flatten());
-    for e in all {
-        if e.when.is_empty() {
+        .chain(exp.family.state_dict_tensors.iter().flatten())
+        .collect();
+    let holds = |c: &[serde_json::Value]| fields.holds(c);
+    let mut flags: Vec<String> = Vec::new();
+    let mut note = |field: &str| {
+        if !flags.iter().any(|f| f == field) {
+            flags.push(field.to_string());
+        }
+    };
+    for n in unexpected {
+        let matching: Vec<&&Entry> = entries
+            .iter()
+            .filter(|e| template_matches(&e.name, n))
+            .collect();
+        if matching.is_empty() || matching.iter().any(|e| e.when.iter().all(|c| holds(c))) {
             continue;
         }
-        let matches = |n: &String| template_matches(&e.name, n);
-        let hits_unexpected = unexpected.iter().any(matches);
-        let hits_missing = missing.iter().any(matches);
-        if !(hits_unexpected || hits_missing) {
-            continue;
-        }
-        for c in &e.when {
-            let Some(field) = c.first().and_then(|v| v.as_str()) else {
-                continue;
-            };
-            let note = format!("{field} = {}", fields.flag(field));
-            let note = format!("the config has {note}");
-            if !notes.contains(&note) {
-                notes.push(note);
+        for e in matching {
+            for c in e.when.iter().filter(|c| !holds(c)) {
+                if let Some(f) = c.first().and_then(|v| v.as_str()) {
+                    note(f);
+                }
             }
         }
     }
-    if notes.is_empty() {
-        String::new()
-    } else {
-        format!(
-            " ({}, which decides whether such tensors exist)",
-            notes.join(", ")
-        )
+    for n in missing {
+        let matching: Vec<&&Entry> = entries
+            .iter()
+            .filter(|e| template_matches(&e.name, n))
+            .collect();
+        let flag_of = |e: &Entry| -> Option<String> {
+            e.when
+                .iter()
+                .find(|c| c.get(1).and_then(|v| v.as_str()) == Some("=="))
+                .and_then(|c| c.first()?.as_str().map(String::from))
+        };
+        if let Some(f) = matching.first().and_then(|e| flag_of(e)) {
+            if matching
+                .iter()
+                .all(|e| flag_of(e).as_deref() == Some(f.as_str()))
+            {
+                note(&f);
+            }
+        }
     }
+    if flags.is_empty() {
+        return String::new();
+    }
+    let said: Vec<String> = flags
+        .iter()
+        .map(|f| format!("{f} = {}", fields.flag(f)))
+        .collect();
+    format!(
+        " (the config has {}, which decides whether such tensors exist)",
+        said.join(", ")
+    )
 }
 
 /// Whether `name` is an instance of `template` (`{layer}`/`{expert}` = digits).

@@ -128,7 +128,9 @@ impl Fields<'_> {
             .unwrap_or(Value::Null)
     }
 
-    fn holds(&self, cond: &[Value]) -> bool {
+    /// Whether a table condition (`[field, "==", v]`, `[field, "null"]`,
+    /// `[field, "set"]`) holds for this config.
+    pub fn holds(&self, cond: &[Value]) -> bool {
         let Some(field) = cond.first().and_then(Value::as_str) else {
             return false;
         };
