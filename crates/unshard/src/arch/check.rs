@@ -34,9 +34,12 @@ pub fn placeholders<'a>(
         if let Some((w, by)) = want(name) {
             if w.iter().product::<u64>() > 0 {
                 if first.is_none() {
-                    first = Some(format!(
-                        "'{name}' has shape {shape:?} where the {by} expects {w:?}"
-                    ));
+                    // An empty `w` is "no shape known, but not empty either".
+                    first = Some(if w.is_empty() {
+                        format!("'{name}' has shape {shape:?}, a {by} with no elements")
+                    } else {
+                        format!("'{name}' has shape {shape:?} where the {by} expects {w:?}")
+                    });
                 }
                 empty.push(name.to_string());
             }

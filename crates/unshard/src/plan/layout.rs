@@ -69,7 +69,7 @@ pub(crate) fn check_placeholders(
             return Some((s.to_vec(), "config"));
         }
         (base.is_none() && config.is_none() && n.ends_with(".weight"))
-            .then(|| (vec![1], "model (an empty weight)"))
+            .then(|| (Vec::new(), "weight"))
     };
     let tensors = names
         .iter()
