@@ -114,6 +114,15 @@ pub enum Error {
     #[error("interrupted")]
     Interrupted,
 
+    /// The path is a part of a checkpoint, or the folder around one, not the
+    /// checkpoint itself; the hint names what to pass.
+    #[error("{}: {found}", path.display())]
+    WrongInput {
+        path: PathBuf,
+        found: String,
+        hint: String,
+    },
+
     /// A check on the output failed (`--verify`, `--fail-on-nonfinite`).
     #[error("{msg}")]
     Check { msg: String, hint: Option<String> },
@@ -167,6 +176,7 @@ impl Error {
             | Error::Plan { hint, .. }
             | Error::Check { hint, .. }
             | Error::Output { hint, .. } => hint.clone(),
+            Error::WrongInput { hint, .. } => Some(hint.clone()),
             Error::KeyNotFound { available, .. } if !available.is_empty() => Some(format!(
                 "keys at that level: {}",
                 crate::report::list_some(available, 12)

@@ -16,6 +16,7 @@ use crate::{DType, Error, Result};
 pub mod dcp;
 pub mod detect;
 pub mod hf_dir;
+pub mod hints;
 pub mod legacy;
 pub mod safetensors;
 pub mod sharded;
