@@ -156,4 +156,29 @@ mod tests {
         assert_eq!(parse_model_id("a/b/c"), None);
         assert_eq!(parse_model_id("org/name@"), None);
     }
+
+    #[test]
+    #[allow(clippy::unwrap_used)]
+    fn refs_commits_and_missing_snapshots() {
+        let cache = tempfile::tempdir().unwrap();
+        let repo = cache.path().join("models--org--m");
+        let commit = "0123456789abcdef0123456789abcdef01234567";
+        std::fs::create_dir_all(repo.join("snapshots").join(commit)).unwrap();
+        std::fs::create_dir_all(repo.join("refs").join("pr")).unwrap();
+        std::fs::write(repo.join("refs/main"), format!("{commit}\n")).unwrap();
+        std::fs::write(repo.join("refs/pr/1"), "f".repeat(40)).unwrap();
+        let snap = repo.join("snapshots").join(commit);
+        assert_eq!(resolve_in(cache.path(), "org/m", None).unwrap(), snap);
+        assert_eq!(
+            resolve_in(cache.path(), "org/m", Some(commit)).unwrap(),
+            snap
+        );
+        let e = resolve_in(cache.path(), "org/m", Some("pr/1")).unwrap_err();
+        assert!(
+            e.to_string().contains("whose snapshot is not in the cache"),
+            "{e}"
+        );
+        let e = resolve_in(cache.path(), "org/other", None).unwrap_err();
+        assert!(e.hint().unwrap().contains("hf download org/other"), "{e}");
+    }
 }
