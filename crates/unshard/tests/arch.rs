@@ -1,18 +1,24 @@
 //! The layout table against transformers: for each family, fixtures/arch/<family>/
 //! holds a tiny config.json and the names and shapes `save_pretrained` wrote for
 //! it (fixtures/gen_arch_table.py); evaluating the table on the config must give
-//! exactly that list.
+//! exactly that list. `<family>/<flag>=<value>/` holds the same with one layout
+//! flag flipped (biases, a tied head, a null head_dim or q_lora_rank).
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::collections::BTreeMap;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use serde_json::{Map, Value};
 
+fn arch_dir() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/arch")
+}
+
 fn fixture(family: &str) -> (Map<String, Value>, BTreeMap<String, Vec<u64>>) {
-    let dir = Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../../fixtures/arch")
-        .join(family);
+    fixture_at(&arch_dir().join(family))
+}
+
+fn fixture_at(dir: &Path) -> (Map<String, Value>, BTreeMap<String, Vec<u64>>) {
     let config: Map<String, Value> =
         serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap()).unwrap();
     let expected: Value =
@@ -53,10 +59,29 @@ const FAMILIES: &[&str] = &[
     "mixtral",
 ];
 
+/// The family's fixture and its flag variants (`attention_bias=true/`, ...).
+fn cases(family: &str) -> Vec<(String, PathBuf)> {
+    let dir = arch_dir().join(family);
+    let mut v = vec![(family.to_string(), dir.clone())];
+    let mut subs: Vec<PathBuf> = std::fs::read_dir(&dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.is_dir())
+        .collect();
+    subs.sort();
+    for s in subs {
+        let name = format!("{family}/{}", s.file_name().unwrap().to_string_lossy());
+        v.push((name, s));
+    }
+    v
+}
+
 #[test]
 fn every_family_reproduces_what_transformers_saves() {
-    for family in FAMILIES {
-        let (config, want) = fixture(family);
+    let mut count = 0;
+    for (family, dir) in FAMILIES.iter().flat_map(|f| cases(f)) {
+        count += 1;
+        let (config, want) = fixture_at(&dir);
         let exp = unshard::arch::expected(&config).unwrap_or_else(|e| panic!("{family}: {e}"));
         let got: BTreeMap<String, Vec<u64>> = exp
             .tensors
@@ -80,6 +105,8 @@ fn every_family_reproduces_what_transformers_saves() {
             .collect();
         unshard::arch::check(&exp, &pairs).unwrap_or_else(|e| panic!("{family}: {e}"));
     }
+    // The flag variants are there (biases, tied heads, a null head_dim, ...).
+    assert!(count > 2 * FAMILIES.len(), "{count} cases");
 }
 
 #[test]

@@ -120,9 +120,19 @@ impl Fields<'_> {
         Formula::parse(d)?.eval(&mut |g| self.int_at(g, depth + 1))
     }
 
-    /// A flag's value: config.json, else the class default, else null.
+    /// A flag's value: config.json (an explicit null included: DeepSeek-V2-Lite's
+    /// `"q_lora_rank": null` is not the class default), else the class default,
+    /// else null.
     pub fn flag(&self, f: &str) -> Value {
-        self.raw(f)
+        let explicit = self.config.get(f).or_else(|| {
+            self.family
+                .aliases
+                .iter()
+                .filter(|(_, target)| target.as_str() == f)
+                .find_map(|(alias, _)| self.config.get(alias))
+        });
+        explicit
+            .or_else(|| self.raw(f))
             .cloned()
             .or_else(|| self.family.flag_defaults.get(f).cloned())
             .unwrap_or(Value::Null)
