@@ -163,3 +163,18 @@ fn an_unknown_architecture_is_said_so() {
         "{e}"
     );
 }
+
+#[test]
+fn absurd_config_numbers_are_not_expanded() {
+    // A config is input too: 10^12 experts must not allocate 10^12 names.
+    let (mut config, _) = fixture("mixtral");
+    config.insert(
+        "num_local_experts".into(),
+        serde_json::json!(1_000_000_000_000u64),
+    );
+    assert!(unshard::arch::expected(&config).is_err());
+    let (mut config, _) = fixture("llama");
+    config.insert("num_hidden_layers".into(), serde_json::json!(u64::MAX));
+    let e = unshard::arch::expected(&config).unwrap_err().to_string();
+    assert!(e.contains("'num_hidden_layers' asks for more tensors"), "{e}");
+}

@@ -36,6 +36,8 @@ pub enum Unknown {
     Architecture(String),
     /// A field the layout needs is neither in config.json nor defaulted.
     Field { class: String, field: String },
+    /// A field's value asks for more tensors than any model has.
+    Implausible { class: String, field: String },
 }
 
 impl std::fmt::Display for Unknown {
@@ -44,6 +46,10 @@ impl std::fmt::Display for Unknown {
             Unknown::Architecture(a) => write!(
                 f,
                 "the architecture {a} is not one unshard knows the layout of"
+            ),
+            Unknown::Implausible { class, field } => write!(
+                f,
+                "config.json's '{field}' asks for more tensors than any {class} has"
             ),
             Unknown::Field { class, field } => write!(
                 f,
@@ -218,7 +224,15 @@ impl Fields<'_> {
         format!("{formula} = {value} ({})", parts.join(", "))
     }
 
-    fn expand(&self, entries: &[Entry], layers: u64) -> Result<Vec<ExpectedTensor>, String> {
+    fn expand(&self, entries: &[Entry], layers: u64) -> Result<Vec<ExpectedTensor>, Unknown> {
+        let missing = |field: String| Unknown::Field {
+            class: self.family.class.clone(),
+            field,
+        };
+        let implausible = |field: String| Unknown::Implausible {
+            class: self.family.class.clone(),
+            field,
+        };
         let mut out = Vec::new();
         for e in entries {
             if !e.when.iter().all(|c| self.holds(c)) {
@@ -228,7 +242,11 @@ impl Fields<'_> {
                 .shape
                 .iter()
                 .map(|d| self.eval(d))
-                .collect::<Result<Vec<u64>, String>>()?;
+                .collect::<Result<Vec<u64>, String>>()
+                .map_err(missing)?;
+            if layers > MAX_TENSORS {
+                return Err(implausible(self.family.layers.clone()));
+            }
             let layer_ids: Vec<Option<u64>> = if e.name.contains("{layer}") {
                 (0..layers)
                     .filter(|&i| match e.layers.as_deref() {
@@ -242,9 +260,19 @@ impl Fields<'_> {
                 vec![None]
             };
             let experts = match &e.experts {
-                Some(x) => Some(self.eval(x)?),
+                Some(x) => Some(self.eval(x).map_err(missing)?),
                 None => None,
             };
+            // A config's numbers are input too: no model has more than a few
+            // hundred thousand tensors, so a config asking for more is not expanded.
+            let count = (layer_ids.len() as u64).saturating_mul(experts.unwrap_or(1));
+            if count.saturating_add(out.len() as u64) > MAX_TENSORS {
+                return Err(implausible(
+                    e.experts
+                        .clone()
+                        .unwrap_or_else(|| self.family.layers.clone()),
+                ));
+            }
             for l in layer_ids {
                 let name = match l {
                     Some(l) => e.name.replace("{layer}", &l.to_string()),
@@ -272,6 +300,9 @@ impl Fields<'_> {
     }
 }
 
+/// More tensors than any model has: a config asking for more is not believed.
+const MAX_TENSORS: u64 = 2_000_000;
+
 /// The tensors `config` calls for, or why that cannot be known.
 pub fn expected(config: &Map<String, Value>) -> Result<Expected, Unknown> {
     let family = family_for(config)?;
@@ -281,13 +312,9 @@ pub fn expected(config: &Map<String, Value>) -> Result<Expected, Unknown> {
         field,
     };
     let layers = fields.eval(&family.layers).map_err(missing)?;
-    // A table of a million tensors is no config anyone trains: refuse to expand it.
-    if layers > 100_000 {
-        return Err(missing(family.layers.clone()));
-    }
-    let tensors = fields.expand(&family.tensors, layers).map_err(missing)?;
+    let tensors = fields.expand(&family.tensors, layers)?;
     let state_dict = match &family.state_dict_tensors {
-        Some(e) => Some(fields.expand(e, layers).map_err(missing)?),
+        Some(e) => Some(fields.expand(e, layers)?),
         None => None,
     };
     Ok(Expected {
