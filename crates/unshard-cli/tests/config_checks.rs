@@ -218,7 +218,10 @@ fn a_hub_id_resolves_in_the_local_cache_offline() {
         );
         let err = stderr(&o);
         assert_eq!(o.status.code(), Some(0), "{id}: {err}");
-        assert!(!err.contains("no tokenizer") && !err.contains("warning"), "{id}: {err}");
+        assert!(
+            !err.contains("no tokenizer") && !err.contains("warning"),
+            "{id}: {err}"
+        );
         // The base's files came through the cache's symlinks.
         assert_eq!(
             names(&out),

@@ -176,5 +176,8 @@ fn absurd_config_numbers_are_not_expanded() {
     let (mut config, _) = fixture("llama");
     config.insert("num_hidden_layers".into(), serde_json::json!(u64::MAX));
     let e = unshard::arch::expected(&config).unwrap_err().to_string();
-    assert!(e.contains("'num_hidden_layers' asks for more tensors"), "{e}");
+    assert!(
+        e.contains("'num_hidden_layers' asks for more tensors"),
+        "{e}"
+    );
 }
