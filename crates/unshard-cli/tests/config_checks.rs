@@ -361,3 +361,53 @@ fn a_trainer_checkpoint_uses_its_own_config_without_base() {
     assert_eq!(a["hidden_size"], b["hidden_size"]);
     assert_eq!(a["architectures"], b["architectures"]);
 }
+
+/// The checks stop wrong models, not right ones: every fixture checkpoint merges
+/// onto the config-only base of its own family, tied heads and wrapper prefixes
+/// included, and writes exactly the tensor names transformers writes.
+#[test]
+fn right_checkpoints_pass_the_check_onto_a_config_only_base() {
+    for (ckpt, base) in [
+        ("ckpt/llama_policy.pt", "models/llama-config-only"),
+        ("ckpt/llama_fsdp_prefixed.pt", "models/llama-config-only"),
+        ("sharded/llama_w3_dcp", "models/llama-config-only"),
+        ("sharded/accelerate_dcp", "models/llama-config-only"),
+        ("ckpt/qwen2_policy.pt", "arch_cases/qwen2-config-only"),
+        ("sharded/qwen2_w2_dcp", "arch_cases/qwen2-config-only"),
+    ] {
+        let tmp = tempfile::tempdir().unwrap();
+        let out = tmp.path().join("out");
+        let o = run(
+            &["merge", ckpt, "--base", base, "-o", out.to_str().unwrap()],
+            &[],
+        );
+        let err = stderr(&o);
+        assert_eq!(o.status.code(), Some(0), "{ckpt}: {err}");
+        assert!(!err.contains("nothing could be checked"), "{ckpt}: {err}");
+        let st = std::fs::read(out.join("model.safetensors")).unwrap();
+        let n = u64::from_le_bytes(st[..8].try_into().unwrap()) as usize;
+        let h: serde_json::Map<String, serde_json::Value> =
+            serde_json::from_slice(&st[8..8 + n]).unwrap();
+        let family = if base.contains("qwen2") {
+            "qwen2-fp16"
+        } else {
+            "llama-bf16"
+        };
+        let want = std::fs::read(
+            fixtures()
+                .join("models")
+                .join(family)
+                .join("model.safetensors"),
+        )
+        .unwrap();
+        let m = u64::from_le_bytes(want[..8].try_into().unwrap()) as usize;
+        let w: serde_json::Map<String, serde_json::Value> =
+            serde_json::from_slice(&want[8..8 + m]).unwrap();
+        let keys = |x: &serde_json::Map<String, serde_json::Value>| {
+            let mut k: Vec<&String> = x.keys().filter(|k| *k != "__metadata__").collect();
+            k.sort();
+            k.into_iter().cloned().collect::<Vec<String>>()
+        };
+        assert_eq!(keys(&h), keys(&w), "{ckpt}");
+    }
+}
