@@ -106,6 +106,7 @@ impl PlanArgs {
             strict: self.strict,
             renames,
             max_shard_size,
+            ..PlanOptions::default()
         })
     }
 }

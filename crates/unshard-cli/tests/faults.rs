@@ -7,6 +7,7 @@
 
 mod common;
 
+use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
@@ -94,22 +95,36 @@ fn interrupted_while_reading_exits_at_once(sig: i32) {
     let parent = tempfile::tempdir().unwrap();
     let out = parent.path().join("out");
     let ckpt = common::fixtures().join("ckpt/llama_policy.pt");
-    let child = Command::new(bin())
+    let mut child = Command::new(bin())
         .args(["merge", ckpt.to_str().unwrap(), out.to_str().unwrap()])
         // The reading stage takes 20 s; without an immediate exit the run would
         // finish (exit 0) after that.
         .env("UNSHARD_TEST_STAGE_DELAY_MS", "20000")
-        .stdout(Stdio::piped())
+        // A plain progress line says when the reading stage has begun.
+        .env("UNSHARD_PROGRESS_INTERVAL", "0.05")
+        .stdout(Stdio::null())
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
-    std::thread::sleep(Duration::from_millis(500));
+    let mut lines = BufReader::new(child.stderr.take().unwrap()).lines();
+    let mut err = String::new();
+    for line in lines.by_ref() {
+        let line = line.unwrap();
+        err.push_str(&line);
+        err.push('\n');
+        if line.starts_with("progress: reading ") {
+            break;
+        }
+    }
     let sent = Instant::now();
     signal(&child, sig);
-    let o = finish(child);
+    for line in lines {
+        err.push_str(&line.unwrap());
+        err.push('\n');
+    }
+    let status = child.wait().unwrap();
     let took = sent.elapsed();
-    let err = String::from_utf8_lossy(&o.stderr);
-    assert_eq!(o.status.code(), Some(128 + sig), "{err}");
+    assert_eq!(status.code(), Some(128 + sig), "{err}");
     assert!(took < Duration::from_secs(5), "took {took:?}");
     assert!(err.contains("error: interrupted"), "{err}");
     assert!(err.contains("hint: nothing was written"), "{err}");

@@ -6,41 +6,130 @@ use std::time::{Duration, Instant};
 pub use crate::options::MergeOptions;
 pub use crate::prepare::{prepare, Base};
 
-use crate::plan::Plan;
+use serde::Serialize;
+
+use crate::plan::{Origin, Plan};
 use crate::prepare::Prepared;
 use crate::source;
 use crate::verify::{self, VerifyReport};
-use crate::write::{self, Progress, WriteOptions, WriteSummary};
-use crate::Result;
+use crate::write::{self, Progress, Sink, StagingDir, WriteOptions, WriteSummary};
+use crate::DType;
+use crate::{Error, Result};
 
 /// What a merge did.
-#[derive(Debug)]
+#[derive(Clone, Debug, Serialize)]
+#[serde(into = "MergeJson")]
 pub struct MergeOutcome {
+    /// What was written and why (names, dtypes, shards, the planning report).
     pub plan: Plan,
+    /// What writing saw (per-tensor NaN/inf/overflow counts, files).
     pub write: WriteSummary,
+    /// The checkpoint's format.
     pub checkpoint_format: source::Format,
+    /// Where in the checkpoint the tensors were found.
     pub checkpoint_key: Option<String>,
+    /// What the reader noticed (skipped optimizer state...).
     pub checkpoint_notes: Vec<String>,
-    /// Where the config came from, if not from `--base`.
+    /// Where the config came from, if not from the `base` option.
     pub config_from: Option<PathBuf>,
-    /// What `--verify` found (always a pass: a failure is an error).
+    /// What the `verify` option found (always a pass: a failure is an error).
     pub verified: Option<VerifyReport>,
+    /// How long the merge took.
     pub elapsed: Duration,
 }
 
-/// Runs a whole merge.
+/// A [`MergeOutcome`] as JSON: what a user or a script needs, not the plan's
+/// byte layout.
+#[derive(Serialize)]
+struct MergeJson {
+    checkpoint_format: &'static str,
+    checkpoint_key: Option<String>,
+    notes: Vec<String>,
+    config_from: Option<String>,
+    tensors_written: usize,
+    from_checkpoint: usize,
+    from_base: Vec<String>,
+    renamed: Vec<(String, String)>,
+    dropped: Vec<(String, String)>,
+    casts: Vec<(DType, DType, usize)>,
+    warnings: Vec<String>,
+    nonfinite: Vec<NonFinite>,
+    files: Vec<String>,
+    bytes_written: u64,
+    verified: Option<VerifyReport>,
+    seconds: f64,
+}
+
+#[derive(Serialize)]
+struct NonFinite {
+    tensor: String,
+    nan: u64,
+    inf: u64,
+    overflow: u64,
+}
+
+impl From<MergeOutcome> for MergeJson {
+    fn from(o: MergeOutcome) -> Self {
+        let nonfinite = o
+            .plan
+            .tensors
+            .iter()
+            .zip(&o.write.stats)
+            .filter(|(_, s)| s.nan + s.inf + s.overflow > 0)
+            .map(|(t, s)| NonFinite {
+                tensor: t.name.clone(),
+                nan: s.nan,
+                inf: s.inf,
+                overflow: s.overflow,
+            })
+            .collect();
+        let r = o.plan.report;
+        MergeJson {
+            checkpoint_format: o.checkpoint_format.id(),
+            checkpoint_key: o.checkpoint_key,
+            notes: o.checkpoint_notes.into_iter().chain(r.notes).collect(),
+            config_from: o.config_from.map(|p| p.display().to_string()),
+            tensors_written: o.plan.tensors.len(),
+            from_checkpoint: o
+                .plan
+                .tensors
+                .iter()
+                .filter(|t| t.origin == Origin::Checkpoint)
+                .count(),
+            from_base: r.from_base,
+            renamed: r.renamed,
+            dropped: r.dropped,
+            casts: r.casts,
+            warnings: r.warnings,
+            nonfinite,
+            files: o.write.files,
+            bytes_written: o.write.bytes_written,
+            verified: o.verified,
+            seconds: o.elapsed.as_secs_f64(),
+        }
+    }
+}
+
+/// Runs a whole merge into the local directory `opts.output`: written into a
+/// staging directory beside it, renamed into place when complete.
 pub fn merge(opts: &MergeOptions, progress: &dyn Progress) -> Result<MergeOutcome> {
-    let started = Instant::now();
-    let mut protected = vec![opts.checkpoint.clone()];
-    protected.extend(opts.base.clone());
-    let wopts = WriteOptions {
-        force: opts.force,
-        allow_overflow: opts.allow_overflow,
-        extra_files: Vec::new(),
-        protected,
-    };
     // Output problems are cheap to find: report them before reading anything.
-    let cleaned = write::check_output(&opts.output, &wopts)?;
+    let cleaned = write::check_output(&opts.output, &write_options(opts))?;
+    let open_sink = || -> Result<Box<dyn Sink>> { Ok(Box::new(StagingDir::create(&opts.output)?)) };
+    let mut outcome = merge_into(opts, progress, &open_sink)?;
+    outcome.write.cleaned = cleaned;
+    Ok(outcome)
+}
+
+/// Runs a merge into the [`Sink`] that `open_sink` makes once the plan is ready
+/// (`opts.output` is then only used in messages). What the sink wrote is
+/// committed only when everything succeeded, verification included.
+pub fn merge_into(
+    opts: &MergeOptions,
+    progress: &dyn Progress,
+    open_sink: &dyn Fn() -> Result<Box<dyn Sink>>,
+) -> Result<MergeOutcome> {
+    let started = Instant::now();
     // A checkpoint of thousands of ranks takes seconds to open: say what is going on.
     progress.stage(&format!("reading {}", opts.checkpoint.display()));
     let Prepared {
@@ -53,23 +142,27 @@ pub fn merge(opts: &MergeOptions, progress: &dyn Progress) -> Result<MergeOutcom
             .as_ref()
             .map(|b| b.dir.extra_files.clone())
             .unwrap_or_default(),
-        ..wopts
+        ..write_options(opts)
     };
-    let staging = write::create_staging(&opts.output)?;
+    let sink = open_sink()?;
     let inputs = Prepared::inputs_of(&ckpt, base.as_ref());
-    if let Some(n) = verify::unchanged_from_base(&plan, inputs)? {
+    if let Some(n) = verify::unchanged_from_base(&plan, inputs, &opts.cancel)? {
         plan.report.warnings.push(format!(
             "all {n} checkpoint tensor(s) equal the base's after conversion: the output is the base model again (an adapter-only export, or a checkpoint saved before training changed anything?)"
         ));
     }
-    let mut summary = write::write_into(&plan, inputs, &staging.path, &wopts, progress)?;
-    summary.cleaned = cleaned;
+    let summary = write::write_into(&plan, inputs, sink.as_ref(), &wopts, progress)?;
     if opts.fail_on_nonfinite {
         verify::check_finite(&plan, &summary.stats)?;
     }
     let verified = if opts.verify {
-        verify::drop_cached(&staging.path, &plan);
-        let report = verify::verify_dir(&staging.path, &plan, inputs, &write::NoProgress)?;
+        let Some(dir) = sink.staged_dir() else {
+            return Err(Error::Usage(
+                "verifying a merge reads its output back, and this output has no local copy".into(),
+            ));
+        };
+        verify::drop_cached(dir, &plan);
+        let report = verify::verify_dir(dir, &plan, inputs, &write::NoProgress, &opts.cancel)?;
         if !report.is_ok() {
             return Err(report.to_error());
         }
@@ -77,7 +170,8 @@ pub fn merge(opts: &MergeOptions, progress: &dyn Progress) -> Result<MergeOutcom
     } else {
         None
     };
-    write::commit(staging, &opts.output)?;
+    opts.cancel.check()?;
+    sink.commit()?;
     let config_from = match (&opts.base, &base) {
         (None, Some(b)) => Some(b.dir.path.clone()),
         _ => None,
@@ -92,6 +186,20 @@ pub fn merge(opts: &MergeOptions, progress: &dyn Progress) -> Result<MergeOutcom
         verified,
         elapsed: started.elapsed(),
     })
+}
+
+/// What writing takes from the merge's options (the base's extra files are added
+/// once the base is open).
+fn write_options(opts: &MergeOptions) -> WriteOptions {
+    let mut protected = vec![opts.checkpoint.clone()];
+    protected.extend(opts.base.clone());
+    WriteOptions {
+        force: opts.force,
+        allow_overflow: opts.allow_overflow,
+        extra_files: Vec::new(),
+        protected,
+        cancel: opts.cancel.clone(),
+    }
 }
 
 /// Parses a shard size: `5GB` (decimal, as transformers), `500MiB` (binary), or bytes.

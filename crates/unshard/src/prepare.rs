@@ -8,16 +8,20 @@
 use std::path::Path;
 use std::sync::Arc;
 
-use crate::options::MergeOptions;
-use crate::plan::{self, BaseView, Origin, Plan};
+use crate::cancel::Cancel;
+use crate::options::{MergeOptions, VerifyOptions};
+use crate::plan::{self, BaseView, Origin, Plan, PlanOptions};
 use crate::source::hf_dir::HfDir;
-use crate::source::{self, Blob, Checkpoint};
+use crate::source::{self, Blob, Checkpoint, OpenOptions};
 use crate::{hub, Error, Result};
 
 /// The opened inputs and the plan, ready to write or to verify against.
 pub struct Prepared {
+    /// The checkpoint, opened.
     pub checkpoint: Checkpoint,
+    /// The base, opened.
     pub base: Option<Base>,
+    /// The plan.
     pub plan: Plan,
 }
 
@@ -32,30 +36,43 @@ impl Prepared {
         Inputs {
             checkpoint,
             base: base.and_then(|b| b.weights.as_ref()),
+            extra: &[],
         }
     }
 }
 
-/// The inputs a plan's tensors point into.
+/// The inputs a plan's tensors point into, by [`Origin`].
 #[derive(Clone, Copy)]
 pub struct Inputs<'a> {
+    /// The checkpoint.
     pub checkpoint: &'a Checkpoint,
+    /// The base's weights.
     pub base: Option<&'a Checkpoint>,
+    /// Further inputs (an adapter...): `Origin::Input(i)` is `extra[i]`.
+    pub extra: &'a [&'a Checkpoint],
 }
 
 impl<'a> Inputs<'a> {
-    /// The files of the input a tensor comes from.
-    pub fn files(&self, origin: Origin) -> &'a [Arc<Blob>] {
-        match (origin, self.base) {
-            (Origin::Checkpoint, _) => &self.checkpoint.files,
-            (Origin::Base, Some(b)) => &b.files,
-            (Origin::Base, None) => &[],
+    /// The input a tensor comes from, if it was opened.
+    pub fn get(&self, origin: Origin) -> Option<&'a Checkpoint> {
+        match origin {
+            Origin::Checkpoint => Some(self.checkpoint),
+            Origin::Base => self.base,
+            Origin::Input(i) => self.extra.get(i).copied(),
         }
+    }
+
+    /// The files of the input a tensor comes from (none if it was not opened:
+    /// reading a piece then names the missing file).
+    pub fn files(&self, origin: Origin) -> &'a [Arc<Blob>] {
+        self.get(origin).map_or(&[], |c| &c.files)
     }
 
     /// Every opened input.
     pub fn all(&self) -> impl Iterator<Item = &'a Checkpoint> {
-        std::iter::once(self.checkpoint).chain(self.base)
+        std::iter::once(self.checkpoint)
+            .chain(self.base)
+            .chain(self.extra.iter().copied())
     }
 }
 
@@ -74,20 +91,23 @@ const TRAINER_FILES: &[&str] = &[
 
 /// Reads the base directory (if any): config, weights and extra files.
 pub struct Base {
+    /// The directory: config, tokenizer and other files.
     pub dir: HfDir,
+    /// Its weights, when it has any.
     pub weights: Option<Checkpoint>,
+    /// `metadata.total_parameters` of its index.
     pub total_parameters: Option<u64>,
 }
 
 impl Base {
-    /// Opens `--base`: a model directory, or a Hub model id (`org/name[@rev]`)
+    /// Opens a base: a model directory, or a Hub model id (`org/name[@rev]`)
     /// found in the local Hugging Face cache ([`crate::hub`]).
     pub fn open(path: &Path) -> Result<Base> {
         let resolved = hub::resolve_base(path)?;
         let path = resolved.as_deref().unwrap_or(path);
         if !path.is_dir() {
             return Err(Error::plan(
-                format!("--base {} is not a directory", path.display()),
+                format!("the base {} is not a directory", path.display()),
                 Some("pass the Hugging Face model directory the training started from (config.json, tokenizer, weights), or its Hub id (org/name) if it is in the local Hugging Face cache".into()),
             ));
         }
@@ -105,7 +125,7 @@ impl Base {
     }
 
     /// The config (and tokenizer files) of a checkpoint directory that carries its
-    /// own, as a Trainer's `checkpoint-N/` does: used when no `--base` is given.
+    /// own, as a Trainer's `checkpoint-N/` does: used when no base is given.
     /// Its weights are the checkpoint itself, so none are opened as a base, and
     /// the trainer's own files are not carried into the output.
     pub fn own_config(checkpoint: &Path) -> Result<Option<Base>> {
@@ -139,6 +159,7 @@ impl Base {
         })
     }
 
+    /// The base as planning sees it.
     pub fn view(&self) -> BaseView<'_> {
         BaseView {
             config: self.dir.config.as_ref(),
@@ -148,9 +169,51 @@ impl Base {
     }
 }
 
+/// What to open and how to plan: the part of [`MergeOptions`] and
+/// [`VerifyOptions`] that describes the merge.
+pub struct Sources<'a> {
+    /// The checkpoint.
+    pub checkpoint: &'a Path,
+    /// The base model directory.
+    pub base: Option<&'a Path>,
+    /// How to find the tensors in the checkpoint.
+    pub open: &'a OpenOptions,
+    /// How to plan.
+    pub plan: &'a PlanOptions,
+    /// Checked once each input is parsed.
+    pub cancel: &'a Cancel,
+}
+
+impl<'a> From<&'a MergeOptions> for Sources<'a> {
+    fn from(o: &'a MergeOptions) -> Self {
+        Sources {
+            checkpoint: &o.checkpoint,
+            base: o.base.as_deref(),
+            open: &o.open,
+            plan: &o.plan,
+            cancel: &o.cancel,
+        }
+    }
+}
+
+impl<'a> From<&'a VerifyOptions> for Sources<'a> {
+    fn from(o: &'a VerifyOptions) -> Self {
+        Sources {
+            checkpoint: &o.checkpoint,
+            base: o.base.as_deref(),
+            open: &o.open,
+            plan: &o.plan,
+            cancel: &o.cancel,
+        }
+    }
+}
+
 /// Opens the checkpoint and the base and plans the merge, writing nothing.
-pub fn prepare(opts: &MergeOptions) -> Result<Prepared> {
-    let ckpt = source::open(&opts.checkpoint, &opts.open)?;
+pub fn prepare<'a>(opts: impl Into<Sources<'a>>) -> Result<Prepared> {
+    let opts: Sources<'a> = opts.into();
+    let ckpt = source::open(opts.checkpoint, opts.open)?;
+    // Parsing a checkpoint of thousands of ranks takes a while: stop here if asked.
+    opts.cancel.check()?;
     let local = ckpt.tensors.iter().find(|t| {
         t.layout
             .as_deref()
@@ -167,15 +230,16 @@ pub fn prepare(opts: &MergeOptions) -> Result<Prepared> {
             Some("pass the directory that holds every rank's file; unshard reassembles them".into()),
         ));
     }
-    let base = match &opts.base {
+    let base = match opts.base {
         Some(b) => Some(Base::open(b)?),
-        None => match source::config_dir_for(&opts.checkpoint) {
+        None => match source::config_dir_for(opts.checkpoint) {
             Some(d) => Some(Base::open(&d)?),
-            None => Base::own_config(&opts.checkpoint)?,
+            None => Base::own_config(opts.checkpoint)?,
         },
     };
+    opts.cancel.check()?;
     let view = base.as_ref().map(Base::view).unwrap_or_default();
-    let mut plan = plan::plan(&ckpt, view, &opts.plan)?;
+    let mut plan = plan::plan(&ckpt, view, &[], opts.plan)?;
     if let Some(b) = &base {
         if b.dir.config.is_some() && !b.has_tokenizer() {
             plan.report.warnings.push(format!(

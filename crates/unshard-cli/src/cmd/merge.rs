@@ -8,7 +8,6 @@ use unshard::merge::{self, MergeOptions, MergeOutcome};
 use unshard::plan::Origin;
 use unshard::report::{human_bytes, list_some};
 use unshard::source::OpenOptions;
-use unshard::Error;
 
 use crate::args::PlanArgs;
 use crate::exit::{Status, UsageError};
@@ -71,8 +70,14 @@ pub fn run(args: MergeArgs) -> anyhow::Result<Status> {
             .into())
         }
         (Some(o), _) | (None, Some(o)) => o,
-        // clap requires one of the two; this is the message it would give.
-        (None, None) => return Err(Error::Usage("no output directory given".into()).into()),
+        // clap already requires one of the two.
+        (None, None) => {
+            return Err(UsageError {
+                msg: "no output directory given".into(),
+                hint: "`unshard merge CHECKPOINT OUT`".into(),
+            }
+            .into())
+        }
     };
     let opts = MergeOptions {
         checkpoint: args.checkpoint,
@@ -86,6 +91,7 @@ pub fn run(args: MergeArgs) -> anyhow::Result<Status> {
         allow_overflow: args.allow_overflow,
         verify: args.verify,
         fail_on_nonfinite: args.fail_on_nonfinite,
+        cancel: signals::token(),
     };
     signals::protect_output(&opts.output);
     let progress = Bar::new(args.quiet, "written");

@@ -24,7 +24,7 @@ pub(crate) fn apply_dtype_policy(
             .collect()
     });
     for t in tensors {
-        if !t.source.dtype.is_float() {
+        if !t.source_dtype.is_float() {
             continue;
         }
         let target = match choice {
@@ -36,11 +36,11 @@ pub(crate) fn apply_dtype_policy(
                 .or(config_dtype.map(|(_, d)| d)),
         };
         if let Some(d) = target {
-            if !crate::dtype::can_convert(t.source.dtype, d) {
+            if !crate::dtype::can_convert(t.source_dtype, d) {
                 return Err(Error::plan(
                     format!(
                         "tensor '{}' cannot be cast from {} to {d}",
-                        t.name, t.source.dtype
+                        t.name, t.source_dtype
                     ),
                     None,
                 ));
@@ -55,13 +55,13 @@ pub(crate) fn apply_dtype_policy(
 pub(crate) fn count_casts(tensors: &[PlannedTensor]) -> Vec<(DType, DType, usize)> {
     let mut casts: Vec<(DType, DType, usize)> = Vec::new();
     for t in tensors {
-        if t.source.dtype != t.dtype {
+        if t.source_dtype != t.dtype {
             match casts
                 .iter_mut()
-                .find(|c| c.0 == t.source.dtype && c.1 == t.dtype)
+                .find(|c| c.0 == t.source_dtype && c.1 == t.dtype)
             {
                 Some(c) => c.2 += 1,
-                None => casts.push((t.source.dtype, t.dtype, 1)),
+                None => casts.push((t.source_dtype, t.dtype, 1)),
             }
         }
     }
@@ -88,7 +88,7 @@ pub(crate) fn output_config(
         report.warnings.push(if base_given {
             "the base has no config.json: the output has weights only and transformers cannot load it as is".into()
         } else {
-            "no config.json (no --base given): the output has weights only and transformers cannot load it as is".into()
+            "no config.json (no base given): the output has weights only and transformers cannot load it as is".into()
         });
     }
     config
@@ -137,15 +137,13 @@ fn set_dtype(c: &mut Map<String, Value>, d: DType, top: bool) {
 mod tests {
     use super::*;
     use crate::plan::testing::{checkpoint, tensor};
-    use crate::plan::Origin;
+    use crate::plan::{Candidate, Origin};
 
     fn planned(name: &str, dtype: DType) -> PlannedTensor {
-        PlannedTensor {
-            name: name.into(),
-            origin: Origin::Checkpoint,
-            source: tensor(name, dtype, &[2]),
-            dtype,
-        }
+        PlannedTensor::from_candidate(Candidate::copy(
+            Origin::Checkpoint,
+            &tensor(name, dtype, &[2]),
+        ))
     }
 
     #[test]
@@ -187,7 +185,7 @@ mod tests {
         assert!(!c.contains_key("dtype") && report.warnings.is_empty());
         assert!(output_config(None, Some(DType::BF16), false, &mut report).is_none());
         assert_eq!(report.warnings.len(), 1);
-        assert!(report.warnings[0].contains("no --base given"));
+        assert!(report.warnings[0].contains("no base given"));
         assert!(output_config(None, Some(DType::BF16), true, &mut report).is_none());
         assert!(
             !report.warnings[1].contains("no --base"),

@@ -12,9 +12,10 @@
 
 use std::collections::{HashMap, HashSet};
 
+use super::mapping::Candidate;
 use super::{BaseView, PlannedTensor, Report};
 use crate::arch::{self, Expected};
-use crate::source::{Checkpoint, TensorSource};
+use crate::source::TensorSource;
 use crate::{Error, Result};
 
 /// The config's expected layout when it is the only reference (no base weights);
@@ -48,7 +49,7 @@ pub(crate) fn expected_names(e: &Expected) -> HashSet<&str> {
 /// Without either, an empty `.weight` is taken as a placeholder all the same: no
 /// model has an empty weight matrix.
 pub(crate) fn check_placeholders(
-    ckpt: &Checkpoint,
+    cands: &[Candidate],
     names: &[String],
     keep: &[bool],
     base: Option<&HashMap<&str, &TensorSource>>,
@@ -73,7 +74,7 @@ pub(crate) fn check_placeholders(
     };
     let tensors = names
         .iter()
-        .zip(&ckpt.tensors)
+        .zip(cands)
         .zip(keep)
         .filter(|(_, k)| **k)
         .map(|((n, t), _)| (n.as_str(), t.shape.as_slice()));
@@ -90,7 +91,7 @@ pub(crate) fn check_against_config(
 ) -> Result<(), Error> {
     let pairs: Vec<(&str, &[u64])> = tensors
         .iter()
-        .map(|t| (t.name.as_str(), t.source.shape.as_slice()))
+        .map(|t| (t.name.as_str(), t.shape.as_slice()))
         .collect();
     arch::check(layout, &pairs)
 }
@@ -154,7 +155,7 @@ mod tests {
             weights: None,
             total_parameters: None,
         };
-        plan(&ckpt, base, &PlanOptions::default())
+        plan(&ckpt, base, &[], &PlanOptions::default())
     }
 
     #[test]
@@ -220,6 +221,7 @@ mod tests {
         let alone = plan(
             &checkpoint("c.pt", f32s(&named)),
             BaseView::default(),
+            &[],
             &PlanOptions::default(),
         );
         assert!(alone.unwrap_err().to_string().contains("no elements"));

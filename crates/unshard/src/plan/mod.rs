@@ -22,10 +22,11 @@
 //!    config calls for (and step 1 aligns a prefix with those names).
 //! 4. [`cast`]: the output dtype of each floating tensor (fixed, or the base's),
 //!    and the config with its dtype key updated.
-//! 5. [`shard`]: split into shard files as huggingface_hub does and lay out each
+//! 5. [`shard`](mod@shard): split into shard files as huggingface_hub does and lay out each
 //!    file's header; the index when there is more than one shard.
 
 use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
 
 use regex::Regex;
 use serde_json::{Map, Value};
@@ -34,11 +35,16 @@ use crate::source::{Checkpoint, TensorSource};
 use crate::{DType, Result};
 
 pub mod cast;
+pub mod content;
 pub mod keep;
 pub mod layout;
+pub mod mapping;
 pub mod names;
 pub mod overlay;
 pub mod shard;
+
+pub use content::{Content, Expr, Leaf};
+pub use mapping::{Candidate, MapInputs, Mapping};
 
 pub use cast::config_dtype_of;
 pub use keep::is_nonpersistent_buffer;
@@ -51,12 +57,14 @@ pub enum DtypeChoice {
     /// The base config's dtype, else the base weights', else the checkpoint's.
     #[default]
     Auto,
+    /// This dtype for every floating tensor.
     Fixed(DType),
 }
 
 /// Options that shape a plan.
 #[derive(Clone, Debug)]
 pub struct PlanOptions {
+    /// The dtype of the floating tensors written.
     pub dtype: DtypeChoice,
     /// Base-only tensors are an error instead of a note.
     pub strict: bool,
@@ -64,6 +72,8 @@ pub struct PlanOptions {
     pub renames: Vec<(Regex, String)>,
     /// Largest shard, in bytes.
     pub max_shard_size: u64,
+    /// Format or architecture mappings, applied in order after the renames.
+    pub mappings: Vec<Arc<dyn Mapping>>,
 }
 
 impl Default for PlanOptions {
@@ -73,6 +83,7 @@ impl Default for PlanOptions {
             strict: false,
             renames: Vec::new(),
             max_shard_size: 5_000_000_000,
+            mappings: Vec::new(),
         }
     }
 }
@@ -80,17 +91,24 @@ impl Default for PlanOptions {
 /// The base model as planning sees it.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct BaseView<'a> {
+    /// Its config.json.
     pub config: Option<&'a Map<String, Value>>,
+    /// Its weights, when it has any.
     pub weights: Option<&'a Checkpoint>,
     /// `metadata.total_parameters` of the base's index, if it has one.
     pub total_parameters: Option<u64>,
 }
 
-/// Which input a planned tensor comes from.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+/// Which input a tensor comes from. The set is open: an operation that reads more
+/// than a checkpoint and a base (an adapter...) passes them as further inputs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Origin {
+    /// The checkpoint being merged.
     Checkpoint,
+    /// The base model.
     Base,
+    /// The further input at this position of `Inputs::extra`.
+    Input(usize),
 }
 
 /// One tensor to write.
@@ -98,20 +116,56 @@ pub enum Origin {
 pub struct PlannedTensor {
     /// Output name.
     pub name: String,
+    /// The input it comes from (a computed tensor's main input).
     pub origin: Origin,
-    pub source: TensorSource,
+    /// Its shape.
+    pub shape: Vec<u64>,
+    /// The dtype of the values before conversion: the stored dtype of a copy,
+    /// float32 for a computed tensor.
+    pub source_dtype: DType,
+    /// The dtype written.
     pub dtype: DType,
+    /// Where its values come from.
+    pub content: Content,
 }
 
 impl PlannedTensor {
+    /// The planned form of a candidate, written in its own dtype until the dtype
+    /// policy says otherwise.
+    pub fn from_candidate(c: Candidate) -> PlannedTensor {
+        PlannedTensor {
+            name: c.name,
+            origin: c.origin,
+            shape: c.shape,
+            source_dtype: c.dtype,
+            dtype: c.dtype,
+            content: c.content,
+        }
+    }
+
+    /// Elements.
+    pub fn numel(&self) -> u64 {
+        self.shape.iter().product()
+    }
+
+    /// Bytes written.
     pub fn nbytes(&self) -> u64 {
-        self.source.numel() * self.dtype.size() as u64
+        self.numel() * self.dtype.size() as u64
+    }
+
+    /// The pieces the engine copies, for a tensor that is a copy.
+    pub fn copied(&self) -> Option<&TensorSource> {
+        match &self.content {
+            Content::Copy(s) => Some(s),
+            Content::Computed(_) => None,
+        }
     }
 }
 
 /// One output file: which tensors, where.
 #[derive(Clone, Debug)]
 pub struct ShardPlan {
+    /// Its name in the output directory.
     pub file_name: String,
     /// The serialized header including the 8-byte length prefix and padding.
     pub header: Vec<u8>,
@@ -133,14 +187,18 @@ pub struct Report {
     pub from_base: Vec<String>,
     /// Tensors whose dtype changes: `(from, to, count)`.
     pub casts: Vec<(DType, DType, usize)>,
+    /// Decisions worth knowing (a prefix aligned with the base's names...).
     pub notes: Vec<String>,
+    /// Things that may be wrong with the result (no config...).
     pub warnings: Vec<String>,
 }
 
 /// Everything the writer needs.
 #[derive(Clone, Debug)]
 pub struct Plan {
+    /// Every tensor to write, in natural name order.
     pub tensors: Vec<PlannedTensor>,
+    /// Every file to write.
     pub shards: Vec<ShardPlan>,
     /// The dtype written into config.json (the first floating tensor's).
     pub dtype: Option<DType>,
@@ -148,12 +206,20 @@ pub struct Plan {
     pub config: Option<Map<String, Value>>,
     /// `model.safetensors.index.json`, when there is more than one shard.
     pub index: Option<String>,
+    /// Bytes of tensor data.
     pub total_size: u64,
+    /// What planning decided, for the user.
     pub report: Report,
 }
 
-/// Builds the plan for merging `ckpt` onto `base`.
-pub fn plan(ckpt: &Checkpoint, base: BaseView<'_>, opts: &PlanOptions) -> Result<Plan> {
+/// Builds the plan for merging `ckpt` onto `base`; `extra` are further inputs
+/// (`Origin::Input(i)`) the mappings may draw on.
+pub fn plan(
+    ckpt: &Checkpoint,
+    base: BaseView<'_>,
+    extra: &[&Checkpoint],
+    opts: &PlanOptions,
+) -> Result<Plan> {
     let mut report = Report::default();
     let base_names: Option<HashSet<&str>> = base
         .weights
@@ -164,19 +230,30 @@ pub fn plan(ckpt: &Checkpoint, base: BaseView<'_>, opts: &PlanOptions) -> Result
 
     let expected = layout::expected_layout(base, &mut report);
 
-    let mut names = names::initial_names(ckpt, &opts.renames);
+    let mut cands = mapping::candidates(ckpt);
+    names::rename(&mut cands, &opts.renames);
+    let inputs = MapInputs {
+        checkpoint: Some(ckpt),
+        base: base.weights,
+        extra,
+    };
+    for m in &opts.mappings {
+        cands = m.map(cands, inputs)?;
+    }
+    mapping::check(&cands)?;
+    let mut names: Vec<String> = cands.iter().map(|c| c.name.clone()).collect();
     if let Some(bn) = &base_names {
         names::align_with_base(&mut names, bn, "the base's names", &mut report);
     } else if let Some(e) = &expected {
         let target = format!("the {} layout of config.json", e.family.class);
         names::align_with_base(&mut names, &layout::expected_names(e), &target, &mut report);
     }
-    names::record_renames(ckpt, &names, &mut report);
-    names::check_duplicates(ckpt, &names)?;
+    names::record_renames(&cands, &names, &mut report);
+    names::check_duplicates(&cands, &names)?;
 
     let mut keep = keep::drop_buffers(&names, base_map.as_ref(), &mut report);
     keep::drop_tied_head(
-        ckpt,
+        &cands,
         &names,
         base_map.as_ref(),
         base.config,
@@ -184,10 +261,10 @@ pub fn plan(ckpt: &Checkpoint, base: BaseView<'_>, opts: &PlanOptions) -> Result
         &mut report,
     );
 
-    layout::check_placeholders(ckpt, &names, &keep, base_map.as_ref(), expected.as_ref())?;
+    layout::check_placeholders(&cands, &names, &keep, base_map.as_ref(), expected.as_ref())?;
 
     let mut tensors = overlay::overlay(
-        ckpt,
+        cands,
         &names,
         &keep,
         base.weights.zip(base_map.as_ref()),
@@ -291,7 +368,7 @@ mod tests {
             "c",
             f32s(&[("_orig_mod.b.weight", &[2]), ("a.weight", &[3, 2])]),
         );
-        let p = plan(&ckpt, BaseView::default(), &PlanOptions::default()).unwrap();
+        let p = plan(&ckpt, BaseView::default(), &[], &PlanOptions::default()).unwrap();
         let names: Vec<&str> = p.tensors.iter().map(|t| t.name.as_str()).collect();
         assert_eq!(names, ["a.weight", "b.weight"]);
         assert_eq!(p.dtype, Some(DType::F32));
@@ -316,7 +393,7 @@ mod tests {
             weights: Some(&base_w),
             total_parameters: None,
         };
-        let p = plan(&ckpt, base, &PlanOptions::default()).unwrap();
+        let p = plan(&ckpt, base, &[], &PlanOptions::default()).unwrap();
         assert_eq!(p.report.from_base, ["model.norm.w"]);
         assert_eq!(p.report.casts, [(DType::F32, DType::BF16, 1)]);
         let c = p.config.unwrap();

@@ -5,57 +5,50 @@
 
 use std::collections::{HashMap, HashSet};
 
-use super::{Origin, PlannedTensor, Report};
-use crate::report::list_some;
+use super::{Candidate, Origin, PlannedTensor, Report};
+use crate::error::ShapeDiff;
 use crate::source::{Checkpoint, TensorSource};
 use crate::{Error, Result};
 
 /// The tensors to write, before dtype policy: the kept checkpoint tensors under
 /// their output names, then the base tensors they do not replace.
 pub(crate) fn overlay(
-    ckpt: &Checkpoint,
+    cands: Vec<Candidate>,
     names: &[String],
     keep: &[bool],
     base: Option<(&Checkpoint, &HashMap<&str, &TensorSource>)>,
     strict: bool,
     report: &mut Report,
 ) -> Result<Vec<PlannedTensor>> {
-    let mut tensors: Vec<PlannedTensor> = names
-        .iter()
-        .zip(&ckpt.tensors)
+    if let Some((bw, bmap)) = base {
+        check_against_base(&cands, names, keep, bw, bmap)?;
+    }
+    let mut tensors: Vec<PlannedTensor> = cands
+        .into_iter()
+        .zip(names)
         .zip(keep)
         .filter(|(_, k)| **k)
-        .map(|((n, t), _)| PlannedTensor {
+        .map(|((c, n), _)| PlannedTensor {
             name: n.clone(),
-            origin: Origin::Checkpoint,
-            source: t.clone(),
-            dtype: t.dtype,
+            ..PlannedTensor::from_candidate(c)
         })
         .collect();
-    if let Some((bw, bmap)) = base {
-        check_against_base(ckpt, names, keep, bw, bmap)?;
+    if let Some((bw, _)) = base {
         let have: HashSet<&str> = names.iter().map(String::as_str).collect();
         for b in &bw.tensors {
             if have.contains(b.name.as_str()) {
                 continue;
             }
             report.from_base.push(b.name.clone());
-            tensors.push(PlannedTensor {
-                name: b.name.clone(),
-                origin: Origin::Base,
-                source: b.clone(),
-                dtype: b.dtype,
-            });
+            tensors.push(PlannedTensor::from_candidate(Candidate::copy(
+                Origin::Base,
+                b,
+            )));
         }
         if strict && !report.from_base.is_empty() {
-            return Err(Error::plan(
-                format!(
-                    "--strict: {} base tensor(s) are missing from the checkpoint: {}",
-                    report.from_base.len(),
-                    list_some(&report.from_base, 8)
-                ),
-                Some("without --strict they are copied from the base".into()),
-            ));
+            return Err(Error::Strict {
+                missing: report.from_base.clone(),
+            });
         }
     }
     if tensors.is_empty() {
@@ -70,7 +63,7 @@ pub(crate) fn overlay(
 /// Every kept checkpoint tensor is in the base with the same shape; the error
 /// lists the ones that are not, with the base's closest names as a hint.
 fn check_against_base(
-    ckpt: &Checkpoint,
+    cands: &[Candidate],
     names: &[String],
     keep: &[bool],
     bw: &Checkpoint,
@@ -84,48 +77,30 @@ fn check_against_base(
         }
         match bmap.get(n.as_str()) {
             None => unknown.push(n.clone()),
-            Some(b) if b.shape != ckpt.tensors[i].shape => mismatched.push(format!(
-                "'{n}': checkpoint {:?}, base {:?}",
-                ckpt.tensors[i].shape, b.shape
-            )),
+            Some(b) if b.shape != cands[i].shape => mismatched.push(ShapeDiff {
+                name: n.clone(),
+                checkpoint: cands[i].shape.clone(),
+                base: b.shape.clone(),
+            }),
             Some(_) => {}
         }
     }
     if !unknown.is_empty() {
-        let near: Vec<String> = unknown
+        let similar: Vec<String> = unknown
             .iter()
             .take(3)
             .filter_map(|u| closest(u, bw.tensors.iter().map(|t| t.name.as_str())))
             .collect();
-        return Err(Error::plan(
-            format!(
-                "{} checkpoint tensor(s) are not in the base model {}: {}",
-                unknown.len(),
-                bw.path.display(),
-                list_some(&unknown, 8)
-            ),
-            Some(if near.is_empty() {
-                "check that --base is the model that was trained, or map names with --rename REGEX=REPLACEMENT".into()
-            } else {
-                format!(
-                    "the base has similar names ({}); map them with --rename REGEX=REPLACEMENT, or check that --base is the model that was trained",
-                    near.join(", ")
-                )
-            }),
-        ));
+        return Err(Error::UnknownTensors {
+            names: unknown,
+            base: bw.path.clone(),
+            similar,
+        });
     }
     if !mismatched.is_empty() {
-        return Err(Error::plan(
-            format!(
-                "{} tensor(s) have a different shape in the checkpoint and the base: {}",
-                mismatched.len(),
-                list_some(&mismatched, 6)
-            ),
-            Some(
-                "the checkpoint was trained from a different architecture or size than --base"
-                    .into(),
-            ),
-        ));
+        return Err(Error::ShapeMismatch {
+            tensors: mismatched,
+        });
     }
     Ok(())
 }
@@ -144,13 +119,14 @@ fn closest<'a>(name: &str, base: impl Iterator<Item = &'a str>) -> Option<String
             best = Some((b, common));
         }
     }
-    best.map(|(b, _)| format!("'{b}'"))
+    best.map(|(b, _)| b.to_string())
 }
 
 #[cfg(test)]
 #[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
+    use crate::plan::mapping::candidates;
     use crate::plan::testing::{checkpoint, f32s};
     use crate::Error;
 
@@ -165,7 +141,7 @@ mod tests {
             base.map(|b| b.tensors.iter().map(|t| (t.name.as_str(), t)).collect());
         let mut report = Report::default();
         let r = overlay(
-            ckpt,
+            candidates(ckpt),
             &names,
             &keep,
             base.zip(map.as_ref()),
@@ -185,9 +161,14 @@ mod tests {
         assert_eq!(got, [("a", Origin::Checkpoint), ("b", Origin::Base)]);
         assert_eq!(report.from_base, ["b"]);
         let (r, _) = run(&ckpt, Some(&base), true);
-        let e = r.unwrap_err().to_string();
+        let e = r.unwrap_err();
         assert!(
-            e.contains("--strict: 1 base tensor(s)") && e.contains('b'),
+            matches!(&e, Error::Strict { missing } if missing == &["b"]),
+            "{e:?}"
+        );
+        let e = e.to_string();
+        assert!(
+            e.starts_with("strict: 1 base tensor(s)") && e.contains('b'),
             "{e}"
         );
     }
@@ -203,9 +184,22 @@ mod tests {
             "{e}"
         );
         assert!(e.hint().unwrap().contains("'model.layers.0.mlp.w'"));
+        match &e {
+            Error::UnknownTensors { names, similar, .. } => {
+                assert_eq!(names, &["layers.0.mlp.w"]);
+                assert_eq!(similar, &["model.layers.0.mlp.w"]);
+            }
+            other => panic!("{other:?}"),
+        }
         let ckpt = checkpoint("c", f32s(&[("model.layers.0.mlp.w", &[3])]));
         let e = run(&ckpt, Some(&base), false).0.unwrap_err();
-        assert!(matches!(e, Error::Plan { .. }));
+        let Error::ShapeMismatch { tensors } = &e else {
+            panic!("{e:?}")
+        };
+        assert_eq!(
+            (tensors[0].checkpoint.clone(), tensors[0].base.clone()),
+            (vec![3], vec![2])
+        );
         assert!(e.to_string().contains("checkpoint [3], base [2]"), "{e}");
     }
 
@@ -213,7 +207,15 @@ mod tests {
     fn nothing_left_is_an_error() {
         let ckpt = checkpoint("c", f32s(&[("a", &[2])]));
         let mut report = Report::default();
-        let e = overlay(&ckpt, &["a".into()], &[false], None, false, &mut report).unwrap_err();
+        let e = overlay(
+            candidates(&ckpt),
+            &["a".into()],
+            &[false],
+            None,
+            false,
+            &mut report,
+        )
+        .unwrap_err();
         assert!(e.to_string().starts_with("nothing to write"), "{e}");
     }
 }

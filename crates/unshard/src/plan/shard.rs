@@ -10,8 +10,9 @@ use std::collections::HashSet;
 
 use super::{BaseView, PlannedTensor, ShardPlan};
 
-/// Splits tensors into shards as huggingface_hub does (formats.md §4.3), then lays
-/// out each file: header in safetensors' canonical order (dtype descending, then
+/// Splits tensors into shards as huggingface_hub's `split_torch_state_dict_into_shards`
+/// does (a new file when the next tensor would pass `max`, a tensor larger than
+/// `max` alone in a file, emitted when met), then lays out each file: header in safetensors' canonical order (dtype descending, then
 /// name), data in that order.
 pub fn shard(tensors: &[PlannedTensor], max: u64) -> (Vec<ShardPlan>, u64) {
     let mut groups: Vec<Vec<usize>> = Vec::new();
@@ -65,7 +66,7 @@ fn layout(file_name: String, tensors: &[PlannedTensor], order: Vec<usize>) -> Sh
     for &i in &order {
         let t = &tensors[i];
         let end = offset + t.nbytes();
-        let shape: Vec<String> = t.source.shape.iter().map(u64::to_string).collect();
+        let shape: Vec<String> = t.shape.iter().map(u64::to_string).collect();
         json.push_str(&format!(
             ",{}:{{\"dtype\":\"{}\",\"shape\":[{}],\"data_offsets\":[{offset},{end}]}}",
             serde_json::to_string(&t.name).unwrap_or_default(),
@@ -127,7 +128,7 @@ pub(crate) fn total_parameters(
     });
     match base.total_parameters {
         Some(p) if same_set => p,
-        _ => tensors.iter().map(|t| t.source.numel()).sum(),
+        _ => tensors.iter().map(|t| t.numel()).sum(),
     }
 }
 
@@ -136,16 +137,14 @@ pub(crate) fn total_parameters(
 mod tests {
     use super::*;
     use crate::plan::testing::tensor;
-    use crate::plan::Origin;
+    use crate::plan::{Candidate, Origin};
     use crate::DType;
 
     fn planned(name: &str, dtype: DType, n: u64) -> PlannedTensor {
-        PlannedTensor {
-            name: name.into(),
-            origin: Origin::Checkpoint,
-            source: tensor(name, dtype, &[n]),
-            dtype,
-        }
+        PlannedTensor::from_candidate(Candidate::copy(
+            Origin::Checkpoint,
+            &tensor(name, dtype, &[n]),
+        ))
     }
 
     #[test]
