@@ -5,8 +5,8 @@
 //! another size or family is written with exit 0 and fails when loaded. The
 //! knowledge is a table generated from transformers' own models
 //! (`fixtures/gen_arch_table.py` -> `layouts.json`), so covering a new family is
-//! regenerating data. [`eval`] turns a config into the expected tensors,
-//! [`check`] compares a checkpoint with them.
+//! regenerating data. `eval` turns a config into the expected tensors,
+//! `check` compares a checkpoint with them.
 
 pub mod check;
 pub mod eval;
