@@ -65,8 +65,10 @@ impl DtypeArg {
 #[derive(clap::Args, Debug)]
 pub struct PlanArgs {
     /// The Hugging Face model directory training started from: supplies config.json,
-    /// tokenizer files, the dtype, and any weights the checkpoint lacks.
-    #[arg(long, value_name = "DIR")]
+    /// tokenizer files, the dtype, and any weights the checkpoint lacks. A Hub id
+    /// (`org/name`, `org/name@revision`) is looked up in the local Hugging Face
+    /// cache, offline; a directory of that name wins.
+    #[arg(long, value_name = "DIR|ORG/NAME")]
     pub base: Option<PathBuf>,
 
     /// dtype of the floating-point tensors written (also accepted: bf16, fp16, half,

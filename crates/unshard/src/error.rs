@@ -214,6 +214,18 @@ pub enum Error {
     #[error("interrupted")]
     Interrupted,
 
+    /// The path is a part of a checkpoint, or the folder around one, not the
+    /// checkpoint itself; the hint names what to pass.
+    #[error("{}: {found}", path.display())]
+    WrongInput {
+        /// The path given.
+        path: PathBuf,
+        /// What it is.
+        found: String,
+        /// What to pass instead.
+        hint: String,
+    },
+
     /// A check on the output failed (a merge's read-back verification).
     #[error("{msg}")]
     Check {
@@ -318,6 +330,7 @@ impl Error {
             | Error::Plan { hint, .. }
             | Error::Check { hint, .. }
             | Error::Output { hint, .. } => hint.clone(),
+            Error::WrongInput { hint, .. } => Some(hint.clone()),
             Error::KeyNotFound { available, .. } if !available.is_empty() => Some(format!(
                 "keys at that level: {}",
                 list_some(available, 12)

@@ -42,6 +42,8 @@
 #![deny(missing_docs)]
 
 #[doc(hidden)]
+pub mod arch;
+#[doc(hidden)]
 pub mod cancel;
 #[doc(hidden)]
 pub mod diff;
@@ -49,6 +51,8 @@ pub mod diff;
 pub mod dtype;
 #[doc(hidden)]
 pub mod error;
+#[doc(hidden)]
+pub mod hub;
 #[doc(hidden)]
 pub mod inspect;
 #[doc(hidden)]

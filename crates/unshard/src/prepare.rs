@@ -14,7 +14,7 @@ use crate::options::{MergeOptions, VerifyOptions};
 use crate::plan::{self, BaseView, Origin, Plan, PlanOptions};
 use crate::source::hf_dir::HfDir;
 use crate::source::{self, Blob, Checkpoint, OpenOptions};
-use crate::{Error, Result};
+use crate::{hub, Error, Result};
 
 /// The opened inputs and the plan, ready to write or to verify against.
 pub struct Prepared {
@@ -79,6 +79,19 @@ impl<'a> Inputs<'a> {
     }
 }
 
+/// Files a Trainer writes beside the model that are no part of it (by prefix).
+const TRAINER_FILES: &[&str] = &[
+    "trainer_state.json",
+    "training_args",
+    "optimizer",
+    "scheduler",
+    "rng_state",
+    "scaler",
+    "latest",
+    "zero_to_fp32.py",
+    "README.md",
+];
+
 /// Reads the base directory (if any): config, weights and extra files.
 pub struct Base {
     /// The directory: config, tokenizer and other files.
@@ -90,12 +103,15 @@ pub struct Base {
 }
 
 impl Base {
-    /// Opens a base model directory.
+    /// Opens a base: a model directory, or a Hub model id (`org/name[@rev]`)
+    /// found in the local Hugging Face cache ([`crate::hub`]).
     pub fn open(path: &Path) -> Result<Base> {
+        let resolved = hub::resolve_base(path)?;
+        let path = resolved.as_deref().unwrap_or(path);
         if !path.is_dir() {
             return Err(Error::plan(
                 format!("the base {} is not a directory", path.display()),
-                Some("pass the Hugging Face model directory the training started from (config.json, tokenizer, weights)".into()),
+                Some("pass the Hugging Face model directory the training started from (config.json, tokenizer, weights), or its Hub id (org/name) if it is in the local Hugging Face cache".into()),
             ));
         }
         let dir = HfDir::open(path)?;
@@ -108,6 +124,41 @@ impl Base {
             dir,
             weights,
             total_parameters,
+        })
+    }
+
+    /// The config (and tokenizer files) of a checkpoint directory that carries its
+    /// own, as a Trainer's `checkpoint-N/` does: used when no base is given.
+    /// Its weights are the checkpoint itself, so none are opened as a base, and
+    /// the trainer's own files are not carried into the output.
+    pub fn own_config(checkpoint: &Path) -> Result<Option<Base>> {
+        if !checkpoint.join("config.json").is_file() {
+            return Ok(None);
+        }
+        let mut dir = HfDir::open(checkpoint)?;
+        dir.extra_files.retain(|p| {
+            let name = p
+                .file_name()
+                .map(|n| n.to_string_lossy())
+                .unwrap_or_default();
+            !TRAINER_FILES.iter().any(|t| name.starts_with(t))
+        });
+        Ok(Some(Base {
+            dir,
+            weights: None,
+            total_parameters: None,
+        }))
+    }
+
+    /// Whether the directory holds a tokenizer (any of the files transformers and
+    /// sentencepiece tokenizers are loaded from).
+    pub fn has_tokenizer(&self) -> bool {
+        self.dir.extra_files.iter().any(|p| {
+            let name = p
+                .file_name()
+                .map(|n| n.to_string_lossy())
+                .unwrap_or_default();
+            name.starts_with("tokenizer") || name == "vocab.json" || name.ends_with(".model")
         })
     }
 
@@ -190,9 +241,10 @@ pub fn prepare<'a>(opts: impl Into<Sources<'a>>) -> Result<Prepared> {
     }
     let base = match opts.base {
         Some(b) => Some(Base::open(b)?),
-        None => source::config_dir_for(opts.checkpoint)
-            .map(|d| Base::open(&d))
-            .transpose()?,
+        None => match source::config_dir_for(opts.checkpoint) {
+            Some(d) => Some(Base::open(&d)?),
+            None => Base::own_config(opts.checkpoint)?,
+        },
     };
     opts.cancel.check()?;
     let view = base.as_ref().map(Base::view).unwrap_or_default();
@@ -204,6 +256,14 @@ pub fn prepare<'a>(opts: impl Into<Sources<'a>>) -> Result<Prepared> {
     let mut plan = plan::plan(&ckpt, view, &[], &plan_opts)?;
     if let Some(a) = &adapter {
         lora::report::add(a, &ckpt, &mut plan.report)?;
+    }
+    if let Some(b) = &base {
+        if b.dir.config.is_some() && !b.has_tokenizer() {
+            plan.report.warnings.push(format!(
+                "{} has no tokenizer files: the output has no tokenizer (copy tokenizer.json and tokenizer_config.json from the model's repository into it)",
+                b.dir.path.display()
+            ));
+        }
     }
     Ok(Prepared {
         checkpoint: ckpt,

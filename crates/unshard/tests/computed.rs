@@ -82,7 +82,9 @@ impl Mapping for Remap {
 
 fn options(out: &Path, shift: u64) -> MergeOptions {
     MergeOptions {
-        checkpoint: model(),
+        // The weights file alone: the directory's config.json would be used as the
+        // config, and the remapped tensors are no Llama the config describes.
+        checkpoint: model().join("model.safetensors"),
         output: out.to_path_buf(),
         plan: PlanOptions {
             dtype: DtypeChoice::Fixed(DType::BF16),
@@ -159,7 +161,7 @@ fn concat_permute_and_slice_are_written_with_the_values_they_compute() {
     let json = serde_json::to_value(&outcome).unwrap();
     assert_eq!(json["tensors_written"], names.len());
     assert_eq!(json["files"][0], "model.safetensors");
-    assert_eq!(json["checkpoint_format"], "hf-dir");
+    assert_eq!(json["checkpoint_format"], "safetensors");
 
     // verify re-derives the same plan and finds every value in place.
     let report = unshard::verify(

@@ -134,7 +134,11 @@ fn print_summary(w: &mut dyn Write, opts: &MergeOptions, o: &MergeOutcome) -> st
         writeln!(w, "note: {n}")?;
     }
     if let Some(c) = &o.config_from {
-        writeln!(w, "note: config and tokenizer taken from {}", c.display())?;
+        writeln!(
+            w,
+            "note: config.json (and tokenizer files, if any) taken from {}",
+            c.display()
+        )?;
     }
     writeln!(
         w,

@@ -73,6 +73,7 @@ pub(crate) fn count_casts(tensors: &[PlannedTensor]) -> Vec<(DType, DType, usize
 pub(crate) fn output_config(
     config: Option<&Map<String, Value>>,
     dtype: Option<DType>,
+    base_given: bool,
     report: &mut Report,
 ) -> Option<Map<String, Value>> {
     let config = config.map(|c| {
@@ -83,9 +84,12 @@ pub(crate) fn output_config(
         c
     });
     if config.is_none() {
-        report
-            .warnings
-            .push("no config.json (no base given): the output has weights only and transformers cannot load it as is".into());
+        // Never "no --base given" when one was: a base of weights only says so.
+        report.warnings.push(if base_given {
+            "the base has no config.json: the output has weights only and transformers cannot load it as is".into()
+        } else {
+            "no config.json (no base given): the output has weights only and transformers cannot load it as is".into()
+        });
     }
     config
 }
@@ -174,13 +178,20 @@ mod tests {
         )
         .unwrap();
         let mut report = Report::default();
-        let c = output_config(Some(&cfg), Some(DType::BF16), &mut report).unwrap();
+        let c = output_config(Some(&cfg), Some(DType::BF16), true, &mut report).unwrap();
         assert_eq!(c["torch_dtype"], "bfloat16");
         assert_eq!(c["vision"]["dtype"], "bfloat16");
         assert_eq!(c["x"], 1);
         assert!(!c.contains_key("dtype") && report.warnings.is_empty());
-        assert!(output_config(None, Some(DType::BF16), &mut report).is_none());
+        assert!(output_config(None, Some(DType::BF16), false, &mut report).is_none());
         assert_eq!(report.warnings.len(), 1);
+        assert!(report.warnings[0].contains("no base given"));
+        assert!(output_config(None, Some(DType::BF16), true, &mut report).is_none());
+        assert!(
+            !report.warnings[1].contains("no --base"),
+            "{:?}",
+            report.warnings
+        );
         assert_eq!(config_dtype_of(&c), Some(("torch_dtype", DType::BF16)));
     }
 }

@@ -14,9 +14,12 @@
 //!    prefix difference with the base's names; refuse two tensors with one name.
 //! 2. [`keep`]: drop known non-persistent buffers (recomputed by transformers) and
 //!    a tied output head (written once, as transformers does).
+//!    Before overlaying, [`layout`] refuses zero-element placeholders.
 //! 3. [`overlay`]: the checkpoint's tensors over the base's tensor set; a name the
 //!    base lacks or a shape that differs is an error, a base tensor the checkpoint
 //!    lacks is copied from the base (an error with `strict`).
+//!    Without base weights, [`layout`] checks names and shapes against what the
+//!    config calls for (and step 1 aligns a prefix with those names).
 //! 4. [`cast`]: the output dtype of each floating tensor (fixed, or the base's),
 //!    and the config with its dtype key updated.
 //! 5. [`shard`](mod@shard): split into shard files as huggingface_hub does and lay out each
@@ -34,6 +37,7 @@ use crate::{DType, Result};
 pub mod cast;
 pub mod content;
 pub mod keep;
+pub mod layout;
 pub mod mapping;
 pub mod names;
 pub mod overlay;
@@ -224,6 +228,8 @@ pub fn plan(
         .weights
         .map(|w| w.tensors.iter().map(|t| (t.name.as_str(), t)).collect());
 
+    let expected = layout::expected_layout(base, &mut report);
+
     let mut cands = mapping::candidates(ckpt);
     names::rename(&mut cands, &opts.renames);
     let inputs = MapInputs {
@@ -237,7 +243,10 @@ pub fn plan(
     mapping::check(&cands)?;
     let mut names: Vec<String> = cands.iter().map(|c| c.name.clone()).collect();
     if let Some(bn) = &base_names {
-        names::align_with_base(&mut names, bn, &mut report);
+        names::align_with_base(&mut names, bn, "the base's names", &mut report);
+    } else if let Some(e) = &expected {
+        let target = format!("the {} layout of config.json", e.family.class);
+        names::align_with_base(&mut names, &layout::expected_names(e), &target, &mut report);
     }
     names::record_renames(&cands, &names, &mut report);
     names::check_duplicates(&cands, &names)?;
@@ -252,6 +261,8 @@ pub fn plan(
         &mut report,
     );
 
+    layout::check_placeholders(&cands, &names, &keep, base_map.as_ref(), expected.as_ref())?;
+
     let mut tensors = overlay::overlay(
         cands,
         &names,
@@ -261,10 +272,14 @@ pub fn plan(
         &mut report,
     )?;
 
+    if let Some(e) = &expected {
+        layout::check_against_config(&tensors, e)?;
+    }
+
     cast::apply_dtype_policy(&mut tensors, base, opts.dtype)?;
     report.casts = cast::count_casts(&tensors);
     let out_dtype = tensors.iter().find(|t| t.dtype.is_float()).map(|t| t.dtype);
-    let config = cast::output_config(base.config, out_dtype, &mut report);
+    let config = cast::output_config(base.config, out_dtype, base.weights.is_some(), &mut report);
 
     // transformers (v5) sorts the state dict by natural key before splitting it, so
     // shards group tensors as its output does.

@@ -43,7 +43,12 @@ pub(crate) fn rename(cands: &mut [Candidate], renames: &[(Regex, String)]) {
 
 /// Replaces a constant leading difference between the names and the base's (a
 /// `model.` too many or too few), and says so in the report.
-pub(crate) fn align_with_base(names: &mut [String], base: &HashSet<&str>, report: &mut Report) {
+pub(crate) fn align_with_base(
+    names: &mut [String],
+    base: &HashSet<&str>,
+    target: &str,
+    report: &mut Report,
+) {
     let Some((strip, add)) = align_prefix(names, base) else {
         return;
     };
@@ -55,9 +60,9 @@ pub(crate) fn align_with_base(names: &mut [String], base: &HashSet<&str>, report
         }
     }
     report.notes.push(match (strip.is_empty(), add.is_empty()) {
-        (false, true) => format!("stripped the prefix '{strip}' to match the base's names"),
-        (true, false) => format!("added the prefix '{add}' to match the base's names"),
-        _ => format!("replaced the prefix '{strip}' with '{add}' to match the base's names"),
+        (false, true) => format!("stripped the prefix '{strip}' to match {target}"),
+        (true, false) => format!("added the prefix '{add}' to match {target}"),
+        _ => format!("replaced the prefix '{strip}' with '{add}' to match {target}"),
     });
 }
 
@@ -272,7 +277,7 @@ mod tests {
         let base: HashSet<&str> = ["model.a", "model.b"].into_iter().collect();
         let mut names = vec!["a".to_string(), "b".to_string()];
         let mut report = Report::default();
-        align_with_base(&mut names, &base, &mut report);
+        align_with_base(&mut names, &base, "the base's names", &mut report);
         assert_eq!(names, ["model.a", "model.b"]);
         assert_eq!(
             report.notes,
@@ -280,7 +285,7 @@ mod tests {
         );
         // Names that already match are left alone, without a note.
         let mut report = Report::default();
-        align_with_base(&mut names, &base, &mut report);
+        align_with_base(&mut names, &base, "the base's names", &mut report);
         assert!(report.notes.is_empty());
     }
 

@@ -4,7 +4,7 @@ use std::fmt;
 use std::path::Path;
 use std::sync::Arc;
 
-use super::{dcp, deepspeed, hf_dir, legacy, safetensors, sharded, torch, Blob, Checkpoint};
+use super::{dcp, deepspeed, hf_dir, hints, legacy, safetensors, sharded, torch, Blob, Checkpoint};
 use crate::{Error, Result};
 
 /// The kinds of input unshard reads.
@@ -69,6 +69,10 @@ pub fn open(path: &Path, opts: &OpenOptions) -> Result<Checkpoint> {
     let meta = std::fs::metadata(path).map_err(|e| Error::io("open", path, e))?;
     if meta.is_dir() {
         return open_dir(path, opts);
+    }
+    // `.metadata`, one `.distcp`, an `index.json`: parts of a checkpoint, never one.
+    if let Some(e) = hints::wrong_input(path) {
+        return Err(e);
     }
     let blob = Arc::new(Blob::open(path)?);
     open_blob(blob, opts)
@@ -168,7 +172,7 @@ fn open_dir(path: &Path, opts: &OpenOptions) -> Result<Checkpoint> {
         )));
     }
     if dcp::is_dcp_dir(path) {
-        return dcp::open(path, opts);
+        return dcp::open(path, opts).map_err(|e| hints::dcp_missing_file(path, e));
     }
     let hf = if hf_dir::is_hf_dir(path) {
         let dir = hf_dir::HfDir::open(path)?;
@@ -206,6 +210,9 @@ fn open_dir(path: &Path, opts: &OpenOptions) -> Result<Checkpoint> {
             at: None,
             hint: Some("the directory has a config.json but no weight files".into()),
         });
+    }
+    if let Some(e) = hints::wrong_input(path) {
+        return Err(e);
     }
     let mut names: Vec<String> = std::fs::read_dir(path)
         .map_err(|e| Error::io("list", path, e))?

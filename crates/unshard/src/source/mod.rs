@@ -45,6 +45,7 @@ pub mod dcp;
 pub mod deepspeed;
 pub mod detect;
 pub mod hf_dir;
+pub mod hints;
 pub mod legacy;
 pub mod safetensors;
 pub mod sharded;

@@ -1,0 +1,121 @@
+//! "Pass this instead": recognising the near misses people make when they point
+//! unshard at a checkpoint, and naming the right path.
+//!
+//! Each check here looks only at names and the directory layout, and runs only
+//! when reading the input as given failed or would give the wrong thing: a
+//! single `.distcp` or the `.metadata` of a DCP directory, an `index.json`, a
+//! training run's folder of `checkpoint-N/`, a DeepSpeed folder, a DCP directory
+//! missing one of its files. What each hint names is a path that exists.
+
+use std::path::{Path, PathBuf};
+
+use crate::Error;
+
+/// The error for an input that is a part of (or the parent of) what should be
+/// passed, or `None` when the path is none of those near misses.
+pub fn wrong_input(path: &Path) -> Option<Error> {
+    let wrong = |found: String, hint: String| Error::WrongInput {
+        path: path.to_path_buf(),
+        found,
+        hint,
+    };
+    let name = path.file_name()?.to_string_lossy().into_owned();
+    let parent = match path.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
+        _ => PathBuf::from("."),
+    };
+    if path.is_file() {
+        if name == ".metadata" || name.ends_with(".distcp") {
+            let what = if name == ".metadata" {
+                "the index file of a torch.distributed.checkpoint directory".to_string()
+            } else {
+                "one rank's data file of a torch.distributed.checkpoint directory".to_string()
+            };
+            return Some(wrong(
+                what,
+                format!(
+                    "pass the directory that holds .metadata and every __R_I.distcp file: {}",
+                    parent.display()
+                ),
+            ));
+        }
+        if name.ends_with(".index.json") {
+            return Some(wrong(
+                "the index of a sharded model, not its weights".into(),
+                format!(
+                    "pass the directory that holds it and the shards it lists: {}",
+                    parent.display()
+                ),
+            ));
+        }
+        return None;
+    }
+    if !path.is_dir() {
+        return None;
+    }
+    let runs = numbered_subdirs(path, "checkpoint-");
+    if let Some((latest, _)) = runs.last() {
+        let listed: Vec<String> = runs.iter().map(|(_, n)| format!("{n}/")).collect();
+        return Some(wrong(
+            format!(
+                "a training run's output folder, holding {}",
+                crate::report::list_some(&listed, 8)
+            ),
+            format!(
+                "pass one checkpoint folder; the latest is {}",
+                path.join(latest_name(&runs, *latest)).display()
+            ),
+        ));
+    }
+    None
+}
+
+/// `(N, name)` of the subdirectories named `<prefix>N`, by N ascending.
+fn numbered_subdirs(path: &Path, prefix: &str) -> Vec<(u64, String)> {
+    let mut v: Vec<(u64, String)> = std::fs::read_dir(path)
+        .map(|r| {
+            r.filter_map(|e| e.ok())
+                .filter(|e| e.path().is_dir())
+                .filter_map(|e| {
+                    let name = e.file_name().to_string_lossy().into_owned();
+                    let n = name.strip_prefix(prefix)?.parse().ok()?;
+                    Some((n, name))
+                })
+                .collect()
+        })
+        .unwrap_or_default();
+    v.sort();
+    v
+}
+
+fn latest_name(runs: &[(u64, String)], n: u64) -> &str {
+    runs.iter()
+        .find(|(k, _)| *k == n)
+        .map(|(_, s)| s.as_str())
+        .unwrap_or_default()
+}
+
+/// Turns "cannot open DIR/__1_0.distcp: not found" while opening a DCP directory
+/// into an error saying which rank's file is missing.
+pub fn dcp_missing_file(dir: &Path, e: Error) -> Error {
+    let missing = match &e {
+        Error::Io { path, source, .. } if source.kind() == std::io::ErrorKind::NotFound => path
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .filter(|n| n.ends_with(".distcp")),
+        _ => None,
+    };
+    let Some(file) = missing else {
+        return e;
+    };
+    let rank = file
+        .strip_prefix("__")
+        .and_then(|r| r.split('_').next())
+        .map(|r| format!(" (rank {r}'s data)"))
+        .unwrap_or_default();
+    Error::Incomplete {
+        path: dir.to_path_buf(),
+        msg: format!("the torch.distributed.checkpoint directory lacks {file}{rank}, which its .metadata lists"),
+        hint: Some("every rank writes its own file: copy the missing one from the node that saved it (all ranks must write to one shared directory), or pass the complete directory".into()),
+    }
+}
