@@ -10,6 +10,7 @@
 //! - [`write`]: the engine. Streams pieces from inputs to output shards, converting
 //!   dtypes on the way, into a staging directory that is renamed into place.
 //! - [`dtype`]: element types and conversion kernels bit-identical to torch.
+//! - [`scan`]: code a pickle would run under `torch.load`, named without running it.
 //! - [`verify`]: proof that an output holds the checkpoint's values; [`diff`] and
 //!   [`stats`] compare and summarise tensors of any input.
 
@@ -19,6 +20,7 @@ pub mod error;
 pub mod merge;
 pub mod plan;
 pub mod report;
+pub mod scan;
 pub mod source;
 pub mod stats;
 pub mod verify;

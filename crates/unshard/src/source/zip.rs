@@ -20,6 +20,11 @@ const LOCAL_SIG: u32 = 0x0403_4b50;
 
 /// Compression method of a stored entry.
 pub const METHOD_STORED: u16 = 0;
+/// Compression method of a deflated entry: torch writes none, but reads them (an
+/// archive repacked by `zip` has them), so they are read too.
+pub const METHOD_DEFLATED: u16 = 8;
+/// Most that deflate can expand: 1032 output bytes per input byte.
+const DEFLATE_MAX_RATIO: u64 = 1032;
 
 /// One entry of the archive.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -238,6 +243,39 @@ impl ZipIndex {
             &format!("entry '{}'", entry.name),
         )
     }
+}
+
+/// Inflates a deflated entry into memory. Its declared size must be at most `max`
+/// and within what deflate can expand its compressed bytes to; the output may not
+/// exceed it, and must match the entry's CRC-32.
+pub fn inflate(data: &[u8], entry: &ZipEntry, max: u64) -> Result<Vec<u8>, ZipError> {
+    let name = &entry.name;
+    if entry.size > max || entry.size > entry.compressed_size.saturating_mul(DEFLATE_MAX_RATIO) {
+        return err(format!(
+            "deflated entry '{name}' claims {} bytes from {} compressed bytes (at most {max} are read)",
+            entry.size, entry.compressed_size
+        ));
+    }
+    let raw = Reader { data }.bytes(
+        entry.data_offset,
+        entry.compressed_size,
+        &format!("entry '{name}'"),
+    )?;
+    let limit = usize::try_from(entry.size)
+        .map_err(|_| ZipError(format!("entry '{name}' is too large")))?;
+    let out = miniz_oxide::inflate::decompress_to_vec_with_limit(raw, limit)
+        .map_err(|e| ZipError(format!("deflated entry '{name}' does not inflate: {e}")))?;
+    if out.len() as u64 != entry.size {
+        return err(format!(
+            "deflated entry '{name}' inflates to {} bytes, not the {} its directory entry declares",
+            out.len(),
+            entry.size
+        ));
+    }
+    if crc32fast::hash(&out) != entry.crc32 {
+        return err(format!("deflated entry '{name}' fails its CRC-32 check"));
+    }
+    Ok(out)
 }
 
 /// Finds the end-of-central-directory record, scanning back over a possible comment.
