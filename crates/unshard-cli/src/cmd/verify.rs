@@ -8,7 +8,9 @@ use unshard::merge::MergeOptions;
 use unshard::source::OpenOptions;
 use unshard::verify;
 
-use crate::{output, plan_options, DtypeArg};
+use crate::args::{JsonArg, PlanArgs};
+use crate::exit::{self, Status};
+use crate::progress::Bar;
 
 /// Arguments of the command (its help is on `Command` in main.rs).
 #[derive(clap::Args, Debug)]
@@ -20,54 +22,33 @@ pub struct VerifyArgs {
     #[arg(long, value_name = "CHECKPOINT")]
     against: PathBuf,
 
-    /// The base model directory given to the merge.
-    #[arg(long, value_name = "DIR")]
-    base: Option<PathBuf>,
-
-    /// The --dtype given to the merge.
-    #[arg(long, value_enum, default_value = "auto")]
-    dtype: DtypeArg,
-
-    /// The --max-shard-size given to the merge. Accepted so that a merge command line
-    /// can be reused; the shard layout itself is not compared.
-    #[arg(long, default_value = "5GB", value_name = "SIZE")]
-    max_shard_size: String,
-
-    /// The --strict given to the merge.
-    #[arg(long)]
-    strict: bool,
-
-    /// The --key given to the merge.
-    #[arg(long, value_name = "PATH")]
-    key: Option<String>,
-
-    /// The --rename rules given to the merge.
-    #[arg(long, value_name = "REGEX=REPLACEMENT")]
-    rename: Vec<String>,
+    // The options the merge was run with: the same flags, the same parsing.
+    #[command(flatten)]
+    plan: PlanArgs,
 
     /// No progress bar.
     #[arg(long, short)]
     quiet: bool,
 
-    /// Print the result as one JSON object on stdout (schema in README.md); the exit
-    /// code is the same.
-    #[arg(long)]
-    json: bool,
+    #[command(flatten)]
+    json: JsonArg,
 }
 
-pub fn run(args: VerifyArgs) -> anyhow::Result<()> {
+pub fn run(args: VerifyArgs) -> anyhow::Result<Status> {
     let opts = MergeOptions {
         checkpoint: args.against,
-        base: args.base,
+        base: args.plan.base.clone(),
         output: args.dir,
-        open: OpenOptions { key: args.key },
-        plan: plan_options(args.dtype, &args.max_shard_size, args.strict, &args.rename)?,
+        open: OpenOptions {
+            key: args.plan.key.key.clone(),
+        },
+        plan: args.plan.plan_options()?,
         ..MergeOptions::default()
     };
-    let progress = output::Bar::new(!args.quiet && std::io::stderr().is_terminal());
+    let progress = Bar::new(!args.quiet && std::io::stderr().is_terminal());
     let report = verify::verify_against(&opts, &progress)?;
     let mut out = std::io::stdout().lock();
-    if args.json {
+    if args.json.json {
         serde_json::to_writer_pretty(&mut out, &to_json(&report))?;
         writeln!(out)?;
     } else {
@@ -80,9 +61,13 @@ pub fn run(args: VerifyArgs) -> anyhow::Result<()> {
     }
     out.flush()?;
     if report.is_ok() {
-        return Ok(());
+        return Ok(Status::Success);
     }
-    anyhow::bail!("verification failed: {}", report.summary())
+    exit::print_error(&anyhow::anyhow!(
+        "verification failed: {}",
+        report.summary()
+    ));
+    Ok(Status::Failure)
 }
 
 /// The report as JSON. Numbers that are not finite (a max abs diff of inf, a NaN

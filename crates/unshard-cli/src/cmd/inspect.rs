@@ -2,21 +2,41 @@
 
 use std::collections::BTreeMap;
 use std::io::Write;
-use std::path::Path;
+use std::path::PathBuf;
 
 use unshard::report::human_bytes;
 use unshard::source::{self, Checkpoint, OpenOptions};
 use unshard::stats::TensorStats;
 
-pub fn run(path: &Path, key: Option<String>, json: bool, stats: bool) -> anyhow::Result<()> {
-    let ckpt = source::open(path, &OpenOptions { key })?;
-    let stats = if stats {
+use crate::args::{JsonArg, KeyArg};
+use crate::exit::Status;
+
+/// Arguments of the command (its help is on `Command` in main.rs).
+#[derive(clap::Args, Debug)]
+pub struct InspectArgs {
+    /// A torch.save file, a .safetensors file, or a model directory.
+    path: PathBuf,
+
+    #[command(flatten)]
+    json: JsonArg,
+
+    #[command(flatten)]
+    key: KeyArg,
+
+    /// Also show mean, std, min and max of every tensor (reads all the values).
+    #[arg(long)]
+    stats: bool,
+}
+
+pub fn run(args: InspectArgs) -> anyhow::Result<Status> {
+    let ckpt = source::open(&args.path, &OpenOptions { key: args.key.key })?;
+    let stats = if args.stats {
         Some(unshard::stats::checkpoint_stats(&ckpt)?)
     } else {
         None
     };
     let mut out = std::io::stdout().lock();
-    if json {
+    if args.json.json {
         let mut v = to_json(&ckpt);
         if let (Some(stats), Some(tensors)) = (&stats, v["tensors"].as_array_mut()) {
             for (t, s) in tensors.iter_mut().zip(stats) {
@@ -31,7 +51,7 @@ pub fn run(path: &Path, key: Option<String>, json: bool, stats: bool) -> anyhow:
             print_stats(&mut out, &ckpt, stats)?;
         }
     }
-    Ok(())
+    Ok(Status::Success)
 }
 
 /// `--stats` in JSON: non-finite statistics (no finite values) become `null`.

@@ -7,7 +7,9 @@ use unshard::diff::{self, DiffReport, TensorDiff};
 use unshard::report::list_some;
 use unshard::source::{self, Checkpoint, OpenOptions};
 
-use crate::output;
+use crate::args::JsonArg;
+use crate::exit::Status;
+use crate::progress::Bar;
 
 /// Arguments of the command (its help is on `Command` in main.rs).
 #[derive(clap::Args, Debug)]
@@ -26,27 +28,30 @@ pub struct DiffArgs {
     #[arg(long, short)]
     quiet: bool,
 
-    /// Print the result as one JSON object on stdout (schema in README.md): every
-    /// common tensor, identical or not. The exit code is the same.
-    #[arg(long)]
-    json: bool,
+    // The JSON lists every common tensor, identical or not (README.md).
+    #[command(flatten)]
+    json: JsonArg,
 }
 
-/// Returns whether the two inputs are identical.
-pub fn run(args: DiffArgs) -> anyhow::Result<bool> {
+/// Succeeds when the two inputs are identical, fails when they differ.
+pub fn run(args: DiffArgs) -> anyhow::Result<Status> {
     let a = source::open(&args.a, &OpenOptions::default())?;
     let b = source::open(&args.b, &OpenOptions::default())?;
-    let progress = output::Bar::new(!args.quiet && std::io::stderr().is_terminal());
+    let progress = Bar::new(!args.quiet && std::io::stderr().is_terminal());
     let report = diff::diff(&a, &b, &progress)?;
     let mut out = std::io::stdout().lock();
-    if args.json {
+    if args.json.json {
         serde_json::to_writer_pretty(&mut out, &to_json(&a, &b, &report))?;
         writeln!(out)?;
     } else {
         print_report(&mut out, &a, &b, &report, args.all)?;
     }
     out.flush()?;
-    Ok(report.identical())
+    Ok(if report.identical() {
+        Status::Success
+    } else {
+        Status::Failure
+    })
 }
 
 fn describe(c: &Checkpoint) -> String {

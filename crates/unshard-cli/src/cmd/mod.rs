@@ -1,0 +1,7 @@
+//! One module per subcommand. Each declares its arguments (`clap::Args`) and a
+//! `run` that returns `anyhow::Result<Status>`; `main` maps that to the exit code.
+
+pub mod diff;
+pub mod inspect;
+pub mod merge;
+pub mod verify;
