@@ -52,6 +52,18 @@ enum Command {
     /// prefixes. Exits 0 when A and B hold the same names, dtypes, shapes and
     /// values, 1 otherwise.
     Diff(cmd::diff::DiffArgs),
+    /// Report code that files would run under torch.load, without running it.
+    ///
+    /// Reads every pickle in the files and directories given (recursively): torch.save
+    /// archives (every .pkl record, deflated ones too), legacy torch.save streams (all
+    /// five pickles), bare pickles, the archives inside .distcp files. Every global a
+    /// pickle names or calls, on every path (results it discards, the memo, BUILD
+    /// states, persistent ids, dict keys), is checked against what torch, DeepSpeed
+    /// and the checkpoint formats legitimately use; everything else is listed with
+    /// its full name or the chain producing it, the opcode route, the byte offset and
+    /// the record. Exits 1 if anything is listed (or a file cannot be read fully), 0
+    /// if every file is clean.
+    Scan(cmd::scan::ScanArgs),
 }
 
 /// A sharded checkpoint has one file per rank, and a merge keeps each open: raise the
@@ -85,5 +97,6 @@ fn main() -> ExitCode {
         Command::Inspect(args) => cmd::inspect::run(args),
         Command::Verify(args) => cmd::verify::run(args),
         Command::Diff(args) => cmd::diff::run(args),
+        Command::Scan(args) => cmd::scan::run(args),
     })
 }

@@ -4,4 +4,5 @@
 pub mod diff;
 pub mod inspect;
 pub mod merge;
+pub mod scan;
 pub mod verify;

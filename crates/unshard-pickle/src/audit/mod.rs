@@ -94,8 +94,17 @@ impl Audit {
 }
 
 /// Functions on the allowlist that call one of their arguments: torch's
-/// `_rebuild_from_type_v2(func, new_type, args, state)` calls `func(*args)`.
-const CALLS_ARGUMENT: &[(&str, &str, usize)] = &[("torch._tensor", "_rebuild_from_type_v2", 0)];
+/// `_rebuild_from_type_v2(func, new_type, args, state)` calls `func(*args)`, and
+/// copyreg's helpers instantiate the class they are given.
+const CALLS_ARGUMENT: &[(&str, &str, usize)] = &[
+    ("torch._tensor", "_rebuild_from_type_v2", 0),
+    ("copyreg", "_reconstructor", 0),
+    ("copy_reg", "_reconstructor", 0),
+    ("copyreg", "__newobj__", 0),
+    ("copy_reg", "__newobj__", 0),
+    ("copyreg", "__newobj_ex__", 0),
+    ("copy_reg", "__newobj_ex__", 0),
+];
 
 /// Classifies every global and call of a pickle (see the module docs).
 pub fn audit(p: &Pickle) -> Audit {
@@ -153,6 +162,9 @@ impl Auditor<'_> {
                         self.report_chain(func, route, call.offset);
                     }
                 }
+                _ if self.nested_class(call.callable, call.args) => {
+                    self.called.insert(call.callable);
+                }
                 _ => self.report_chain(call.callable, route, call.offset),
             }
         }
@@ -174,9 +186,11 @@ impl Auditor<'_> {
             };
             let mut callable = String::new();
             push_name(&mut callable, &name.module, &name.name);
-            let via = match g.ext_code {
-                Some(code) => format!("{} (code {code})", opcode_name(g.opcode)),
-                None => opcode_name(g.opcode).to_string(),
+            let via = match (g.ext_code, g.opcode) {
+                (Some(code), op) => format!("{} (code {code})", opcode_name(op)),
+                // A name `getattr(<global>, 'attr')` produced.
+                (None, opcode::REDUCE) => "REDUCE of getattr".to_string(),
+                (None, op) => opcode_name(op).to_string(),
             };
             let route = format!("{via} (imported, not called)");
             self.push(Finding {
@@ -185,6 +199,29 @@ impl Auditor<'_> {
                 offset: g.offset,
                 verdict,
             });
+        }
+    }
+
+    /// Whether this is `getattr(<allowed class>, 'Name')` naming an allowed nested
+    /// class: how protocols before 4 write a nested class (`ShardedTensor.
+    /// ProcessGroupState`). Any other getattr is reported.
+    fn nested_class(&self, callable: NodeId, args: NodeId) -> bool {
+        let p = self.p;
+        let Value::Global(g) = p.get(callable) else {
+            return false;
+        };
+        if !matches!(g.module.as_str(), "builtins" | "__builtin__") || g.name != "getattr" {
+            return false;
+        }
+        match p.items(args) {
+            Some(&[owner, attr]) => match (p.get(owner), p.as_str(attr)) {
+                (Value::Global(o), Some(attr)) => {
+                    names::allowed(&o.module, &o.name)
+                        && names::allowed(&o.module, &format!("{}.{attr}", o.name))
+                }
+                _ => false,
+            },
+            _ => false,
         }
     }
 

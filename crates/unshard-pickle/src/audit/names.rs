@@ -28,12 +28,21 @@ fn name_matches(name: &str, entry: &str) -> bool {
             .is_some_and(|rest| rest.starts_with('.'))
 }
 
-fn lookup(table: &[(&str, Names)], module: &str, name: &str) -> bool {
+/// Whether the table lists `module.name`: exactly for the allowlist (an attribute of
+/// an allowed class is not allowed: `torch.Tensor.__reduce_ex__` is not data), or
+/// with its attributes for the dangerous list.
+fn lookup(table: &[(&str, Names)], module: &str, name: &str, exact: bool) -> bool {
     table.iter().any(|(m, names)| {
         *m == module
             && match names {
-                All => true,
-                Only(list) => list.iter().any(|e| name_matches(name, e)),
+                All => !exact || !name.contains('.'),
+                Only(list) => list.iter().any(|e| {
+                    if exact {
+                        name == *e
+                    } else {
+                        name_matches(name, e)
+                    }
+                }),
             }
     })
 }
@@ -185,10 +194,11 @@ const ALLOWED: &[(&str, Names)] = &[
         "torch.distributed._mesh_layout",
         Only(&["_MeshLayout", "_FlatLayout"]),
     ),
-    // ShardedTensor.
+    // ShardedTensor. Protocol 2 names a nested class as
+    // getattr(ShardedTensor, 'ProcessGroupState').
     (
         "torch.distributed._shard.sharded_tensor.api",
-        Only(&["ShardedTensor"]),
+        Only(&["ShardedTensor", "ShardedTensor.ProcessGroupState"]),
     ),
     (
         "torch.distributed._shard.sharded_tensor.metadata",
@@ -281,7 +291,7 @@ pub fn allowed(module: &str, name: &str) -> bool {
         // torch's tensor rebuild functions: what every torch.save pickle calls.
         return true;
     }
-    lookup(ALLOWED, module, name)
+    lookup(ALLOWED, module, name, true)
 }
 
 const BUILTIN_DANGEROUS: &[&str] = &[
@@ -460,6 +470,11 @@ mod tests {
         assert!(!allowed("builtins", "eval"));
         assert!(!allowed("posix", "system"));
         assert!(!allowed("collections", "OrderedDict2"));
+        assert!(!allowed("torch", "Tensor.__reduce_ex__"));
+        assert!(!allowed(
+            "torch.distributed.checkpoint.metadata",
+            "Metadata.x"
+        ));
     }
 
     #[test]

@@ -55,7 +55,12 @@ pub fn scan_file(path: &Path) -> FileScan {
         path,
         limits: Limits::default().scaled_to(data.len()),
     };
-    if data.starts_with(b"PK\x03\x04") || data.starts_with(b"PK\x05\x06") {
+    if path.extension().is_some_and(|e| e == "distcp") {
+        // Items torch.save'd back to back, tensor bytes between them: the file may
+        // start like a zip archive but is not one.
+        reader.scan.kind = "torch.distributed.checkpoint data file".into();
+        reader.embedded_archives(data);
+    } else if data.starts_with(b"PK\x03\x04") || data.starts_with(b"PK\x05\x06") {
         reader.scan.kind = "zip archive".into();
         reader.zip(data);
     } else if legacy::is_legacy(data) {
@@ -63,9 +68,6 @@ pub fn scan_file(path: &Path) -> FileScan {
         reader.legacy(data);
     } else if safetensors::looks_like_safetensors(data) {
         scan.kind = "safetensors file (holds no pickle)".into();
-    } else if path.extension().is_some_and(|e| e == "distcp") {
-        reader.scan.kind = "torch.distributed.checkpoint data file".into();
-        reader.embedded_archives(data);
     } else if data.first() == Some(&0x80) || has_pickle_extension(path) {
         reader.scan.kind = "pickle".into();
         reader.bare(data);
@@ -178,45 +180,80 @@ impl Reader<'_> {
     }
 
     /// The `.pkl` records of the zip archives a `.distcp` file embeds (torch.save'd
-    /// items), found by their local headers.
+    /// items). Their local headers carry no sizes (torch streams them), so each
+    /// archive is found from its end record: the central directory's size and offset
+    /// say where the archive starts.
     fn embedded_archives(&mut self, data: &[u8]) {
         let mut at = 0usize;
-        while let Some(found) = find(data, at, b"PK\x03\x04") {
-            at = found + 4;
-            let Some(header) = data.get(found..found + 30) else {
-                return;
-            };
-            let u16_at = |i: usize| u16::from_le_bytes([header[i], header[i + 1]]) as usize;
-            let u32_at = |i: usize| {
-                u32::from_le_bytes([header[i], header[i + 1], header[i + 2], header[i + 3]])
-                    as usize
-            };
-            let (method, size, name_len, extra_len) =
-                (u16_at(8), u32_at(18), u16_at(26), u16_at(28));
-            let Some(name) = data.get(found + 30..found + 30 + name_len) else {
+        while let Some(eocd) = find(data, at, b"PK\x05\x06") {
+            at = eocd + 4;
+            let Some(start) = archive_start(data, eocd) else {
                 continue;
             };
-            if !name.ends_with(b".pkl") {
+            let comment = read_u16(data, eocd + 20).unwrap_or(0);
+            let Some(archive) = data.get(start..eocd + 22 + comment) else {
                 continue;
-            }
-            let name = String::from_utf8_lossy(name).into_owned();
-            let start = found + 30 + name_len + extra_len;
-            if method != usize::from(zip::METHOD_STORED) {
-                self.scan.problems.push(format!(
-                    "record '{name}' at byte {found} is compressed (method {method}) inside a .distcp file"
-                ));
-                continue;
-            }
-            match data.get(start..start.saturating_add(size)) {
-                Some(bytes) => {
-                    self.pickle(bytes, &format!("{name} at byte {found}"));
+            };
+            let index = match zip::ZipIndex::parse(archive) {
+                Ok(i) => i,
+                Err(e) => {
+                    self.scan
+                        .problems
+                        .push(format!("archive ending at byte {eocd}: {}", e.0));
+                    continue;
                 }
-                None => self.scan.problems.push(format!(
-                    "record '{name}' at byte {found} runs past the end of the file"
-                )),
+            };
+            for e in &index.entries {
+                if !e.name.ends_with(".pkl") {
+                    continue;
+                }
+                match zip_record(archive, e) {
+                    Ok(bytes) => {
+                        self.pickle(&bytes, &format!("{} (archive at byte {start})", e.name));
+                    }
+                    Err(m) => self.scan.problems.push(m),
+                }
             }
         }
     }
+}
+
+/// Where the zip archive whose end record is at `eocd` starts: the central directory
+/// ends where the end records begin, and its offset in the archive is known. torch
+/// writes ZIP64 end records (a 56-byte record and a 20-byte locator) before the end
+/// record; their sizes and offsets take precedence.
+fn archive_start(data: &[u8], eocd: usize) -> Option<usize> {
+    let mut cd_size = u64::from(read_u32(data, eocd + 12)?);
+    let mut cd_offset = u64::from(read_u32(data, eocd + 16)?);
+    let mut cd_end = eocd;
+    if let Some(locator) = eocd.checked_sub(20) {
+        if read_u32(data, locator) == Some(0x0706_4b50) {
+            let record = locator.checked_sub(56)?;
+            if read_u32(data, record)? != 0x0606_4b50 {
+                return None;
+            }
+            cd_end = record;
+            cd_size = read_u64(data, record + 40)?;
+            cd_offset = read_u64(data, record + 48)?;
+        }
+    }
+    let cd_start = cd_end.checked_sub(usize::try_from(cd_size).ok()?)?;
+    cd_start.checked_sub(usize::try_from(cd_offset).ok()?)
+}
+
+fn read_u16(data: &[u8], at: usize) -> Option<usize> {
+    let b = data.get(at..at + 2)?;
+    Some(u16::from_le_bytes([b[0], b[1]]) as usize)
+}
+
+fn read_u32(data: &[u8], at: usize) -> Option<u32> {
+    let b = data.get(at..at + 4)?;
+    Some(u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+}
+
+fn read_u64(data: &[u8], at: usize) -> Option<u64> {
+    let b: [u8; 8] = data.get(at..at + 8)?.try_into().ok()?;
+    Some(u64::from_le_bytes(b))
 }
 
 /// The bytes of a zip record: borrowed when stored, inflated (up to its declared
