@@ -159,7 +159,7 @@ fn every_real_checkpoint_in_the_fixtures_scans_clean() {
         .filter(|f| {
             !f["unsafe"].as_array().unwrap().is_empty()
                 // A deliberately corrupt .metadata is a read problem, not a payload.
-                || (f["problems"].as_array().unwrap().len() > 0
+                || (!f["problems"].as_array().unwrap().is_empty()
                     && !f["path"].as_str().unwrap().contains("bad_metadata"))
         })
         .collect();
