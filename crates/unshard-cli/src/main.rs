@@ -12,6 +12,7 @@ mod exit;
 mod panic_hook;
 mod progress;
 mod signals;
+mod unsafe_report;
 
 /// Turn distributed-training checkpoints into Hugging Face model directories.
 ///

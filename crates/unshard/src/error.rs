@@ -26,6 +26,11 @@ pub enum Error {
     #[error("{}: {msg}", path.display())]
     Corrupt { path: PathBuf, msg: String },
 
+    /// The input's pickles would run code under `torch.load`, and the caller asked
+    /// to refuse such inputs (`--refuse-unsafe`, `--strict`). Nothing was run.
+    #[error("{}: refusing a file whose pickle would run code under torch.load: {}", path.display(), crate::report::list_some(calls, 4))]
+    Unsafe { path: PathBuf, calls: Vec<String> },
+
     /// A pickle inside a file could not be parsed.
     #[error("{}: cannot parse the pickle in {entry}", path.display())]
     Pickle {
@@ -178,6 +183,10 @@ impl Error {
             Error::Overflow { dtype, .. } => Some(format!(
                 "values beyond the range of {dtype} cannot be represented; choose --dtype bfloat16 or float32, or pass --allow-overflow to write inf"
             )),
+            Error::Unsafe { .. } => Some(
+                "unshard ran none of it, but the file is compromised: do not load it with torch.load(weights_only=False); `unshard scan` lists every call; without --refuse-unsafe and --strict, unshard warns and reads the tensors"
+                    .into(),
+            ),
             Error::Pickle { .. } | Error::Corrupt { .. } => Some(
                 "the file may be truncated or damaged; check that the training job finished writing it"
                     .into(),

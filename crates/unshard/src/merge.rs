@@ -4,6 +4,7 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use crate::plan::{self, BaseView, Plan, PlanOptions};
+use crate::scan::UnsafeCall;
 use crate::source::hf_dir::HfDir;
 use crate::source::{self, Checkpoint, OpenOptions};
 use crate::verify::{self, VerifyReport};
@@ -24,6 +25,11 @@ pub struct MergeOptions {
     pub verify: bool,
     /// NaN or inf in the output is an error instead of a warning.
     pub fail_on_nonfinite: bool,
+    /// Refuse, writing nothing, if a pickle read would run code under `torch.load`.
+    pub refuse_unsafe: bool,
+    /// Told what the pickles read would run, as soon as the inputs are read (before
+    /// any refusal), so that the user hears of it even if the merge then fails.
+    pub on_unsafe: Option<fn(&[UnsafeCall])>,
 }
 
 /// What a merge did.
@@ -103,9 +109,32 @@ pub fn prepare(opts: &MergeOptions) -> Result<(Checkpoint, Option<Base>, Plan)> 
             .map(|d| Base::open(&d))
             .transpose()?,
     };
+    check_unsafe(opts, &ckpt, base.as_ref())?;
     let view = base.as_ref().map(Base::view).unwrap_or_default();
     let plan = plan::plan(&ckpt, view, &opts.plan)?;
     Ok((ckpt, base, plan))
+}
+
+/// Reports what the checkpoint's and the base's pickles would run under
+/// `torch.load`, and refuses them if asked to.
+fn check_unsafe(opts: &MergeOptions, ckpt: &Checkpoint, base: Option<&Base>) -> Result<()> {
+    let mut calls: Vec<UnsafeCall> = ckpt.unsafe_calls.clone();
+    if let Some(w) = base.and_then(|b| b.weights.as_ref()) {
+        calls.extend(w.unsafe_calls.iter().cloned());
+    }
+    let Some(first) = calls.first() else {
+        return Ok(());
+    };
+    if let Some(report) = opts.on_unsafe {
+        report(&calls);
+    }
+    if opts.refuse_unsafe {
+        return Err(Error::Unsafe {
+            path: first.path.clone(),
+            calls: calls.iter().map(|c| c.callable.clone()).collect(),
+        });
+    }
+    Ok(())
 }
 
 /// Runs a whole merge.

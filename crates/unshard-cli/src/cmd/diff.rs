@@ -10,6 +10,7 @@ use unshard::source::{self, Checkpoint, OpenOptions};
 use crate::args::JsonArg;
 use crate::exit::Status;
 use crate::progress::Bar;
+use crate::unsafe_report::{self, RefuseArg};
 
 /// Arguments of the command (its help is on `Command` in main.rs).
 #[derive(clap::Args, Debug)]
@@ -24,6 +25,9 @@ pub struct DiffArgs {
     #[arg(long)]
     all: bool,
 
+    #[command(flatten)]
+    refuse: RefuseArg,
+
     /// No progress bar.
     #[arg(long, short)]
     quiet: bool,
@@ -37,6 +41,13 @@ pub struct DiffArgs {
 pub fn run(args: DiffArgs) -> anyhow::Result<Status> {
     let a = source::open(&args.a, &OpenOptions::default())?;
     let b = source::open(&args.b, &OpenOptions::default())?;
+    let calls: Vec<_> = a
+        .unsafe_calls
+        .iter()
+        .chain(&b.unsafe_calls)
+        .cloned()
+        .collect();
+    unsafe_report::check(&calls, args.refuse.refuse_unsafe)?;
     let progress = Bar::new(!args.quiet && std::io::stderr().is_terminal());
     let report = diff::diff(&a, &b, &progress)?;
     let mut out = std::io::stdout().lock();

@@ -9,6 +9,7 @@ use unshard::source::{self, Checkpoint, OpenOptions};
 use unshard::stats::TensorStats;
 
 use crate::args::{JsonArg, KeyArg};
+use crate::cmd::scan::printable;
 use crate::exit::Status;
 
 /// Arguments of the command (its help is on `Command` in main.rs).
@@ -126,6 +127,7 @@ pub fn to_json(ckpt: &Checkpoint) -> serde_json::Value {
         "dtypes": dtype_histogram(ckpt),
         "non_tensor": ckpt.extras.iter().map(|e| serde_json::json!({"name": e.name, "kind": e.kind})).collect::<Vec<_>>(),
         "notes": ckpt.notes,
+        "unsafe": ckpt.unsafe_calls.iter().map(crate::cmd::scan::call_json).collect::<Vec<_>>(),
     })
 }
 
@@ -188,6 +190,26 @@ fn print_table(w: &mut dyn Write, ckpt: &Checkpoint) -> std::io::Result<()> {
     }
     for n in &ckpt.notes {
         writeln!(w, "note: {n}")?;
+    }
+    print_unsafe(w, ckpt)
+}
+
+/// The section listing what the pickles would run under torch.load.
+fn print_unsafe(w: &mut dyn Write, ckpt: &Checkpoint) -> std::io::Result<()> {
+    if ckpt.unsafe_calls.is_empty() {
+        return Ok(());
+    }
+    writeln!(
+        w,
+        "would run under torch.load (not run by unshard; the file is compromised):"
+    )?;
+    for c in &ckpt.unsafe_calls {
+        let file = if ckpt.path == c.path {
+            String::new()
+        } else {
+            format!("{}: ", c.path.display())
+        };
+        writeln!(w, "  {}", printable(&format!("{file}{}", c.describe())))?;
     }
     Ok(())
 }

@@ -12,6 +12,7 @@ use unshard::source::OpenOptions;
 use crate::args::PlanArgs;
 use crate::exit::Status;
 use crate::progress::Bar;
+use crate::unsafe_report::{self, RefuseArg};
 
 /// Arguments of the command (its help is on `Command` in main.rs).
 #[derive(clap::Args, Debug)]
@@ -44,7 +45,10 @@ pub struct MergeArgs {
     #[arg(long)]
     fail_on_nonfinite: bool,
 
-    /// No progress bar and no summary; errors only.
+    #[command(flatten)]
+    refuse: RefuseArg,
+
+    /// No progress bar and no summary; errors and unsafe-pickle warnings only.
     #[arg(long, short)]
     quiet: bool,
 }
@@ -62,6 +66,8 @@ pub fn run(args: MergeArgs) -> anyhow::Result<Status> {
         allow_overflow: args.allow_overflow,
         verify: args.verify,
         fail_on_nonfinite: args.fail_on_nonfinite,
+        refuse_unsafe: args.refuse.refuse_unsafe || args.plan.strict,
+        on_unsafe: Some(unsafe_report::warn),
     };
     let progress = Bar::new(!args.quiet && std::io::stderr().is_terminal());
     let outcome = merge::merge(&opts, &progress)?;

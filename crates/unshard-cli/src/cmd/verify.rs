@@ -11,6 +11,7 @@ use unshard::verify;
 use crate::args::{JsonArg, PlanArgs};
 use crate::exit::{self, Status};
 use crate::progress::Bar;
+use crate::unsafe_report::{self, RefuseArg};
 
 /// Arguments of the command (its help is on `Command` in main.rs).
 #[derive(clap::Args, Debug)]
@@ -27,6 +28,9 @@ pub struct VerifyArgs {
     plan: PlanArgs,
 
     /// No progress bar.
+    #[command(flatten)]
+    refuse: RefuseArg,
+
     #[arg(long, short)]
     quiet: bool,
 
@@ -43,6 +47,8 @@ pub fn run(args: VerifyArgs) -> anyhow::Result<Status> {
             key: args.plan.key.key.clone(),
         },
         plan: args.plan.plan_options()?,
+        refuse_unsafe: args.refuse.refuse_unsafe || args.plan.strict,
+        on_unsafe: Some(unsafe_report::warn),
         ..MergeOptions::default()
     };
     let progress = Bar::new(!args.quiet && std::io::stderr().is_terminal());

@@ -150,6 +150,7 @@ fn open_with(dir: &Path, opts: &OpenOptions, small_archive: u64) -> Result<Check
         tensors,
         extras,
         notes: selection.notes,
+        unsafe_calls: Vec::new(),
     })
 }
 

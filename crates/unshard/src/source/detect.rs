@@ -92,6 +92,7 @@ pub fn open(path: &Path, opts: &OpenOptions) -> Result<Checkpoint> {
                 })
                 .collect(),
             notes: Vec::new(),
+            unsafe_calls: Vec::new(),
         });
     }
     Err(unknown(path, data))
@@ -118,6 +119,7 @@ fn from_payload(
         tensors,
         extras: found.extras,
         notes,
+        unsafe_calls: payload.unsafe_calls,
     })
 }
 

@@ -169,6 +169,7 @@ impl HfDir {
             tensors,
             extras: Vec::new(),
             notes,
+            unsafe_calls: Vec::new(),
         }))
     }
 

@@ -24,16 +24,22 @@ pub fn is_legacy(data: &[u8]) -> bool {
 
 /// Parses a legacy stream occupying all of `data`.
 pub fn read_legacy_payload(path: &Path, data: &[u8]) -> Result<TorchPayload> {
-    let limits = Limits::default();
+    // One budget for the five pickles: the limits hold per file, not per pickle.
+    let mut limits = Limits::default();
     let mut at = 0usize;
+    let mut unsafe_calls = Vec::new();
     let mut next = |what: &str| -> Result<unshard_pickle::Pickle> {
         let rest = data.get(at..).unwrap_or(&[]);
+        let entry = format!("the legacy {what} pickle at byte {at}");
         let (p, used) =
             unshard_pickle::parse_prefix(rest, &limits).map_err(|source| Error::Pickle {
                 path: path.to_path_buf(),
-                entry: format!("the legacy {what} pickle at byte {at}"),
+                entry: entry.clone(),
                 source,
             })?;
+        limits = limits.remaining_after(&p);
+        // Each of the five runs under torch.load, not only the object.
+        unsafe_calls.extend(crate::scan::audit_pickle(path, &entry, &p).0);
         at += used;
         Ok(p)
     };
@@ -112,5 +118,6 @@ pub fn read_legacy_payload(path: &Path, data: &[u8]) -> Result<TorchPayload> {
         pickle: object,
         storages,
         big_endian,
+        unsafe_calls,
     })
 }

@@ -228,6 +228,7 @@ pub fn open(set: &RankSet, opts: &OpenOptions) -> Result<Checkpoint> {
         tensors,
         extras: first.found.extras.clone(),
         notes,
+        unsafe_calls: Vec::new(),
     })
 }
 

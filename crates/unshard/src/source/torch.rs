@@ -37,6 +37,8 @@ pub struct TorchPayload {
     pub pickle: Pickle,
     pub storages: HashMap<String, StorageLoc>,
     pub big_endian: bool,
+    /// What the file's pickles would run under `torch.load` (never run here).
+    pub unsafe_calls: Vec<crate::scan::UnsafeCall>,
 }
 
 /// A tensor as torch rebuilds it: a strided view of a storage.
@@ -177,11 +179,13 @@ fn payload_from_index(
             );
         }
     }
+    let (unsafe_calls, _) = crate::scan::audit_pickle(path, &pkl_name, &pickle);
     Ok(TorchPayload {
         path: path.to_path_buf(),
         pickle,
         storages,
         big_endian,
+        unsafe_calls,
     })
 }
 

@@ -1,0 +1,63 @@
+//! Telling the user what an input's pickles would run under `torch.load`.
+//!
+//! Every reading command reports it on stderr, whatever `--quiet` says: a file that
+//! carries a payload is compromised even though unshard ran none of it, and the
+//! person about to publish a model from it must hear of it. `--refuse-unsafe` (and
+//! `--strict`) turn the warning into a refusal.
+
+use std::io::Write;
+
+use unshard::scan::UnsafeCall;
+use unshard::Error;
+
+use crate::cmd::scan::printable;
+
+/// `--refuse-unsafe`: refuse inputs whose pickles would run code.
+#[derive(clap::Args, Debug)]
+pub struct RefuseArg {
+    /// Refuse (exit 1, write nothing) if a pickle read would run code under
+    /// torch.load (a call or import outside what torch and the checkpoint formats
+    /// use). Without it such calls are listed as warnings and the tensors are read;
+    /// --strict refuses too.
+    #[arg(long)]
+    pub refuse_unsafe: bool,
+}
+
+/// Prints one warning per file, listing each callable (never silenced).
+pub fn warn(calls: &[UnsafeCall]) {
+    let mut err = std::io::stderr().lock();
+    let mut i = 0;
+    while let Some(first) = calls.get(i) {
+        let same = calls[i..]
+            .iter()
+            .take_while(|c| c.path == first.path)
+            .count();
+        let _ = writeln!(
+            err,
+            "warning: {}: its pickle would run code under torch.load (unshard ran none of it):",
+            printable(&first.path.display().to_string())
+        );
+        for c in &calls[i..i + same] {
+            let _ = writeln!(err, "  {}", printable(&c.describe()));
+        }
+        i += same;
+    }
+    if !calls.is_empty() {
+        let _ = writeln!(
+            err,
+            "hint: do not load this file with torch.load(weights_only=False); `unshard scan` lists every call; --refuse-unsafe refuses such files"
+        );
+    }
+}
+
+/// Warns, and refuses if asked to.
+pub fn check(calls: &[UnsafeCall], refuse: bool) -> Result<(), Error> {
+    warn(calls);
+    match calls.first() {
+        Some(first) if refuse => Err(Error::Unsafe {
+            path: first.path.clone(),
+            calls: calls.iter().map(|c| c.callable.clone()).collect(),
+        }),
+        _ => Ok(()),
+    }
+}
