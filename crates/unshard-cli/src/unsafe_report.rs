@@ -6,6 +6,8 @@
 //! `--strict`) turn the warning into a refusal.
 
 use std::io::Write;
+use std::path::Path;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use unshard::scan::UnsafeCall;
 use unshard::Error;
@@ -23,8 +25,14 @@ pub struct RefuseArg {
     pub refuse_unsafe: bool,
 }
 
+/// Whether [`warn`] has reported anything in this run.
+static WARNED: AtomicBool = AtomicBool::new(false);
+
 /// Prints one warning per file, listing each callable (never silenced).
 pub fn warn(calls: &[UnsafeCall]) {
+    if !calls.is_empty() {
+        WARNED.store(true, Ordering::Relaxed);
+    }
     let mut err = std::io::stderr().lock();
     let mut i = 0;
     while let Some(first) = calls.get(i) {
@@ -47,6 +55,19 @@ pub fn warn(calls: &[UnsafeCall]) {
             err,
             "hint: do not load this file with torch.load(weights_only=False); `unshard scan` lists every call; --refuse-unsafe refuses such files"
         );
+    }
+}
+
+/// After a command failed before its inputs' calls were reported (the pickle
+/// broke, or holds no tensors), scans the input files given (not directories,
+/// which may be large) and warns about what they would run: `torch.load` runs a
+/// pickle's calls up to where it breaks.
+pub fn after_error(paths: &[&Path]) {
+    if WARNED.load(Ordering::Relaxed) {
+        return;
+    }
+    for path in paths.iter().filter(|p| p.is_file()) {
+        warn(&unshard::scan::scan_file(path).unsafe_calls);
     }
 }
 

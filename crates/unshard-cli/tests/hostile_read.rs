@@ -233,3 +233,40 @@ fn the_memo_dag_and_getattr_chains_do_not_stall() {
         assert!(o.status.code().is_some(), "{file}: killed by a signal");
     }
 }
+
+#[test]
+fn a_file_unshard_cannot_merge_still_names_its_payload() {
+    // Files torch.load fails on after running the payload (persistent id,
+    // _rebuild_from_type_v2, getattr chains): whatever merge makes of them, the
+    // calls are named.
+    let mut seen = 0;
+    for c in cases() {
+        let file = c["file"].as_str().unwrap();
+        if c["expect"] != "unsafe" || !c["torch_load"]["w"].is_null() {
+            continue;
+        }
+        let input = hostile_dir().join(file);
+        let cwd = tempfile::tempdir().unwrap();
+        let out = cwd.path().join("out");
+        let o = unshard(
+            &[
+                "merge",
+                input.to_str().unwrap(),
+                "-o",
+                out.to_str().unwrap(),
+                "-q",
+            ],
+            cwd.path(),
+        );
+        let stderr = String::from_utf8_lossy(&o.stderr);
+        for want in c["callables"].as_array().unwrap() {
+            assert!(
+                stderr.contains(want.as_str().unwrap()),
+                "{file}: {want}: {stderr}"
+            );
+        }
+        assert!(!cwd.path().join(c["marker"].as_str().unwrap()).exists());
+        seen += 1;
+    }
+    assert!(seen >= 4, "{seen}");
+}

@@ -39,8 +39,15 @@ pub struct DiffArgs {
 
 /// Succeeds when the two inputs are identical, fails when they differ.
 pub fn run(args: DiffArgs) -> anyhow::Result<Status> {
-    let a = source::open(&args.a, &OpenOptions::default())?;
-    let b = source::open(&args.b, &OpenOptions::default())?;
+    let paths = [args.a.as_path(), args.b.as_path()];
+    let open = |p| source::open(p, &OpenOptions::default());
+    let (a, b) = match (open(&args.a), open(&args.b)) {
+        (Ok(a), Ok(b)) => (a, b),
+        (Err(e), _) | (_, Err(e)) => {
+            unsafe_report::after_error(&paths);
+            return Err(e.into());
+        }
+    };
     let calls: Vec<_> = a
         .unsafe_calls
         .iter()

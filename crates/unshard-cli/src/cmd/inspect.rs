@@ -30,7 +30,8 @@ pub struct InspectArgs {
 }
 
 pub fn run(args: InspectArgs) -> anyhow::Result<Status> {
-    let ckpt = source::open(&args.path, &OpenOptions { key: args.key.key })?;
+    let ckpt = source::open(&args.path, &OpenOptions { key: args.key.key })
+        .inspect_err(|_| crate::unsafe_report::after_error(&[args.path.as_path()]))?;
     let stats = if args.stats {
         Some(unshard::stats::checkpoint_stats(&ckpt)?)
     } else {

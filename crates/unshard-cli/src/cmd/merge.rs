@@ -70,7 +70,11 @@ pub fn run(args: MergeArgs) -> anyhow::Result<Status> {
         on_unsafe: Some(unsafe_report::warn),
     };
     let progress = Bar::new(!args.quiet && std::io::stderr().is_terminal());
-    let outcome = merge::merge(&opts, &progress)?;
+    let outcome = merge::merge(&opts, &progress).inspect_err(|_| {
+        let base = opts.base.as_deref().into_iter();
+        let paths: Vec<&std::path::Path> = base.chain([opts.checkpoint.as_path()]).collect();
+        unsafe_report::after_error(&paths);
+    })?;
     if !args.quiet {
         let mut err = std::io::stderr().lock();
         print_summary(&mut err, &opts, &outcome)?;

@@ -52,7 +52,8 @@ pub fn run(args: VerifyArgs) -> anyhow::Result<Status> {
         ..MergeOptions::default()
     };
     let progress = Bar::new(!args.quiet && std::io::stderr().is_terminal());
-    let report = verify::verify_against(&opts, &progress)?;
+    let report = verify::verify_against(&opts, &progress)
+        .inspect_err(|_| unsafe_report::after_error(&[opts.checkpoint.as_path()]))?;
     let mut out = std::io::stdout().lock();
     if args.json.json {
         serde_json::to_writer_pretty(&mut out, &to_json(&report))?;
