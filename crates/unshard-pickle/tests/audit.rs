@@ -147,6 +147,11 @@ fn chains_that_produce_a_callable_are_rendered() {
     // functools.partial(posix.system, 'id')() and getattr(__import__('os'), 'system')('id')
     let partial = b"\x80\x02cfunctools\npartial\ncposix\nsystem\nX\x02\x00\x00\x00id\x86R)R.";
     let a = audit_bytes(partial);
+    let p = parse(partial).unwrap();
+    assert_eq!(
+        unshard_pickle::audit::chain(&p, p.root()),
+        "functools.partial(posix.system, 'id')()"
+    );
     assert!(
         names(&a).contains(&"functools.partial(posix.system, 'id')".to_string()),
         "{a:?}"

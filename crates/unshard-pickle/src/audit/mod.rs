@@ -276,6 +276,20 @@ fn is_allowed_global(p: &Pickle, id: NodeId) -> bool {
     matches!(p.get(id), Value::Global(g) if names::allowed(&g.module, &g.name))
 }
 
+/// A node as the chain of calls that produces it, bounded in depth and length:
+/// `functools.partial(posix.system)`, `posix.system('id')`, `torch.Size((2, 3))` is
+/// shown as `torch.Size(<tuple>)`. For messages that name what an opaque object is.
+pub fn chain(p: &Pickle, id: NodeId) -> String {
+    let mut chain = Chain {
+        p,
+        out: String::new(),
+        verdict: Verdict::Unknown,
+        globals: Vec::new(),
+    };
+    chain.render(id, 0);
+    chain.out
+}
+
 /// Renders a callable (a global, or an object made by calls) as a bounded chain and
 /// notes the globals in it.
 struct Chain<'a> {
