@@ -108,6 +108,10 @@ pub(crate) struct Machine<'a> {
     /// Offset of the opcode being executed, for the trace.
     at: usize,
     trace: Trace,
+    /// Calls of a global already logged, by (callable, opcode, first argument if it
+    /// is a global): a state dict calls `_rebuild_tensor_v2` once per tensor and a DCP
+    /// `.metadata` a dataclass millions of times; the audit needs each once.
+    logged_calls: std::collections::HashSet<(u32, u8, u32)>,
     /// `copyreg.add_extension(module, name, code)` calls made so far: code -> name.
     extensions: HashMap<i64, (String, String)>,
 }
@@ -147,6 +151,7 @@ impl<'a> Machine<'a> {
                 .saturating_add(COPY_ALLOWANCE),
             at: 0,
             trace: Trace::default(),
+            logged_calls: std::collections::HashSet::new(),
             extensions: HashMap::new(),
         }
     }
@@ -975,6 +980,22 @@ impl<'a> Machine<'a> {
 
     /// Records that the opcode being executed would call `callable` with `args`.
     fn log_call(&mut self, callable: NodeId, args: NodeId) -> Result<()> {
+        if let Some(Value::Global(_)) = self.node(callable) {
+            let first = match self.node(args) {
+                Some(Value::Tuple(items)) => items.first().copied(),
+                _ => None,
+            };
+            let first_global = match first.and_then(|f| self.node(f)) {
+                Some(Value::Global(_)) => first.map_or(u32::MAX, |f| f.0),
+                _ => u32::MAX,
+            };
+            if !self
+                .logged_calls
+                .insert((callable.0, self.op, first_global))
+            {
+                return Ok(());
+            }
+        }
         self.charge_items(1)?;
         try_grow(&mut self.trace.calls)?;
         self.trace.calls.push(CallSite {

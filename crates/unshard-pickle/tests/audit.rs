@@ -227,3 +227,30 @@ fn limits_left_after_one_pickle_bound_the_next() {
         .expect_err("over the file's budget");
     assert!(matches!(e.kind, ErrorKind::LimitExceeded { .. }), "{e}");
 }
+
+#[test]
+fn repeated_calls_of_a_global_are_logged_once_unless_their_function_argument_differs() {
+    // 1000 x OrderedDict(), then _rebuild_from_type_v2 with torch's own function and
+    // then with posix.system as its first argument.
+    let mut data = b"\x80\x02ccollections\nOrderedDict\nq\x00".to_vec();
+    for _ in 0..1000 {
+        data.extend(b"h\x00)R0");
+    }
+    let rebuild = |func: &[u8]| {
+        let mut v = b"ctorch._tensor\n_rebuild_from_type_v2\n(".to_vec();
+        v.extend(func);
+        v.extend(b"ctorch\nTensor\n)}tR0");
+        v
+    };
+    data.extend(rebuild(b"ctorch._utils\n_rebuild_tensor_v2\n"));
+    data.extend(rebuild(b"cposix\nsystem\n"));
+    data.extend(b"N.");
+    let p = parse(&data).unwrap();
+    assert_eq!(p.trace().calls.len(), 3);
+    let a = audit(&p);
+    assert_eq!(names(&a), ["posix.system"]);
+    assert_eq!(
+        a.findings[0].route,
+        "REDUCE via torch._tensor._rebuild_from_type_v2"
+    );
+}
