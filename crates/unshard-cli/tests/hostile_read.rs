@@ -121,6 +121,10 @@ fn inspect_lists_the_calls_in_text_and_json() {
         let text = unshard(&["inspect", input.to_str().unwrap()], cwd.path());
         let json = unshard(&["inspect", input.to_str().unwrap(), "--json"], cwd.path());
         assert!(text.status.success() && json.status.success(), "{file}");
+        assert!(
+            !text.stdout.contains(&0x1b),
+            "{file}: raw ESC in the output"
+        );
         let text = String::from_utf8_lossy(&text.stdout);
         let section = text
             .split_once("would run under torch.load")

@@ -81,7 +81,11 @@ fn print_stats(w: &mut dyn Write, ckpt: &Checkpoint, stats: &[TensorStats]) -> s
         write!(
             w,
             "  {:name_w$}  {:>12.5e}  {:>12.5e}  {:>12.5e}  {:>12.5e}",
-            t.name, s.mean, s.std, s.min, s.max
+            printable(&t.name),
+            s.mean,
+            s.std,
+            s.min,
+            s.max
         )?;
         if s.nan + s.inf > 0 {
             write!(w, "  {} NaN, {} inf", s.nan, s.inf)?;
@@ -154,7 +158,7 @@ fn print_table(w: &mut dyn Write, ckpt: &Checkpoint) -> std::io::Result<()> {
         write!(
             w,
             "  {:name_w$}  {:8}  {:shape_w$}  {:>10}",
-            t.name,
+            printable(&t.name),
             t.dtype.safetensors_name(),
             shape,
             human_bytes(t.nbytes())
@@ -186,11 +190,13 @@ fn print_table(w: &mut dyn Write, ckpt: &Checkpoint) -> std::io::Result<()> {
             .unwrap_or(0)
             .min(48);
         for e in &ckpt.extras {
-            writeln!(w, "  {:ew$}  {}", e.name, e.kind)?;
+            // Keys come from the file: a key holding ESC[1A ESC[2K would erase the
+            // line above (a payload's) from a terminal.
+            writeln!(w, "  {:ew$}  {}", printable(&e.name), printable(&e.kind))?;
         }
     }
     for n in &ckpt.notes {
-        writeln!(w, "note: {n}")?;
+        writeln!(w, "note: {}", printable(n))?;
     }
     print_unsafe(w, ckpt)
 }
