@@ -254,3 +254,26 @@ fn repeated_calls_of_a_global_are_logged_once_unless_their_function_argument_dif
         "REDUCE via torch._tensor._rebuild_from_type_v2"
     );
 }
+
+#[test]
+fn a_pickle_inside_bytes_given_to_pickle_loads_is_audited_too() {
+    // pickle.loads(b"<posix.system('id')>"): the inner call is named, with its route.
+    let inner = b"\x80\x02cposix\nsystem\nX\x02\x00\x00\x00id\x85R.";
+    let mut data = b"\x80\x02cpickle\nloads\nC".to_vec();
+    data.push(u8::try_from(inner.len()).unwrap());
+    data.extend(inner);
+    data.extend(b"\x85R.");
+    let a = audit_bytes(&data);
+    let hit = a
+        .findings
+        .iter()
+        .find(|f| f.callable == "posix.system")
+        .unwrap_or_else(|| panic!("{a:?}"));
+    // Inner: PROTO (2), GLOBAL (14), BINUNICODE (7), TUPLE1 (1): REDUCE at 24.
+    assert_eq!(
+        hit.route,
+        "REDUCE at byte 24 of a pickle passed to pickle.loads"
+    );
+    assert_eq!(hit.verdict, Verdict::Dangerous);
+    assert!(names(&a).contains(&"pickle.loads".to_string()));
+}

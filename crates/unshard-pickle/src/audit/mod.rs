@@ -18,6 +18,7 @@
 //! findings are kept (the rest are counted).
 
 pub mod names;
+mod nested;
 
 use std::collections::{HashMap, HashSet};
 use std::fmt::Write;
@@ -106,8 +107,13 @@ const CALLS_ARGUMENT: &[(&str, &str, usize)] = &[
     ("copy_reg", "__newobj_ex__", 0),
 ];
 
-/// Classifies every global and call of a pickle (see the module docs).
+/// Classifies every global and call of a pickle (see the module docs), and of the
+/// pickles it hands to `pickle.loads`, `numpy.load` and the like.
 pub fn audit(p: &Pickle) -> Audit {
+    audit_at(p, 0)
+}
+
+fn audit_at(p: &Pickle, depth: usize) -> Audit {
     let extensions = p
         .trace()
         .globals
@@ -120,6 +126,8 @@ pub fn audit(p: &Pickle) -> Audit {
         audit: Audit::default(),
         seen: HashSet::new(),
         called: HashSet::new(),
+        depth,
+        nested_seen: HashSet::new(),
     };
     auditor.calls();
     auditor.globals();
@@ -138,6 +146,10 @@ struct Auditor<'a> {
     /// Global nodes reported as called (or inside a reported chain), so that they are
     /// not reported again as merely named.
     called: HashSet<NodeId>,
+    /// How many pickles this one is inside.
+    depth: usize,
+    /// Bytes nodes already looked into for a nested pickle.
+    nested_seen: HashSet<NodeId>,
 }
 
 impl Auditor<'_> {
@@ -145,6 +157,11 @@ impl Auditor<'_> {
         let p = self.p;
         for call in &p.trace().calls {
             let route = self.route_of(call.opcode, call.callable);
+            if self.depth < nested::MAX_NESTING {
+                if let Some(loader) = nested::loader(p, call.callable) {
+                    self.nested(&loader, call.args, call.offset);
+                }
+            }
             match p.get(call.callable) {
                 Value::Global(g) if names::allowed(&g.module, &g.name) => {
                     self.called.insert(call.callable);
@@ -235,6 +252,25 @@ impl Auditor<'_> {
         match self.extensions.get(&callable) {
             Some(&(ext, code)) => format!("{} (code {code}) + {call}", opcode_name(ext)),
             None => call,
+        }
+    }
+
+    /// Reports what the pickles handed to `loader` would run, at the loader call's
+    /// offset, with the inner route and offset in the route.
+    fn nested(&mut self, loader: &str, args: NodeId, offset: usize) {
+        for inner in nested::pickles_in_args(self.p, args, &mut self.nested_seen) {
+            let found = audit_at(&inner, self.depth + 1);
+            for f in found.findings {
+                self.push(Finding {
+                    route: format!(
+                        "{} at byte {} of a pickle passed to {loader}",
+                        f.route, f.offset
+                    ),
+                    offset,
+                    ..f
+                });
+            }
+            self.audit.omitted += found.omitted;
         }
     }
 
