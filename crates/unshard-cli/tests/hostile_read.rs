@@ -175,7 +175,6 @@ fn a_clean_file_gets_no_warning_and_an_empty_unsafe_array() {
 }
 
 #[test]
-#[ignore = "the zip reader changes land with the byte-source readers"]
 fn archive_ambiguities_are_errors_and_deflated_records_are_read() {
     let cwd = tempfile::tempdir().unwrap();
     for c in cases() {
@@ -216,7 +215,6 @@ fn archive_ambiguities_are_errors_and_deflated_records_are_read() {
 }
 
 #[test]
-#[ignore = "the tensor-dict search change lands with the byte-source readers"]
 fn the_memo_dag_and_getattr_chains_do_not_stall() {
     let cwd = tempfile::tempdir().unwrap();
     for file in [

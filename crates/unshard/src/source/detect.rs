@@ -102,9 +102,16 @@ fn from_payload(
     path: &Path,
     format: Format,
     blob: Arc<Blob>,
-    payload: torch::TorchPayload,
+    mut payload: torch::TorchPayload,
     opts: &OpenOptions,
 ) -> Result<Checkpoint> {
+    // Deflated storage records, inflated in memory, are read as a second file.
+    let mut files = vec![blob];
+    if !payload.inflated.is_empty() {
+        let bytes = std::mem::take(&mut payload.inflated);
+        files.push(Arc::new(Blob::owned(path.to_path_buf(), bytes)));
+        payload.inflated_file = Some(1);
+    }
     let found = torch::find_tensors(&payload.pickle, path, opts.key.as_deref())?;
     let tensors = torch::plain_sources(&payload, 0, &found)?;
     let mut notes = Vec::new();
@@ -114,7 +121,7 @@ fn from_payload(
     Ok(Checkpoint {
         format,
         path: path.to_path_buf(),
-        files: vec![blob],
+        files,
         key: found.key,
         tensors,
         extras: found.extras,

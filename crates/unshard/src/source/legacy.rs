@@ -109,6 +109,7 @@ pub fn read_legacy_payload(path: &Path, data: &[u8]) -> Result<TorchPayload> {
             StorageLoc {
                 offset: start,
                 len: bytes,
+                inflated: false,
             },
         );
         pos = end;
@@ -119,5 +120,7 @@ pub fn read_legacy_payload(path: &Path, data: &[u8]) -> Result<TorchPayload> {
         storages,
         big_endian,
         unsafe_calls,
+        inflated: Vec::new(),
+        inflated_file: None,
     })
 }

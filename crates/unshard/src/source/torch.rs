@@ -28,7 +28,16 @@ const MAX_DEPTH: usize = 64;
 pub struct StorageLoc {
     pub offset: u64,
     pub len: u64,
+    /// The record was deflated: `offset` is into [`TorchPayload::inflated`].
+    pub inflated: bool,
 }
+
+/// Most bytes of deflated storage records inflated into memory for one archive.
+/// torch writes stored records; deflated ones come from archives repacked by a zip
+/// tool, and are read (torch reads them) as long as they fit.
+const MAX_INFLATED_STORAGES: u64 = 2 << 30;
+/// Most bytes a deflated pickle or byte-order record may inflate to.
+const MAX_INFLATED_RECORD: u64 = 1 << 30;
 
 /// A parsed `torch.save` payload: the pickle and where its storages are.
 #[derive(Debug)]
@@ -39,6 +48,11 @@ pub struct TorchPayload {
     pub big_endian: bool,
     /// What the file's pickles would run under `torch.load` (never run here).
     pub unsafe_calls: Vec<crate::scan::UnsafeCall>,
+    /// The deflated storage records, inflated back to back (empty if none).
+    pub inflated: Vec<u8>,
+    /// The file id under which the caller holds `inflated` as a blob; storages in it
+    /// cannot be read until it is set.
+    pub inflated_file: Option<FileId>,
 }
 
 /// A tensor as torch rebuilds it: a strided view of a storage.
@@ -108,6 +122,22 @@ fn payload_from_index(
             })
         }
     };
+    // Two records of one name: torch reads the first, other zip readers the last, so
+    // the file does not say which tensor (or which pickle) it holds.
+    let mut names = std::collections::HashSet::new();
+    if let Some(dup) = index
+        .entries
+        .iter()
+        .find(|e| !names.insert(e.name.as_str()))
+    {
+        return Err(Error::corrupt(
+            path,
+            format!(
+                "the archive holds two records named '{}': torch reads one, other zip readers the other, so it is ambiguous which it holds; re-save the file with torch.save",
+                dup.name
+            ),
+        ));
+    }
     let has = |name: &str| index.find(&format!("{prefix}/{name}")).is_some();
     if has("constants.pkl")
         || index
@@ -128,16 +158,12 @@ fn payload_from_index(
             found: format!("a zip archive without {pkl_name}"),
         });
     };
-    let pkl_bytes = index
-        .stored_bytes(data, pkl)
-        .map_err(|e| Error::corrupt(path, e.0))?;
+    let pkl_bytes = record(data, pkl).map_err(|e| Error::corrupt(path, e.0))?;
     let big_endian = match index.find(&format!("{prefix}/byteorder")) {
         None => false,
         Some(e) => {
-            let b = index
-                .stored_bytes(data, e)
-                .map_err(|e| Error::corrupt(path, e.0))?;
-            match b {
+            let b = record(data, e).map_err(|e| Error::corrupt(path, e.0))?;
+            match &b[..] {
                 b"little" => false,
                 b"big" => true,
                 other => {
@@ -152,33 +178,41 @@ fn payload_from_index(
             }
         }
     };
-    let pickle = unshard_pickle::parse(pkl_bytes).map_err(|source| Error::Pickle {
+    let pickle = unshard_pickle::parse(&pkl_bytes).map_err(|source| Error::Pickle {
         path: path.to_path_buf(),
         entry: pkl_name.clone(),
         source,
     })?;
     let data_prefix = format!("{prefix}/data/");
     let mut storages = HashMap::new();
+    let mut inflated = Vec::new();
     for e in &index.entries {
         if let Some(key) = e.name.strip_prefix(&data_prefix) {
-            if e.method != super::zip::METHOD_STORED {
-                return Err(Error::corrupt(
-                    path,
-                    format!(
-                        "storage record '{}' is compressed; torch writes stored entries only",
-                        e.name
-                    ),
-                ));
-            }
-            storages.insert(
-                key.to_string(),
+            let loc = if e.method == super::zip::METHOD_STORED {
                 StorageLoc {
                     offset: base + e.data_offset,
                     len: e.size,
-                },
-            );
+                    inflated: false,
+                }
+            } else {
+                let total = (inflated.len() as u64).saturating_add(e.size);
+                if total > MAX_INFLATED_STORAGES {
+                    return Err(Error::corrupt(path, format!("the archive's compressed storage records hold more than {MAX_INFLATED_STORAGES} bytes, which unshard will not hold in memory; unzip and re-zip it without compression (zip -0), or re-save it with torch.save")));
+                }
+                let bytes = super::zip::inflate(data, e, MAX_INFLATED_STORAGES)
+                    .map_err(|err| Error::corrupt(path, err.0))?;
+                let loc = StorageLoc {
+                    offset: inflated.len() as u64,
+                    len: e.size,
+                    inflated: true,
+                };
+                inflated.extend_from_slice(&bytes);
+                loc
+            };
+            storages.insert(key.to_string(), loc);
         }
     }
+    check_storage_sizes(&pickle, &storages).map_err(|m| Error::corrupt(path, m))?;
     let (unsafe_calls, _) = crate::scan::audit_pickle(path, &pkl_name, &pickle);
     Ok(TorchPayload {
         path: path.to_path_buf(),
@@ -186,7 +220,66 @@ fn payload_from_index(
         storages,
         big_endian,
         unsafe_calls,
+        inflated,
+        inflated_file: None,
     })
+}
+
+/// A record's bytes: borrowed when stored, inflated when deflated (torch reads both).
+fn record<'a>(
+    data: &'a [u8],
+    e: &super::zip::ZipEntry,
+) -> std::result::Result<std::borrow::Cow<'a, [u8]>, super::zip::ZipError> {
+    if e.method == super::zip::METHOD_DEFLATED {
+        return super::zip::inflate(data, e, MAX_INFLATED_RECORD).map(std::borrow::Cow::Owned);
+    }
+    ZipIndex::default()
+        .stored_bytes(data, e)
+        .map(std::borrow::Cow::Borrowed)
+}
+
+/// Each storage's declared element count (in its persistent id) against the size of
+/// its record: torch refuses a file where they differ, and a reader that trusted
+/// either would read something else than torch.
+fn check_storage_sizes(
+    p: &Pickle,
+    storages: &HashMap<String, StorageLoc>,
+) -> std::result::Result<(), String> {
+    for id in p.ids() {
+        let Value::PersistentId(pid) = p.get(id) else {
+            continue;
+        };
+        let Some(t) = seq_of(p, *pid) else { continue };
+        if t.len() < 5 || str_of(p, t[0]) != Some("storage") {
+            continue;
+        }
+        let key = match p.get(t[2]) {
+            Value::Str(s) => s.clone(),
+            Value::Int(i) => i.to_string(),
+            _ => continue,
+        };
+        let class = global_of(p, t[1]).map(|g| g.1).unwrap_or("?");
+        let size = if class == "UntypedStorage" {
+            Some(1)
+        } else {
+            DType::from_storage_class(class).map(|d| d.size() as u64)
+        };
+        let (Some(size), Some(numel), Some(loc)) = (
+            size,
+            int_of(p, t[4]).and_then(|n| u64::try_from(n).ok()),
+            storages.get(&key),
+        ) else {
+            continue;
+        };
+        if numel.checked_mul(size) != Some(loc.len) {
+            return Err(format!(
+                "storage '{key}' declares {numel} elements of {class} ({} bytes) but its record holds {} bytes; torch refuses this file too",
+                numel.saturating_mul(size),
+                loc.len
+            ));
+        }
+    }
+    Ok(())
 }
 
 /// Accessors over pickle values that fail softly.
@@ -558,6 +651,17 @@ impl TorchPayload {
         let elem = t.dtype.size() as u64;
         check_view(&t.shape, &t.strides, elem, t.offset, loc.len)
             .map_err(|m| Error::bad_tensor(&self.path, name, m))?;
+        let file = match (loc.inflated, self.inflated_file) {
+            (false, _) => file,
+            (true, Some(inflated)) => inflated,
+            (true, None) => {
+                return Err(Error::bad_tensor(
+                    &self.path,
+                    name,
+                    format!("its storage record '{}' is compressed, which is read in single torch.save files only; unzip and re-zip the archive without compression (zip -0)", t.key),
+                ))
+            }
+        };
         Ok(Piece {
             file,
             byte_offset: loc.offset + t.offset * elem,
@@ -598,11 +702,11 @@ pub fn find_tensors(p: &Pickle, path: &Path, key: Option<&str>) -> Result<Found>
             navigate(p, path, root, k, &mut extras)?,
             Some(k.to_string()),
         ),
-        _ => match auto_find(p, root, "", 0, &mut extras)? {
+        _ => match auto_find(p, root, "", 0, &mut extras, &mut Search::default())? {
             Some((d, k)) => (d, k),
             None => {
                 let mut candidates = Vec::new();
-                any_tensor_dicts(p, root, "", 0, &mut candidates);
+                any_tensor_dicts(p, root, "", 0, &mut candidates, &mut Search::default());
                 return Err(match candidates.len() {
                     0 | 1 => Error::NoTensors {
                         path: path.to_path_buf(),
@@ -673,6 +777,46 @@ fn join(prefix: &str, key: &str) -> String {
     }
 }
 
+/// Dict entries a search for the tensor dict may look at in all. Real checkpoints
+/// hold a few thousand entries around their tensors; a hostile nest of shared dicts
+/// stops here instead of running for days.
+const SEARCH_BUDGET: usize = 4_000_000;
+
+/// The state of one search for the tensor dict: the dict nodes already visited (a
+/// node shared through the memo is looked at once, not once per path to it: 16 keys
+/// pointing at the same next layer, 8 layers deep, would be 16^8 paths) and the work
+/// left.
+#[derive(Default)]
+struct Search {
+    visited: std::collections::HashSet<NodeId>,
+    /// Whether a dict holds tensors, for dicts already looked at (a dict many
+    /// entries point at is scanned once).
+    holds_tensors: HashMap<NodeId, bool>,
+    spent: usize,
+}
+
+impl Search {
+    /// Marks a dict of `len` entries as visited; false if it was already, or if the
+    /// budget is spent.
+    fn visit(&mut self, id: NodeId, len: usize) -> bool {
+        self.spent = self.spent.saturating_add(len);
+        self.spent <= SEARCH_BUDGET && self.visited.insert(id)
+    }
+
+    /// [`dict_has_tensors`], scanned once per dict and charged to the budget.
+    fn has_tensors(&mut self, p: &Pickle, id: NodeId) -> bool {
+        if let Some(&known) = self.holds_tensors.get(&id) {
+            return known;
+        }
+        self.spent = self
+            .spent
+            .saturating_add(dict_of(p, id).map_or(0, <[_]>::len));
+        let known = self.spent <= SEARCH_BUDGET && dict_has_tensors(p, id);
+        self.holds_tensors.insert(id, known);
+        known
+    }
+}
+
 /// Top level, then wrapper keys (recursively), then a unique nested tensor dict.
 fn auto_find(
     p: &Pickle,
@@ -680,11 +824,12 @@ fn auto_find(
     at: &str,
     depth: usize,
     extras: &mut Vec<Extra>,
+    search: &mut Search,
 ) -> Result<Option<(NodeId, Option<String>)>> {
-    if depth > 6 {
+    if depth > 6 || !search.visit(id, dict_of(p, id).map_or(0, <[_]>::len)) {
         return Ok(None);
     }
-    if dict_has_tensors(p, id) {
+    if search.has_tensors(p, id) {
         return Ok(Some((id, (!at.is_empty()).then(|| at.to_string()))));
     }
     let Some(items) = dict_of(p, id) else {
@@ -693,7 +838,8 @@ fn auto_find(
     for wk in WRAPPER_KEYS {
         if let Some(child) = dict_get(p, id, wk) {
             let mut inner = Vec::new();
-            if let Some(found) = auto_find(p, child, &join(at, wk), depth + 1, &mut inner)? {
+            if let Some(found) = auto_find(p, child, &join(at, wk), depth + 1, &mut inner, search)?
+            {
                 push_siblings(p, items, wk, at, extras);
                 extras.extend(inner);
                 return Ok(Some(found));
@@ -701,7 +847,13 @@ fn auto_find(
         }
     }
     let mut candidates = Vec::new();
-    any_tensor_dicts(p, id, at, depth, &mut candidates);
+    // A search of its own: dicts the wrapper-key walk visited may hold tensors.
+    let mut nested = Search {
+        spent: search.spent,
+        ..Search::default()
+    };
+    any_tensor_dicts(p, id, at, depth, &mut candidates, &mut nested);
+    search.spent = nested.spent;
     if candidates.len() == 1 {
         let key = candidates.remove(0);
         let mut node = id;
@@ -741,19 +893,30 @@ fn push_siblings(
     }
 }
 
-/// Dotted paths of every nested dict holding tensors directly.
-fn any_tensor_dicts(p: &Pickle, id: NodeId, at: &str, depth: usize, out: &mut Vec<String>) {
+/// Dotted paths of every nested dict holding tensors directly (each dict node once,
+/// under the first path that reaches it).
+fn any_tensor_dicts(
+    p: &Pickle,
+    id: NodeId,
+    at: &str,
+    depth: usize,
+    out: &mut Vec<String>,
+    search: &mut Search,
+) {
     if depth > 6 || out.len() > 16 {
         return;
     }
     let Some(items) = dict_of(p, id) else { return };
+    if !search.visit(id, items.len()) {
+        return;
+    }
     for (k, v) in items {
         let Some(name) = str_of(p, *k) else { continue };
         let path = join(at, name);
-        if dict_has_tensors(p, *v) {
+        if search.has_tensors(p, *v) {
             out.push(path);
         } else {
-            any_tensor_dicts(p, *v, &path, depth + 1, out);
+            any_tensor_dicts(p, *v, &path, depth + 1, out, search);
         }
     }
 }
