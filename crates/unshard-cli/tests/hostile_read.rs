@@ -272,3 +272,47 @@ fn a_file_unshard_cannot_merge_still_names_its_payload() {
     }
     assert!(seen >= 4, "{seen}");
 }
+
+#[test]
+fn payloads_in_dcp_items_and_base_weights_are_named() {
+    let cwd = tempfile::tempdir().unwrap();
+    // A DCP checkpoint whose non-tensor item is a payload.
+    let dcp = hostile_dir().join("dcp_payload");
+    let o = unshard(&["inspect", dcp.to_str().unwrap(), "--json"], cwd.path());
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    let calls = v["unsafe"].as_array().unwrap();
+    assert!(
+        calls.iter().any(|u| u["callable"] == "posix.system"),
+        "{calls:?}"
+    );
+    // A base directory whose pytorch_model.bin carries one: merge names it.
+    let base = cwd.path().join("base");
+    std::fs::create_dir(&base).unwrap();
+    std::fs::copy(
+        hostile_dir().join("metrics_os_system.pt"),
+        base.join("pytorch_model.bin"),
+    )
+    .unwrap();
+    let out = cwd.path().join("out");
+    let clean = hostile_dir().join("clean.pt");
+    let o = unshard(
+        &[
+            "merge",
+            clean.to_str().unwrap(),
+            "--base",
+            base.to_str().unwrap(),
+            "-o",
+            out.to_str().unwrap(),
+            "-q",
+            "--refuse-unsafe",
+        ],
+        cwd.path(),
+    );
+    let stderr = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.contains("pytorch_model.bin") && stderr.contains("posix.system"),
+        "{stderr}"
+    );
+    assert!(!out.exists());
+}

@@ -88,6 +88,8 @@ struct Metadata {
     entries: Vec<Entry>,
     /// `(fqn, chunk offsets)` → item. Byte entries have no offsets.
     items: HashMap<(String, Option<Vec<u64>>), Item>,
+    /// What the `.metadata` pickle would run under `torch.load`.
+    unsafe_calls: Vec<crate::scan::UnsafeCall>,
 }
 
 /// Chunk archives up to this size are read into memory with one positioned read to be
@@ -126,6 +128,7 @@ fn open_with(dir: &Path, opts: &OpenOptions, small_archive: u64) -> Result<Check
         asked: 0,
         parsed: 0,
         small_archive,
+        unsafe_calls: Vec::new(),
     };
     reader.plan_prefetch(&md, &selection.tensors);
     let mut tensors = Vec::with_capacity(selection.tensors.len());
@@ -142,6 +145,8 @@ fn open_with(dir: &Path, opts: &OpenOptions, small_archive: u64) -> Result<Check
         }
     }
     extras.extend(selection.extras);
+    let mut unsafe_calls = md.unsafe_calls.clone();
+    unsafe_calls.append(&mut reader.unsafe_calls);
     Ok(Checkpoint {
         format: Format::Dcp,
         path: dir.to_path_buf(),
@@ -150,7 +155,7 @@ fn open_with(dir: &Path, opts: &OpenOptions, small_archive: u64) -> Result<Check
         tensors,
         extras,
         notes: selection.notes,
-        unsafe_calls: Vec::new(),
+        unsafe_calls,
     })
 }
 
@@ -255,7 +260,12 @@ fn parse_metadata(path: &Path, raw: &[u8]) -> Result<Metadata> {
             .map_err(|m| corrupt(format!("the storage entry of '{fqn}': {m}")))?;
         items.insert((fqn, offsets), item);
     }
-    Ok(Metadata { entries, items })
+    let (unsafe_calls, _) = crate::scan::audit_pickle(path, ".metadata", &p);
+    Ok(Metadata {
+        entries,
+        items,
+        unsafe_calls,
+    })
 }
 
 fn entry_kind(p: &Pickle, id: NodeId) -> std::result::Result<EntryKind, String> {
@@ -518,6 +528,8 @@ struct Reader<'a> {
     parsed: usize,
     /// See [`SMALL_ARCHIVE`].
     small_archive: u64,
+    /// What the chunk archives' pickles would run under `torch.load`.
+    unsafe_calls: Vec<crate::scan::UnsafeCall>,
 }
 
 /// Chunk archives whose ends are asked for ahead of the parse.
@@ -714,7 +726,8 @@ impl Reader<'_> {
                     hint: Some("save with the default FileSystemWriter, or convert with torch.distributed.checkpoint.format_utils.dcp_to_torch_save".into()),
                 });
             }
-            let payload = torch::read_zip_payload(&blob.path, data, offset)?;
+            let mut payload = torch::read_zip_payload(&blob.path, data, offset)?;
+            self.unsafe_calls.append(&mut payload.unsafe_calls);
             if item.transforms.is_empty() {
                 self.parsed += 1;
                 self.prefetch_more();
@@ -800,7 +813,10 @@ impl Reader<'_> {
             }
         }
         match torch::read_zip_payload(&blob.path, &data, 0) {
-            Ok(payload) => torch::describe(&payload.pickle, payload.pickle.root()),
+            Ok(mut payload) => {
+                self.unsafe_calls.append(&mut payload.unsafe_calls);
+                torch::describe(&payload.pickle, payload.pickle.root())
+            }
             Err(_) => fallback,
         }
     }

@@ -128,6 +128,7 @@ impl HfDir {
         let mut files = Vec::new();
         let mut tensors: Vec<TensorSource> = Vec::new();
         let mut notes = Vec::new();
+        let mut unsafe_calls = Vec::new();
         for (id, f) in self.weight_files.iter().enumerate() {
             let blob = Arc::new(Blob::open(f)?);
             match format {
@@ -136,13 +137,14 @@ impl HfDir {
                     tensors.extend(safetensors::sources(id, &header));
                 }
                 WeightFormat::TorchBin => {
-                    let payload = torch::read_zip_payload(f, blob.bytes(), 0).or_else(|e| {
+                    let mut payload = torch::read_zip_payload(f, blob.bytes(), 0).or_else(|e| {
                         if super::legacy::is_legacy(blob.bytes()) {
                             super::legacy::read_legacy_payload(f, blob.bytes())
                         } else {
                             Err(e)
                         }
                     })?;
+                    unsafe_calls.append(&mut payload.unsafe_calls);
                     let found = torch::find_tensors(&payload.pickle, f, None)?;
                     tensors.extend(torch::plain_sources(&payload, id, &found)?);
                 }
@@ -169,7 +171,7 @@ impl HfDir {
             tensors,
             extras: Vec::new(),
             notes,
-            unsafe_calls: Vec::new(),
+            unsafe_calls,
         }))
     }
 

@@ -213,7 +213,13 @@ fn payload_from_index(
         }
     }
     check_storage_sizes(&pickle, &storages).map_err(|m| Error::corrupt(path, m))?;
-    let (unsafe_calls, _) = crate::scan::audit_pickle(path, &pkl_name, &pickle);
+    // An archive inside a larger file (a DCP chunk) is named by where it starts.
+    let entry = if base > 0 {
+        format!("{pkl_name} of the archive at byte {base}")
+    } else {
+        pkl_name.clone()
+    };
+    let (unsafe_calls, _) = crate::scan::audit_pickle(path, &entry, &pickle);
     Ok(TorchPayload {
         path: path.to_path_buf(),
         pickle,
