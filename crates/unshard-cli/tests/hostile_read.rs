@@ -316,3 +316,31 @@ fn payloads_in_dcp_items_and_base_weights_are_named() {
     );
     assert!(!out.exists());
 }
+
+#[test]
+fn a_payload_entry_is_an_inert_object_naming_its_callable() {
+    let cwd = tempfile::tempdir().unwrap();
+    for (file, key, want) in [
+        (
+            "escape_key.pt",
+            "evil",
+            "object posix.system (not executed)",
+        ),
+        (
+            "partial.pt",
+            "cb",
+            "object functools.partial(posix.system)(...) (not executed)",
+        ),
+    ] {
+        let input = hostile_dir().join(file);
+        let o = unshard(&["inspect", input.to_str().unwrap(), "--json"], cwd.path());
+        let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+        let entry = v["non_tensor"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|e| e["name"] == key)
+            .unwrap_or_else(|| panic!("{file}: {v}"));
+        assert_eq!(entry["kind"], want, "{file}");
+    }
+}
