@@ -5,6 +5,7 @@
 use std::path::PathBuf;
 
 use clap::ValueEnum;
+use unshard::lora::AdapterOptions;
 use unshard::merge;
 use unshard::plan::{DtypeChoice, PlanOptions};
 use unshard::{DType, Error};
@@ -27,14 +28,31 @@ pub struct JsonArg {
     pub json: bool,
 }
 
-/// dtype of the floating-point tensors written.
-#[derive(Clone, Copy, Debug, ValueEnum)]
+/// dtype of the floating-point tensors written. Besides the names `--help` lists,
+/// the spellings people carry over from torch and other tools are accepted, in
+/// any case (`bf16`, `fp16`, `half`, `fp32`, `float`, `torch.bfloat16`, ...).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 pub enum DtypeArg {
     /// The base config's dtype, else the base weights', else the checkpoint's.
     Auto,
+    #[value(aliases = ["fp16", "f16", "half", "torch.float16", "torch.half"])]
     Float16,
+    #[value(aliases = ["bf16", "torch.bfloat16"])]
     Bfloat16,
+    #[value(aliases = ["fp32", "f32", "float", "torch.float32", "torch.float"])]
     Float32,
+}
+
+impl DtypeArg {
+    /// The library's dtype choice.
+    pub fn choice(self) -> DtypeChoice {
+        match self {
+            DtypeArg::Auto => DtypeChoice::Auto,
+            DtypeArg::Float16 => DtypeChoice::Fixed(DType::F16),
+            DtypeArg::Bfloat16 => DtypeChoice::Fixed(DType::BF16),
+            DtypeArg::Float32 => DtypeChoice::Fixed(DType::F32),
+        }
+    }
 }
 
 /// The options that decide what a merge writes, shared by `merge` (which writes
@@ -46,8 +64,9 @@ pub struct PlanArgs {
     #[arg(long, value_name = "DIR")]
     pub base: Option<PathBuf>,
 
-    /// dtype of the floating-point tensors written.
-    #[arg(long, value_enum, default_value = "auto")]
+    /// dtype of the floating-point tensors written (also accepted: bf16, fp16, half,
+    /// fp32, float, torch.bfloat16, ..., in any case).
+    #[arg(long, value_enum, ignore_case = true, default_value = "auto")]
     pub dtype: DtypeArg,
 
     /// Largest shard file: decimal units as transformers (5GB = 5e9 bytes), or
@@ -66,6 +85,40 @@ pub struct PlanArgs {
     /// applied after wrapper prefixes are stripped. Repeatable.
     #[arg(long, value_name = "REGEX=REPLACEMENT")]
     pub rename: Vec<String>,
+
+    #[command(flatten)]
+    pub adapter: AdapterArgs,
+}
+
+/// How a LoRA/DoRA adapter (a peft adapter directory, or a checkpoint of a
+/// peft-wrapped model) is fused into the base.
+#[derive(clap::Args, Debug)]
+pub struct AdapterArgs {
+    /// The adapter to fuse when the input holds several (peft's adapter names).
+    #[arg(long, value_name = "NAME")]
+    pub adapter: Option<String>,
+
+    /// The adapter_config.json the adapter was trained with (a file or its
+    /// directory). By default: the adapter directory's own, or the one beside the
+    /// checkpoint, in its parent, or in --base.
+    #[arg(long, value_name = "PATH")]
+    pub adapter_config: Option<PathBuf>,
+
+    /// Do not fuse: write the base weights unchanged, and the adapter in OUT/adapter/
+    /// as a peft adapter directory (with its real lora_alpha).
+    #[arg(long)]
+    pub no_fuse: bool,
+}
+
+impl AdapterArgs {
+    /// The library's adapter options.
+    pub fn options(&self) -> AdapterOptions {
+        AdapterOptions {
+            name: self.adapter.clone(),
+            config: self.adapter_config.clone(),
+            no_fuse: self.no_fuse,
+        }
+    }
 }
 
 impl PlanArgs {
@@ -87,17 +140,12 @@ impl PlanArgs {
             })?;
             renames.push((re, rep.to_string()));
         }
-        let dtype = match self.dtype {
-            DtypeArg::Auto => DtypeChoice::Auto,
-            DtypeArg::Float16 => DtypeChoice::Fixed(DType::F16),
-            DtypeArg::Bfloat16 => DtypeChoice::Fixed(DType::BF16),
-            DtypeArg::Float32 => DtypeChoice::Fixed(DType::F32),
-        };
         Ok(PlanOptions {
-            dtype,
+            dtype: self.dtype.choice(),
             strict: self.strict,
             renames,
             max_shard_size,
+            ..PlanOptions::default()
         })
     }
 }

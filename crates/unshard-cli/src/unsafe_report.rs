@@ -9,10 +9,9 @@ use std::io::Write;
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
 
-use unshard::scan::UnsafeCall;
-use unshard::Error;
+use unshard::{UnsafeCall, UnsafePolicy};
 
-use crate::cmd::scan::printable;
+use crate::text::escape;
 
 /// `--refuse-unsafe`: refuse inputs whose pickles would run code.
 #[derive(clap::Args, Debug)]
@@ -23,6 +22,17 @@ pub struct RefuseArg {
     /// --strict refuses too.
     #[arg(long)]
     pub refuse_unsafe: bool,
+}
+
+impl RefuseArg {
+    /// The library's policy: warn on stderr, and refuse if asked to (`--strict`
+    /// refuses too).
+    pub fn policy(&self, strict: bool) -> UnsafePolicy {
+        UnsafePolicy {
+            refuse: self.refuse_unsafe || strict,
+            report: Some(warn),
+        }
+    }
 }
 
 /// Whether [`warn`] has reported anything in this run.
@@ -43,10 +53,10 @@ pub fn warn(calls: &[UnsafeCall]) {
         let _ = writeln!(
             err,
             "warning: {}: its pickle would run code under torch.load (unshard ran none of it):",
-            printable(&first.path.display().to_string())
+            escape(&first.path.display().to_string())
         );
         for c in &calls[i..i + same] {
-            let _ = writeln!(err, "  {}", printable(&c.describe()));
+            let _ = writeln!(err, "  {}", escape(&c.describe()));
         }
         i += same;
     }
@@ -68,17 +78,5 @@ pub fn after_error(paths: &[&Path]) {
     }
     for path in paths.iter().filter(|p| p.is_file()) {
         warn(&unshard::scan::scan_file(path).unsafe_calls);
-    }
-}
-
-/// Warns, and refuses if asked to.
-pub fn check(calls: &[UnsafeCall], refuse: bool) -> Result<(), Error> {
-    warn(calls);
-    match calls.first() {
-        Some(first) if refuse => Err(Error::Unsafe {
-            path: first.path.clone(),
-            calls: calls.iter().map(|c| c.callable.clone()).collect(),
-        }),
-        _ => Ok(()),
     }
 }

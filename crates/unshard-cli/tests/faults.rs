@@ -7,40 +7,15 @@
 
 mod common;
 
+use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
-use common::{names, Tmpfs};
+use common::{big_checkpoint, names, Tmpfs};
 
 fn bin() -> &'static str {
     env!("CARGO_BIN_EXE_unshard")
-}
-
-/// A float32 safetensors checkpoint of `n` tensors of 1 Mi elements (4 MiB each),
-/// so that merging it to bfloat16 takes `n` windows.
-fn big_checkpoint(dir: &Path, n: usize) -> PathBuf {
-    let data: Vec<u8> = (0..(1u32 << 20))
-        .flat_map(|i| (i as f32 * 0.001).to_le_bytes())
-        .collect();
-    let names: Vec<String> = (0..n).map(|i| format!("layers.{i}.weight")).collect();
-    let views: Vec<(String, safetensors::tensor::TensorView<'_>)> = names
-        .iter()
-        .map(|name| {
-            (
-                name.clone(),
-                safetensors::tensor::TensorView::new(
-                    safetensors::Dtype::F32,
-                    vec![1024, 1024],
-                    &data,
-                )
-                .unwrap(),
-            )
-        })
-        .collect();
-    let path = dir.join("big.safetensors");
-    safetensors::serialize_to_file(views, None, &path).unwrap();
-    path
 }
 
 fn spawn_slow_merge(ckpt: &Path, out: &Path, delay_ms: u64) -> Child {
@@ -104,13 +79,70 @@ fn interrupted_run_leaves_nothing(sig: i32) {
     signal(&child, sig);
     let o = finish(child);
     let err = String::from_utf8_lossy(&o.stderr);
-    assert_eq!(o.status.code(), Some(1), "{err}");
-    assert!(err.contains("interrupted"), "{err}");
+    assert_eq!(o.status.code(), Some(128 + sig), "{err}");
+    assert!(err.contains("error: interrupted"), "{err}");
+    assert_eq!(err.matches("interrupted").count(), 1, "{err}");
     assert!(
         names(parent.path()).is_empty(),
         "left behind: {:?}",
         names(parent.path())
     );
+}
+
+/// A signal while the checkpoint is still being read (nothing staged yet) ends the
+/// run at once instead of when writing would have begun.
+fn interrupted_while_reading_exits_at_once(sig: i32) {
+    let parent = tempfile::tempdir().unwrap();
+    let out = parent.path().join("out");
+    let ckpt = common::fixtures().join("ckpt/llama_policy.pt");
+    let mut child = Command::new(bin())
+        .args(["merge", ckpt.to_str().unwrap(), out.to_str().unwrap()])
+        // The reading stage takes 20 s; without an immediate exit the run would
+        // finish (exit 0) after that.
+        .env("UNSHARD_TEST_STAGE_DELAY_MS", "20000")
+        // A plain progress line says when the reading stage has begun.
+        .env("UNSHARD_PROGRESS_INTERVAL", "0.05")
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut lines = BufReader::new(child.stderr.take().unwrap()).lines();
+    let mut err = String::new();
+    for line in lines.by_ref() {
+        let line = line.unwrap();
+        err.push_str(&line);
+        err.push('\n');
+        if line.starts_with("progress: reading ") {
+            break;
+        }
+    }
+    let sent = Instant::now();
+    signal(&child, sig);
+    for line in lines {
+        err.push_str(&line.unwrap());
+        err.push('\n');
+    }
+    let status = child.wait().unwrap();
+    let took = sent.elapsed();
+    assert_eq!(status.code(), Some(128 + sig), "{err}");
+    assert!(took < Duration::from_secs(5), "took {took:?}");
+    assert!(err.contains("error: interrupted"), "{err}");
+    assert!(err.contains("hint: nothing was written"), "{err}");
+    assert!(
+        names(parent.path()).is_empty(),
+        "left behind: {:?}",
+        names(parent.path())
+    );
+}
+
+#[test]
+fn sigint_while_reading_exits_130_at_once() {
+    interrupted_while_reading_exits_at_once(libc::SIGINT);
+}
+
+#[test]
+fn sigterm_while_reading_exits_143_at_once() {
+    interrupted_while_reading_exits_at_once(libc::SIGTERM);
 }
 
 #[test]

@@ -16,7 +16,7 @@
 //!
 //! Every global a pickle names and every call it asks for is logged with its byte
 //! offset ([`Pickle::trace`]), on every path: results discarded by `POP`, values only
-//! in the memo, `BUILD` states, persistent ids. [`audit`] classifies that log against
+//! in the memo, `BUILD` states, persistent ids. [`audit()`] classifies that log against
 //! an allowlist of what torch, DeepSpeed and the checkpoint formats legitimately use
 //! (the one place in the crate that names them) and reports everything else as code
 //! that would run under `torch.load`.

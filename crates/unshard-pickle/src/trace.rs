@@ -5,7 +5,7 @@
 //! values. Walking from the root would miss those, and they run under `pickle.load`
 //! all the same (fickling's default injection is a discarded call before the real
 //! data). So the machine logs, as it executes, each opcode that names a global and
-//! each opcode that would call something, with its byte offset. [`crate::audit`]
+//! each opcode that would call something, with its byte offset. [`crate::audit()`]
 //! classifies the log; callers that want their own policy can read it directly.
 
 use crate::NodeId;

@@ -1,183 +1,183 @@
 //! `merge`: open, plan, write, commit. The one entry point the binary calls.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
-use crate::plan::{self, BaseView, Plan, PlanOptions};
-use crate::scan::UnsafeCall;
-use crate::source::hf_dir::HfDir;
-use crate::source::{self, Checkpoint, OpenOptions};
+pub use crate::options::MergeOptions;
+pub use crate::prepare::{prepare, Base};
+
+use serde::Serialize;
+
+use crate::lora;
+use crate::plan::{Origin, Plan};
+use crate::prepare::Prepared;
+use crate::source;
 use crate::verify::{self, VerifyReport};
-use crate::write::{self, Inputs, Progress, WriteOptions, WriteSummary};
+use crate::write::{self, Progress, Sink, StagingDir, WriteOptions, WriteSummary};
+use crate::DType;
 use crate::{Error, Result};
 
-/// Everything `unshard merge` takes.
-#[derive(Clone, Debug, Default)]
-pub struct MergeOptions {
-    pub checkpoint: PathBuf,
-    pub base: Option<PathBuf>,
-    pub output: PathBuf,
-    pub open: OpenOptions,
-    pub plan: PlanOptions,
-    pub force: bool,
-    pub allow_overflow: bool,
-    /// Read the written output back and verify it before moving it into place.
-    pub verify: bool,
-    /// NaN or inf in the output is an error instead of a warning.
-    pub fail_on_nonfinite: bool,
-    /// Refuse, writing nothing, if a pickle read would run code under `torch.load`.
-    pub refuse_unsafe: bool,
-    /// Told what the pickles read would run, as soon as the inputs are read (before
-    /// any refusal), so that the user hears of it even if the merge then fails.
-    pub on_unsafe: Option<fn(&[UnsafeCall])>,
-}
-
 /// What a merge did.
-#[derive(Debug)]
+#[derive(Clone, Debug, Serialize)]
+#[serde(into = "MergeJson")]
 pub struct MergeOutcome {
+    /// What was written and why (names, dtypes, shards, the planning report).
     pub plan: Plan,
+    /// What writing saw (per-tensor NaN/inf/overflow counts, files).
     pub write: WriteSummary,
+    /// The checkpoint's format.
     pub checkpoint_format: source::Format,
+    /// Where in the checkpoint the tensors were found.
     pub checkpoint_key: Option<String>,
+    /// What the reader noticed (skipped optimizer state...).
     pub checkpoint_notes: Vec<String>,
-    /// Where the config came from, if not from `--base`.
+    /// Where the config came from, if not from the `base` option.
     pub config_from: Option<PathBuf>,
-    /// What `--verify` found (always a pass: a failure is an error).
+    /// What the `verify` option found (always a pass: a failure is an error).
     pub verified: Option<VerifyReport>,
+    /// How long the merge took.
     pub elapsed: Duration,
 }
 
-/// Reads the base directory (if any): config, weights and extra files.
-pub struct Base {
-    pub dir: HfDir,
-    pub weights: Option<Checkpoint>,
-    pub total_parameters: Option<u64>,
+/// A [`MergeOutcome`] as JSON: what a user or a script needs, not the plan's
+/// byte layout.
+#[derive(Serialize)]
+struct MergeJson {
+    checkpoint_format: &'static str,
+    checkpoint_key: Option<String>,
+    notes: Vec<String>,
+    config_from: Option<String>,
+    tensors_written: usize,
+    from_checkpoint: usize,
+    from_base: Vec<String>,
+    renamed: Vec<(String, String)>,
+    dropped: Vec<(String, String)>,
+    casts: Vec<(DType, DType, usize)>,
+    warnings: Vec<String>,
+    nonfinite: Vec<NonFinite>,
+    files: Vec<String>,
+    bytes_written: u64,
+    verified: Option<VerifyReport>,
+    seconds: f64,
 }
 
-impl Base {
-    pub fn open(path: &Path) -> Result<Base> {
-        if !path.is_dir() {
-            return Err(Error::plan(
-                format!("--base {} is not a directory", path.display()),
-                Some("pass the Hugging Face model directory the training started from (config.json, tokenizer, weights)".into()),
-            ));
+#[derive(Serialize)]
+struct NonFinite {
+    tensor: String,
+    nan: u64,
+    inf: u64,
+    overflow: u64,
+}
+
+impl From<MergeOutcome> for MergeJson {
+    fn from(o: MergeOutcome) -> Self {
+        let nonfinite = o
+            .plan
+            .tensors
+            .iter()
+            .zip(&o.write.stats)
+            .filter(|(_, s)| s.nan + s.inf + s.overflow > 0)
+            .map(|(t, s)| NonFinite {
+                tensor: t.name.clone(),
+                nan: s.nan,
+                inf: s.inf,
+                overflow: s.overflow,
+            })
+            .collect();
+        let r = o.plan.report;
+        MergeJson {
+            checkpoint_format: o.checkpoint_format.id(),
+            checkpoint_key: o.checkpoint_key,
+            notes: o.checkpoint_notes.into_iter().chain(r.notes).collect(),
+            config_from: o.config_from.map(|p| p.display().to_string()),
+            tensors_written: o.plan.tensors.len(),
+            from_checkpoint: o
+                .plan
+                .tensors
+                .iter()
+                .filter(|t| t.origin == Origin::Checkpoint)
+                .count(),
+            from_base: r.from_base,
+            renamed: r.renamed,
+            dropped: r.dropped,
+            casts: r.casts,
+            warnings: r.warnings,
+            nonfinite,
+            files: o.write.files,
+            bytes_written: o.write.bytes_written,
+            verified: o.verified,
+            seconds: o.elapsed.as_secs_f64(),
         }
-        let dir = HfDir::open(path)?;
-        let weights = dir.weights()?;
-        let total_parameters = std::fs::read_to_string(path.join("model.safetensors.index.json"))
-            .ok()
-            .and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok())
-            .and_then(|v| v.get("metadata")?.get("total_parameters")?.as_u64());
-        Ok(Base {
-            dir,
-            weights,
-            total_parameters,
-        })
-    }
-
-    pub fn view(&self) -> BaseView<'_> {
-        BaseView {
-            config: self.dir.config.as_ref(),
-            weights: self.weights.as_ref(),
-            total_parameters: self.total_parameters,
-        }
     }
 }
 
-/// Opens the checkpoint and the base and plans the merge, writing nothing.
-pub fn prepare(opts: &MergeOptions) -> Result<(Checkpoint, Option<Base>, Plan)> {
-    let ckpt = source::open(&opts.checkpoint, &opts.open)?;
-    let local = ckpt.tensors.iter().find(|t| {
-        t.layout
-            .as_deref()
-            .is_some_and(|l| l.contains(source::torch::LOCAL_SHARD))
-    });
-    if let Some(t) = local {
-        return Err(Error::plan(
-            format!(
-                "{} holds one rank's shard of distributed tensors (e.g. '{}', local shape {:?}), not the whole model",
-                opts.checkpoint.display(),
-                t.name,
-                t.shape
-            ),
-            Some("pass the directory that holds every rank's file; unshard reassembles them".into()),
-        ));
-    }
-    let base = match &opts.base {
-        Some(b) => Some(Base::open(b)?),
-        None => source::config_dir_for(&opts.checkpoint)
-            .map(|d| Base::open(&d))
-            .transpose()?,
-    };
-    check_unsafe(opts, &ckpt, base.as_ref())?;
-    let view = base.as_ref().map(Base::view).unwrap_or_default();
-    let plan = plan::plan(&ckpt, view, &opts.plan)?;
-    Ok((ckpt, base, plan))
-}
-
-/// Reports what the checkpoint's and the base's pickles would run under
-/// `torch.load`, and refuses them if asked to.
-fn check_unsafe(opts: &MergeOptions, ckpt: &Checkpoint, base: Option<&Base>) -> Result<()> {
-    let mut calls: Vec<UnsafeCall> = ckpt.unsafe_calls.clone();
-    if let Some(w) = base.and_then(|b| b.weights.as_ref()) {
-        calls.extend(w.unsafe_calls.iter().cloned());
-    }
-    let Some(first) = calls.first() else {
-        return Ok(());
-    };
-    if let Some(report) = opts.on_unsafe {
-        report(&calls);
-    }
-    if opts.refuse_unsafe {
-        return Err(Error::Unsafe {
-            path: first.path.clone(),
-            calls: calls.iter().map(|c| c.callable.clone()).collect(),
-        });
-    }
-    Ok(())
-}
-
-/// Runs a whole merge.
+/// Runs a whole merge into the local directory `opts.output`: written into a
+/// staging directory beside it, renamed into place when complete.
 pub fn merge(opts: &MergeOptions, progress: &dyn Progress) -> Result<MergeOutcome> {
-    let started = Instant::now();
-    let mut protected = vec![opts.checkpoint.clone()];
-    protected.extend(opts.base.clone());
-    let wopts = WriteOptions {
-        force: opts.force,
-        allow_overflow: opts.allow_overflow,
-        extra_files: Vec::new(),
-        protected,
-    };
     // Output problems are cheap to find: report them before reading anything.
-    let cleaned = write::check_output(&opts.output, &wopts)?;
+    let cleaned = write::check_output(&opts.output, &write_options(opts))?;
+    let open_sink = || -> Result<Box<dyn Sink>> { Ok(Box::new(StagingDir::create(&opts.output)?)) };
+    let mut outcome = merge_into(opts, progress, &open_sink)?;
+    outcome.write.cleaned = cleaned;
+    Ok(outcome)
+}
+
+/// Runs a merge into the [`Sink`] that `open_sink` makes once the plan is ready
+/// (`opts.output` is then only used in messages). What the sink wrote is
+/// committed only when everything succeeded, verification included.
+pub fn merge_into(
+    opts: &MergeOptions,
+    progress: &dyn Progress,
+    open_sink: &dyn Fn() -> Result<Box<dyn Sink>>,
+) -> Result<MergeOutcome> {
+    let started = Instant::now();
     // A checkpoint of thousands of ranks takes seconds to open: say what is going on.
     progress.stage(&format!("reading {}", opts.checkpoint.display()));
-    let (ckpt, base, mut plan) = prepare(opts)?;
+    let Prepared {
+        checkpoint: ckpt,
+        base,
+        mut plan,
+        adapter,
+    } = prepare(opts)?;
     let wopts = WriteOptions {
         extra_files: base
             .as_ref()
             .map(|b| b.dir.extra_files.clone())
             .unwrap_or_default(),
-        ..wopts
+        ..write_options(opts)
     };
-    let staging = write::create_staging(&opts.output)?;
-    let inputs = Inputs {
-        checkpoint: &ckpt,
-        base: base.as_ref().and_then(|b| b.weights.as_ref()),
+    let sink = open_sink()?;
+    let inputs = Prepared::inputs_of(&ckpt, base.as_ref());
+    // With an adapter, lora::report says whether the fuse changes anything.
+    let unchanged = match adapter {
+        Some(_) => None,
+        None => verify::unchanged_from_base(&plan, inputs, &opts.cancel)?,
     };
-    if let Some(n) = verify::unchanged_from_base(&plan, inputs)? {
+    if let Some(n) = unchanged {
         plan.report.warnings.push(format!(
             "all {n} checkpoint tensor(s) equal the base's after conversion: the output is the base model again (an adapter-only export, or a checkpoint saved before training changed anything?)"
         ));
     }
-    let mut summary = write::write_into(&plan, inputs, &staging.path, &wopts, progress)?;
-    summary.cleaned = cleaned;
+    let summary = write::write_into(&plan, inputs, sink.as_ref(), &wopts, progress)?;
+    if let Some(a) = adapter.as_deref().filter(|a| a.no_fuse()) {
+        let Some(dir) = sink.staged_dir() else {
+            return Err(Error::Usage(
+                "--no-fuse writes the adapter into a local output directory, and this output has none".into(),
+            ));
+        };
+        lora::export::write_adapter_dir(&dir.join("adapter"), a.resolved(), &ckpt.files)?;
+    }
     if opts.fail_on_nonfinite {
         verify::check_finite(&plan, &summary.stats)?;
     }
     let verified = if opts.verify {
-        verify::drop_cached(&staging.path, &plan);
-        let report = verify::verify_dir(&staging.path, &plan, inputs, &write::NoProgress)?;
+        let Some(dir) = sink.staged_dir() else {
+            return Err(Error::Usage(
+                "verifying a merge reads its output back, and this output has no local copy".into(),
+            ));
+        };
+        verify::drop_cached(dir, &plan);
+        let report = verify::verify_dir(dir, &plan, inputs, &write::NoProgress, &opts.cancel)?;
         if !report.is_ok() {
             return Err(report.to_error());
         }
@@ -185,7 +185,8 @@ pub fn merge(opts: &MergeOptions, progress: &dyn Progress) -> Result<MergeOutcom
     } else {
         None
     };
-    write::commit(staging, &opts.output)?;
+    opts.cancel.check()?;
+    sink.commit()?;
     let config_from = match (&opts.base, &base) {
         (None, Some(b)) => Some(b.dir.path.clone()),
         _ => None,
@@ -200,6 +201,20 @@ pub fn merge(opts: &MergeOptions, progress: &dyn Progress) -> Result<MergeOutcom
         verified,
         elapsed: started.elapsed(),
     })
+}
+
+/// What writing takes from the merge's options (the base's extra files are added
+/// once the base is open).
+fn write_options(opts: &MergeOptions) -> WriteOptions {
+    let mut protected = vec![opts.checkpoint.clone()];
+    protected.extend(opts.base.clone());
+    WriteOptions {
+        force: opts.force,
+        allow_overflow: opts.allow_overflow,
+        extra_files: Vec::new(),
+        protected,
+        cancel: opts.cancel.clone(),
+    }
 }
 
 /// Parses a shard size: `5GB` (decimal, as transformers), `500MiB` (binary), or bytes.

@@ -10,9 +10,10 @@ use std::sync::Arc;
 
 use rayon::prelude::*;
 
+use crate::cancel::Cancel;
 use crate::source::{Blob, Checkpoint, TensorSource};
-use crate::write::{read_tensor_range, INTERRUPTED};
-use crate::{DType, Error, Result};
+use crate::write::{read_tensor_range, windows};
+use crate::{DType, Result};
 
 /// Elements read from an input per unit of work.
 pub(crate) const WINDOW_ELEMS: u64 = 1 << 20;
@@ -88,19 +89,26 @@ pub fn decode_f64(src: &[u8], dtype: DType, out: &mut Vec<f64>) {
     }
 }
 
-/// Summary of one tensor's values.
-#[derive(Clone, Copy, Debug, PartialEq)]
+/// Summary of one tensor's values. In JSON, statistics that are not finite (no
+/// finite values) are `null`.
+#[derive(Clone, Copy, Debug, PartialEq, serde::Serialize)]
 pub struct TensorStats {
+    /// Elements.
+    #[serde(skip)]
     pub numel: u64,
-    pub nan: u64,
-    pub inf: u64,
     /// Over the finite values; NaN when there are none.
     pub mean: f64,
     /// Sample standard deviation (`torch.std`'s default, correction 1) of the
     /// finite values; NaN with fewer than two.
     pub std: f64,
+    /// Smallest finite value.
     pub min: f64,
+    /// Largest finite value.
     pub max: f64,
+    /// NaN elements.
+    pub nan: u64,
+    /// ±inf elements.
+    pub inf: u64,
 }
 
 /// Running moments of a set of finite values, mergeable (Chan et al.).
@@ -201,22 +209,17 @@ impl Moments {
 
 /// Statistics of every tensor of a checkpoint, in its order. Windows of all tensors
 /// run in parallel; memory stays at a window per thread.
-pub fn checkpoint_stats(ckpt: &Checkpoint) -> Result<Vec<TensorStats>> {
+pub fn checkpoint_stats(ckpt: &Checkpoint, cancel: &Cancel) -> Result<Vec<TensorStats>> {
     let mut items: Vec<(usize, u64, u64)> = Vec::new();
     for (i, t) in ckpt.tensors.iter().enumerate() {
-        let n = t.numel();
-        let mut e0 = 0;
-        while e0 < n {
-            let e1 = (e0 + WINDOW_ELEMS).min(n);
-            items.push((i, e0, e1));
-            e0 = e1;
-        }
+        items.extend(windows(0, t.numel(), WINDOW_ELEMS).map(|(e0, e1)| (i, e0, e1)));
     }
     let parts: Vec<(usize, Moments)> = items
         .par_iter()
         .map_init(
             || (Vec::new(), Vec::new()),
             |(buf, vals), &(i, e0, e1)| {
+                cancel.check()?;
                 let m = window_moments(&ckpt.files, &ckpt.tensors[i], e0, e1, buf, vals)?;
                 Ok((i, m))
             },
@@ -238,11 +241,8 @@ pub fn tensor_stats(files: &[Arc<Blob>], t: &TensorSource) -> Result<TensorStats
     let (mut buf, mut vals) = (Vec::new(), Vec::new());
     let mut acc = Moments::default();
     let n = t.numel();
-    let mut e0 = 0;
-    while e0 < n {
-        let e1 = (e0 + WINDOW_ELEMS).min(n);
+    for (e0, e1) in windows(0, n, WINDOW_ELEMS) {
         acc = acc.merge(window_moments(files, t, e0, e1, &mut buf, &mut vals)?);
-        e0 = e1;
     }
     Ok(acc.finish(n))
 }
@@ -255,9 +255,6 @@ fn window_moments(
     buf: &mut Vec<u8>,
     vals: &mut Vec<f64>,
 ) -> Result<Moments> {
-    if INTERRUPTED.load(std::sync::atomic::Ordering::Relaxed) {
-        return Err(Error::Interrupted);
-    }
     let size = t.dtype.size();
     buf.resize(((e1 - e0) as usize) * size, 0);
     read_tensor_range(files, t, t.dtype, e0, e1, buf)?;

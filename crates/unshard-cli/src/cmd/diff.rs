@@ -1,15 +1,15 @@
 //! `unshard diff`: compare two checkpoints or model directories tensor by tensor.
 
-use std::io::{IsTerminal, Write};
+use std::io::Write;
 use std::path::PathBuf;
 
-use unshard::diff::{self, DiffReport, TensorDiff};
 use unshard::report::list_some;
-use unshard::source::{self, Checkpoint, OpenOptions};
+use unshard::{DiffOptions, DiffReport, DiffSide, TensorDiff, ValueDiff};
 
 use crate::args::JsonArg;
 use crate::exit::Status;
 use crate::progress::Bar;
+use crate::text::{self, escape};
 use crate::unsafe_report::{self, RefuseArg};
 
 /// Arguments of the command (its help is on `Command` in main.rs).
@@ -28,7 +28,7 @@ pub struct DiffArgs {
     #[command(flatten)]
     refuse: RefuseArg,
 
-    /// No progress bar.
+    /// No progress output.
     #[arg(long, short)]
     quiet: bool,
 
@@ -39,30 +39,22 @@ pub struct DiffArgs {
 
 /// Succeeds when the two inputs are identical, fails when they differ.
 pub fn run(args: DiffArgs) -> anyhow::Result<Status> {
-    let paths = [args.a.as_path(), args.b.as_path()];
-    let open = |p| source::open(p, &OpenOptions::default());
-    let (a, b) = match (open(&args.a), open(&args.b)) {
-        (Ok(a), Ok(b)) => (a, b),
-        (Err(e), _) | (_, Err(e)) => {
-            unsafe_report::after_error(&paths);
-            return Err(e.into());
-        }
+    let opts = DiffOptions {
+        a: args.a,
+        b: args.b,
+        unsafe_pickles: args.refuse.policy(false),
+        cancel: crate::signals::token(),
+        ..DiffOptions::default()
     };
-    let calls: Vec<_> = a
-        .unsafe_calls
-        .iter()
-        .chain(&b.unsafe_calls)
-        .cloned()
-        .collect();
-    unsafe_report::check(&calls, args.refuse.refuse_unsafe)?;
-    let progress = Bar::new(!args.quiet && std::io::stderr().is_terminal());
-    let report = diff::diff(&a, &b, &progress)?;
+    let progress = Bar::new(args.quiet, "compared");
+    let report = unshard::diff(&opts, &progress)
+        .inspect_err(|_| unsafe_report::after_error(&[opts.a.as_path(), opts.b.as_path()]))?;
     let mut out = std::io::stdout().lock();
     if args.json.json {
-        serde_json::to_writer_pretty(&mut out, &to_json(&a, &b, &report))?;
+        serde_json::to_writer_pretty(&mut out, &report)?;
         writeln!(out)?;
     } else {
-        print_report(&mut out, &a, &b, &report, args.all)?;
+        text::write_escaped(&mut out, |w| print_report(w, &report, args.all))?;
     }
     out.flush()?;
     Ok(if report.identical() {
@@ -72,24 +64,13 @@ pub fn run(args: DiffArgs) -> anyhow::Result<Status> {
     })
 }
 
-fn describe(c: &Checkpoint) -> String {
-    format!(
-        "{} ({}, {} tensors)",
-        c.path.display(),
-        c.format,
-        c.tensors.len()
-    )
+fn describe(c: &DiffSide) -> String {
+    format!("{} ({}, {} tensors)", c.path.display(), c.format, c.tensors)
 }
 
-fn print_report(
-    w: &mut dyn Write,
-    a: &Checkpoint,
-    b: &Checkpoint,
-    r: &DiffReport,
-    all: bool,
-) -> std::io::Result<()> {
-    writeln!(w, "A: {}", describe(a))?;
-    writeln!(w, "B: {}", describe(b))?;
+fn print_report(w: &mut dyn Write, r: &DiffReport, all: bool) -> std::io::Result<()> {
+    writeln!(w, "A: {}", describe(&r.a))?;
+    writeln!(w, "B: {}", describe(&r.b))?;
     let shown: Vec<&TensorDiff> = r.tensors.iter().filter(|t| all || !t.identical()).collect();
     if !shown.is_empty() {
         let rows: Vec<[String; 6]> = shown.iter().map(|t| row(t)).collect();
@@ -153,7 +134,7 @@ fn print_report(
     }
     let same = r.tensors.iter().filter(|t| t.identical()).count();
     let mut line = format!("{} of {} common tensor(s) identical", same, r.tensors.len());
-    let worst = |key: fn(&diff::ValueDiff) -> f64| {
+    let worst = |key: fn(&ValueDiff) -> f64| {
         r.tensors
             .iter()
             .filter_map(|t| t.values.map(|v| (key(&v), t)))
@@ -204,7 +185,7 @@ fn row(t: &TensorDiff) -> [String; 6] {
                 differing.push_str(&format!(" ({} NaN)", v.nan_mismatch));
             }
             [
-                t.name.clone(),
+                escape(&t.name).into_owned(),
                 dtypes,
                 shape,
                 differing,
@@ -213,7 +194,7 @@ fn row(t: &TensorDiff) -> [String; 6] {
             ]
         }
         None => [
-            t.name.clone(),
+            escape(&t.name).into_owned(),
             dtypes,
             shape,
             "shapes differ".into(),
@@ -233,44 +214,4 @@ fn num(v: f64) -> String {
     } else {
         format!("{v:.3e}")
     }
-}
-
-/// The report as JSON. Numbers that are not finite (a max abs diff of inf) become null.
-fn to_json(a: &Checkpoint, b: &Checkpoint, r: &DiffReport) -> serde_json::Value {
-    use serde_json::json;
-    let side = |c: &Checkpoint| {
-        json!({
-            "path": c.path.display().to_string(),
-            "format": c.format.id(),
-            "tensors": c.tensors.len(),
-        })
-    };
-    let tensors: Vec<_> = r
-        .tensors
-        .iter()
-        .map(|t| {
-            json!({
-                "name": t.name,
-                "identical": t.identical(),
-                "dtype_a": t.dtype_a.safetensors_name(),
-                "dtype_b": t.dtype_b.safetensors_name(),
-                "shape_a": t.shape_a,
-                "shape_b": t.shape_b,
-                "values": t.values.map(|v| json!({
-                    "differing": v.differing,
-                    "nan_mismatch": v.nan_mismatch,
-                    "max_abs_diff": v.max_abs,
-                    "rel_l2": v.rel_l2,
-                })),
-            })
-        })
-        .collect();
-    json!({
-        "identical": r.identical(),
-        "a": side(a),
-        "b": side(b),
-        "only_a": r.only_a,
-        "only_b": r.only_b,
-        "tensors": tensors,
-    })
 }

@@ -1,7 +1,7 @@
 //! `unshard merge`: write a Hugging Face model directory from a checkpoint, then
 //! print what was done (the summary) unless asked to be quiet.
 
-use std::io::{IsTerminal, Write};
+use std::io::Write;
 use std::path::PathBuf;
 
 use unshard::merge::{self, MergeOptions, MergeOutcome};
@@ -10,20 +10,28 @@ use unshard::report::{human_bytes, list_some};
 use unshard::source::OpenOptions;
 
 use crate::args::PlanArgs;
-use crate::exit::Status;
+use crate::exit::{Status, UsageError};
 use crate::progress::Bar;
+use crate::signals;
+use crate::text;
 use crate::unsafe_report::{self, RefuseArg};
 
 /// Arguments of the command (its help is on `Command` in main.rs).
 #[derive(clap::Args, Debug)]
 pub struct MergeArgs {
     /// The checkpoint: a torch.save file (policy.pt, pytorch_model.bin, ...), a
-    /// torch.distributed.checkpoint directory, or a directory of per-rank files.
+    /// torch.distributed.checkpoint directory, a directory of per-rank files, or a
+    /// peft LoRA/DoRA adapter directory (fused into --base).
     checkpoint: PathBuf,
 
     /// Where to write the model directory (created; must be empty or absent).
+    /// The same as --output.
+    #[arg(value_name = "OUT", required_unless_present = "output")]
+    out: Option<PathBuf>,
+
+    /// Where to write the model directory, when not given after the checkpoint.
     #[arg(long, short, value_name = "DIR")]
-    output: PathBuf,
+    output: Option<PathBuf>,
 
     #[command(flatten)]
     plan: PlanArgs,
@@ -48,16 +56,39 @@ pub struct MergeArgs {
     #[command(flatten)]
     refuse: RefuseArg,
 
-    /// No progress bar and no summary; errors and unsafe-pickle warnings only.
+    /// No progress output and no summary: errors and warnings only (the warning
+    /// about a pickle that would run code included).
     #[arg(long, short)]
     quiet: bool,
 }
 
 pub fn run(args: MergeArgs) -> anyhow::Result<Status> {
+    let output = match (args.out, args.output) {
+        (Some(a), Some(b)) if a != b => {
+            return Err(UsageError {
+                msg: format!(
+                    "two outputs given: '{}' after the checkpoint and --output '{}'",
+                    a.display(),
+                    b.display()
+                ),
+                hint: "give the output directory once: `unshard merge CHECKPOINT OUT`".into(),
+            }
+            .into())
+        }
+        (Some(o), _) | (None, Some(o)) => o,
+        // clap already requires one of the two.
+        (None, None) => {
+            return Err(UsageError {
+                msg: "no output directory given".into(),
+                hint: "`unshard merge CHECKPOINT OUT`".into(),
+            }
+            .into())
+        }
+    };
     let opts = MergeOptions {
         checkpoint: args.checkpoint,
         base: args.plan.base.clone(),
-        output: args.output,
+        output,
         open: OpenOptions {
             key: args.plan.key.key.clone(),
         },
@@ -66,20 +97,24 @@ pub fn run(args: MergeArgs) -> anyhow::Result<Status> {
         allow_overflow: args.allow_overflow,
         verify: args.verify,
         fail_on_nonfinite: args.fail_on_nonfinite,
-        refuse_unsafe: args.refuse.refuse_unsafe || args.plan.strict,
-        on_unsafe: Some(unsafe_report::warn),
+        adapter: args.plan.adapter.options(),
+        unsafe_pickles: args.refuse.policy(args.plan.strict),
+        cancel: signals::token(),
     };
-    let progress = Bar::new(!args.quiet && std::io::stderr().is_terminal());
+    signals::protect_output(&opts.output);
+    let progress = Bar::new(args.quiet, "written");
     let outcome = merge::merge(&opts, &progress).inspect_err(|_| {
         let base = opts.base.as_deref().into_iter();
         let paths: Vec<&std::path::Path> = base.chain([opts.checkpoint.as_path()]).collect();
         unsafe_report::after_error(&paths);
     })?;
-    if !args.quiet {
-        let mut err = std::io::stderr().lock();
-        print_summary(&mut err, &opts, &outcome)?;
-        err.flush()?;
-    }
+    let mut err = std::io::stderr().lock();
+    // --quiet silences what was done, never what may be wrong with the result.
+    text::write_escaped(&mut err, |w| match args.quiet {
+        true => print_warnings(w, &outcome),
+        false => print_summary(w, &opts, &outcome),
+    })?;
+    err.flush()?;
     Ok(Status::Success)
 }
 
@@ -131,25 +166,7 @@ fn print_summary(w: &mut dyn Write, opts: &MergeOptions, o: &MergeOutcome) -> st
     for n in &r.notes {
         writeln!(w, "note: {n}")?;
     }
-    for (t, s) in plan.tensors.iter().zip(&o.write.stats) {
-        if s.nan > 0 || s.inf > 0 {
-            writeln!(
-                w,
-                "warning: tensor '{}' holds {} NaN and {} inf value(s) in the checkpoint",
-                t.name, s.nan, s.inf
-            )?;
-        }
-        if s.overflow > 0 {
-            writeln!(
-                w,
-                "warning: tensor '{}': {} value(s) overflowed to inf in {}",
-                t.name, s.overflow, t.dtype
-            )?;
-        }
-    }
-    for x in &r.warnings {
-        writeln!(w, "warning: {x}")?;
-    }
+    print_warnings(w, o)?;
     if let Some(v) = &o.verified {
         writeln!(w, "verified: {}", v.summary())?;
     }
@@ -169,4 +186,30 @@ fn print_summary(w: &mut dyn Write, opts: &MergeOptions, o: &MergeOutcome) -> st
         opts.output.display(),
         human_bytes((plan.total_size as f64 / secs.max(1e-9)) as u64)
     )
+}
+
+/// The warnings about the written model (non-finite values, overflows, what the
+/// plan found suspicious): printed even under --quiet.
+fn print_warnings(w: &mut dyn Write, o: &MergeOutcome) -> std::io::Result<()> {
+    let plan = &o.plan;
+    for (t, s) in plan.tensors.iter().zip(&o.write.stats) {
+        if s.nan > 0 || s.inf > 0 {
+            writeln!(
+                w,
+                "warning: tensor '{}' holds {} NaN and {} inf value(s) in the checkpoint",
+                t.name, s.nan, s.inf
+            )?;
+        }
+        if s.overflow > 0 {
+            writeln!(
+                w,
+                "warning: tensor '{}': {} value(s) overflowed to inf in {}",
+                t.name, s.overflow, t.dtype
+            )?;
+        }
+    }
+    for x in &plan.report.warnings {
+        writeln!(w, "warning: {x}")?;
+    }
+    Ok(())
 }

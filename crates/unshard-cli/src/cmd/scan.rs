@@ -6,10 +6,11 @@
 use std::io::Write;
 use std::path::PathBuf;
 
-use unshard::scan::{self, FileScan, UnsafeCall};
+use unshard::scan::{self, FileScan};
 
 use crate::args::JsonArg;
 use crate::exit::Status;
+use crate::text::escape;
 
 /// Arguments of the command (its help is on `Command` in main.rs).
 #[derive(clap::Args, Debug)]
@@ -39,17 +40,6 @@ pub fn run(args: ScanArgs) -> anyhow::Result<Status> {
     })
 }
 
-/// One finding as JSON (the `unsafe` arrays of `scan --json` and `inspect --json`).
-pub fn call_json(c: &UnsafeCall) -> serde_json::Value {
-    serde_json::json!({
-        "callable": c.callable,
-        "route": c.route,
-        "offset": c.offset,
-        "entry": c.entry,
-        "verdict": c.verdict.as_str(),
-    })
-}
-
 fn to_json(files: &[FileScan]) -> serde_json::Value {
     let list: Vec<serde_json::Value> = files
         .iter()
@@ -59,7 +49,7 @@ fn to_json(files: &[FileScan]) -> serde_json::Value {
                 "kind": f.kind,
                 "pickles": f.pickles,
                 "clean": f.is_clean(),
-                "unsafe": f.unsafe_calls.iter().map(call_json).collect::<Vec<_>>(),
+                "unsafe": f.unsafe_calls,
                 "omitted": f.omitted,
                 "problems": f.problems,
             })
@@ -81,20 +71,15 @@ fn print_text(w: &mut dyn Write, files: &[FileScan]) -> std::io::Result<()> {
         if f.is_clean() {
             continue;
         }
-        writeln!(
-            w,
-            "{}: {}",
-            printable(&f.path.display().to_string()),
-            f.kind
-        )?;
+        writeln!(w, "{}: {}", escape(&f.path.display().to_string()), f.kind)?;
         for c in &f.unsafe_calls {
-            writeln!(w, "  unsafe: {}", printable(&c.describe()))?;
+            writeln!(w, "  unsafe: {}", escape(&c.describe()))?;
         }
         if f.omitted > 0 {
             writeln!(w, "  unsafe: {} more not listed", f.omitted)?;
         }
         for p in &f.problems {
-            writeln!(w, "  problem: {}", printable(p))?;
+            writeln!(w, "  problem: {}", escape(p))?;
         }
     }
     let unsafe_files = files
@@ -112,18 +97,4 @@ fn print_text(w: &mut dyn Write, files: &[FileScan]) -> std::io::Result<()> {
             ""
         }
     )
-}
-
-/// Text safe to print to a terminal: control characters (an ESC that would move the
-/// cursor and erase the line above) are shown escaped.
-pub fn printable(text: &str) -> String {
-    let mut out = String::with_capacity(text.len());
-    for c in text.chars() {
-        if c.is_control() {
-            out.extend(c.escape_default());
-        } else {
-            out.push(c);
-        }
-    }
-    out
 }

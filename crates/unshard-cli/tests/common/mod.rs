@@ -40,3 +40,49 @@ impl Drop for Tmpfs {
         let _ = Command::new("umount").arg(&self.0).status();
     }
 }
+
+/// A float32 safetensors checkpoint of `n` tensors of 1 Mi elements (4 MiB each),
+/// so that merging it to bfloat16 takes `n` windows.
+pub fn big_checkpoint(dir: &Path, n: usize) -> PathBuf {
+    let data: Vec<u8> = (0..(1u32 << 20))
+        .flat_map(|i| (i as f32 * 0.001).to_le_bytes())
+        .collect();
+    let names: Vec<String> = (0..n).map(|i| format!("layers.{i}.weight")).collect();
+    let views: Vec<(String, safetensors::tensor::TensorView<'_>)> = names
+        .iter()
+        .map(|name| {
+            (
+                name.clone(),
+                safetensors::tensor::TensorView::new(
+                    safetensors::Dtype::F32,
+                    vec![1024, 1024],
+                    &data,
+                )
+                .unwrap(),
+            )
+        })
+        .collect();
+    let path = dir.join("big.safetensors");
+    safetensors::serialize_to_file(views, None, &path).unwrap();
+    path
+}
+
+/// A float32 safetensors file of the given tensors (name, values), each 1-D.
+pub fn f32_safetensors(path: &Path, tensors: &[(&str, &[f32])]) {
+    let bytes: Vec<Vec<u8>> = tensors
+        .iter()
+        .map(|(_, v)| v.iter().flat_map(|x| x.to_le_bytes()).collect())
+        .collect();
+    let views: Vec<(String, safetensors::tensor::TensorView<'_>)> = tensors
+        .iter()
+        .zip(&bytes)
+        .map(|((name, v), b)| {
+            (
+                name.to_string(),
+                safetensors::tensor::TensorView::new(safetensors::Dtype::F32, vec![v.len()], b)
+                    .unwrap(),
+            )
+        })
+        .collect();
+    safetensors::serialize_to_file(views, None, path).unwrap();
+}

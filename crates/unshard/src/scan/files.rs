@@ -3,18 +3,27 @@
 //! `torch.save` stream, back-to-back bare pickles, and the archives a DCP `.distcp`
 //! file embeds. Every pickle of a file is parsed under one budget
 //! ([`Limits::remaining_after`]), so a file of many pickles is bounded as a whole.
+//!
+//! Files are read through a [`Blob`], never mapped or copied whole: a zip archive's
+//! records and its `.pkl` entries; the start of a stream of pickles (in a prefix that
+//! doubles until they fit, as the legacy reader does); the records of the archives
+//! in a `.distcp` file, found from its end.
 
 use std::path::Path;
 
-use unshard_pickle::{parse_partial, Limits};
+use unshard_pickle::{parse_partial, ErrorKind, Limits};
 
 use super::{audit_pickle, FileScan};
-use crate::source::{legacy, safetensors, zip};
+use crate::source::zip::{Archive, ZipIndex};
+use crate::source::{legacy, safetensors, Blob};
 
-/// Largest pickle record inflated from a deflated zip entry.
-const MAX_INFLATED: u64 = 1 << 30;
 /// Pickles read back to back from a bare pickle file.
 const MAX_BARE_PICKLES: usize = 64;
+/// The first prefix read for a stream of pickles; it doubles while one runs past it.
+const FIRST_READ: u64 = 64 << 10;
+/// Blocks in which a `.distcp` file is searched for archive end records, where its
+/// archives cannot be found from its end.
+const SEARCH_BLOCK: u64 = 1 << 20;
 /// Extensions of files that may be a protocol 0 or 1 pickle (which has no magic).
 const PICKLE_EXTENSIONS: &[&str] = &[
     "pkl", "pickle", "pt", "pth", "bin", "ckpt", "joblib", "dat", "data", "metadata",
@@ -27,50 +36,48 @@ pub fn scan_file(path: &Path) -> FileScan {
         path: path.to_path_buf(),
         ..FileScan::default()
     };
-    let file = match std::fs::File::open(path) {
-        Ok(f) => f,
+    let blob = match Blob::open(path) {
+        Ok(b) => b,
         Err(e) => {
             scan.kind = "unreadable".into();
             scan.problems.push(format!("cannot open it: {e}"));
             return scan;
         }
     };
-    let len = file.metadata().map(|m| m.len()).unwrap_or(0);
-    if len == 0 {
+    if blob.is_empty() {
         scan.kind = "empty file".into();
         return scan;
     }
-    // SAFETY: read-only map of a file, read once; see `source::Blob::open`.
-    let map = match unsafe { memmap2::Mmap::map(&file) } {
-        Ok(m) => m,
+    let head = match blob.head(64) {
+        Ok(h) => h,
         Err(e) => {
             scan.kind = "unreadable".into();
-            scan.problems.push(format!("cannot map it: {e}"));
+            scan.problems.push(format!("cannot read it: {e}"));
             return scan;
         }
     };
-    let data: &[u8] = &map;
+    let len = usize::try_from(blob.len()).unwrap_or(usize::MAX);
     let mut reader = Reader {
         scan: &mut scan,
-        path,
-        limits: Limits::default().scaled_to(data.len()),
+        blob: &blob,
+        limits: Limits::default().scaled_to(len),
     };
     if path.extension().is_some_and(|e| e == "distcp") {
         // Items torch.save'd back to back, tensor bytes between them: the file may
         // start like a zip archive but is not one.
         reader.scan.kind = "torch.distributed.checkpoint data file".into();
-        reader.embedded_archives(data);
-    } else if data.starts_with(b"PK\x03\x04") || data.starts_with(b"PK\x05\x06") {
+        reader.embedded_archives();
+    } else if head.starts_with(b"PK\x03\x04") || head.starts_with(b"PK\x05\x06") {
         reader.scan.kind = "zip archive".into();
-        reader.zip(data);
-    } else if legacy::is_legacy(data) {
+        reader.zip(&mut Archive::whole(&blob), "");
+    } else if legacy::is_legacy(&head) {
         reader.scan.kind = "legacy torch.save stream".into();
-        reader.legacy(data);
-    } else if safetensors::looks_like_safetensors(data) {
+        reader.stream(Stream::Legacy);
+    } else if safetensors::looks_like_safetensors(&head, blob.len()) {
         scan.kind = "safetensors file (holds no pickle)".into();
-    } else if data.first() == Some(&0x80) || has_pickle_extension(path) {
+    } else if head.first() == Some(&0x80) || has_pickle_extension(path) {
         reader.scan.kind = "pickle".into();
-        reader.bare(data);
+        reader.stream(Stream::Bare);
     } else {
         scan.kind = "not a pickle".into();
     }
@@ -85,37 +92,58 @@ fn has_pickle_extension(path: &Path) -> bool {
         || path.file_name().is_some_and(|n| n == ".metadata")
 }
 
+/// Pickles that follow one another from the start of a file.
+#[derive(Clone, Copy)]
+enum Stream {
+    /// The five of a legacy `torch.save` stream (storages follow them).
+    Legacy,
+    /// Up to [`MAX_BARE_PICKLES`] bare pickles.
+    Bare,
+}
+
+/// A pickle ran past the prefix read: read more and start again.
+struct Cut;
+
 struct Reader<'a> {
     scan: &'a mut FileScan,
-    path: &'a Path,
+    blob: &'a Blob,
     /// What is left of the file's budget.
     limits: Limits,
 }
 
 impl Reader<'_> {
     /// Parses and audits the pickle at the start of `data`; returns where it ended,
-    /// or `None` if it broke (the break is a problem of the scan).
-    fn pickle(&mut self, data: &[u8], entry: &str) -> Option<usize> {
+    /// `Ok(None)` if it broke (the break is a problem of the scan), or [`Cut`] if it
+    /// runs past `data` and `data` is not the rest of the file (`whole`).
+    fn pickle(&mut self, data: &[u8], entry: &str, whole: bool) -> Result<Option<usize>, Cut> {
         let partial = parse_partial(data, &self.limits);
+        if let Some(e) = &partial.error {
+            if !whole && matches!(e.kind, ErrorKind::Truncated | ErrorKind::NoStop) {
+                return Err(Cut);
+            }
+        }
         self.limits = self.limits.remaining_after(&partial.pickle);
         self.scan.pickles += 1;
-        let (calls, omitted) = audit_pickle(self.path, entry, &partial.pickle);
+        let (calls, omitted) = audit_pickle(&self.blob.path, entry, &partial.pickle);
         self.scan.unsafe_calls.extend(calls);
         self.scan.omitted += omitted;
         match partial.error {
             Some(e) => {
                 self.scan.problems.push(format!("{entry}: {e}"));
-                None
+                Ok(None)
             }
-            None => Some(partial.end),
+            None => Ok(Some(partial.end)),
         }
     }
 
-    fn zip(&mut self, data: &[u8]) {
-        let index = match zip::ZipIndex::parse(data) {
+    /// The `.pkl` records of the archive `a`, and its duplicate records (an
+    /// ambiguity, not a choice: readers disagree on which one counts). `at` says
+    /// where an archive inside a larger file is.
+    fn zip(&mut self, a: &mut Archive<'_>, at: &str) {
+        let index = match ZipIndex::read(a) {
             Ok(i) => i,
             Err(e) => {
-                self.scan.problems.push(e.0);
+                self.scan.problems.push(format!("{at}{e}"));
                 return;
             }
         };
@@ -123,7 +151,7 @@ impl Reader<'_> {
         for e in &index.entries {
             if !names.insert(e.name.as_str()) {
                 self.scan.problems.push(format!(
-                    "the archive holds two records named '{}': readers disagree on which one counts (torch reads the first)",
+                    "the archive{at} holds two records named '{}': readers disagree on which one counts (torch reads the first)",
                     e.name
                 ));
             }
@@ -132,16 +160,44 @@ impl Reader<'_> {
             if !e.name.ends_with(".pkl") {
                 continue;
             }
-            match zip_record(data, e) {
+            match index.stored(a, e) {
                 Ok(bytes) => {
-                    self.pickle(&bytes, &e.name);
+                    // The record is all of the pickle: it cannot be cut.
+                    let _ = self.pickle(&bytes, &format!("{}{at}", e.name), true);
                 }
-                Err(m) => self.scan.problems.push(m),
+                Err(err) => self.scan.problems.push(err.to_string()),
             }
         }
     }
 
-    fn legacy(&mut self, data: &[u8]) {
+    /// The pickles at the start of the file, read in a prefix that doubles while a
+    /// pickle runs past it (each try starts afresh, under a fresh budget).
+    fn stream(&mut self, kind: Stream) {
+        let len = self.blob.len();
+        let fresh = (self.limits.clone(), self.scan.clone());
+        let mut want = FIRST_READ.min(len);
+        loop {
+            let data = match self.blob.read_vec(0, want) {
+                Ok(d) => d,
+                Err(e) => {
+                    self.scan.problems.push(format!("cannot read it: {e}"));
+                    return;
+                }
+            };
+            let whole = want == len;
+            let done = match kind {
+                Stream::Legacy => self.legacy(&data, whole),
+                Stream::Bare => self.bare(&data, whole),
+            };
+            if done.is_ok() {
+                return;
+            }
+            (self.limits, *self.scan) = fresh.clone();
+            want = want.saturating_mul(2).min(len);
+        }
+    }
+
+    fn legacy(&mut self, data: &[u8], whole: bool) -> Result<(), Cut> {
         const NAMES: [&str; 5] = [
             "magic-number",
             "protocol-version",
@@ -153,143 +209,142 @@ impl Reader<'_> {
         for (i, name) in NAMES.iter().enumerate() {
             let rest = data.get(at..).unwrap_or_default();
             let entry = format!("legacy pickle {} of 5 ({name}) at byte {at}", i + 1);
-            match self.pickle(rest, &entry) {
+            match self.pickle(rest, &entry, whole)? {
                 Some(used) => at += used,
-                None => return,
+                None => return Ok(()),
             }
         }
+        Ok(())
     }
 
-    fn bare(&mut self, data: &[u8]) {
+    fn bare(&mut self, data: &[u8], whole: bool) -> Result<(), Cut> {
         let mut at = 0usize;
         for i in 0..MAX_BARE_PICKLES {
             let rest = data.get(at..).unwrap_or_default();
+            if rest.is_empty() && !whole {
+                return Err(Cut);
+            }
             if rest.is_empty() || (i > 0 && rest.iter().all(u8::is_ascii_whitespace)) {
-                return;
+                return Ok(());
             }
             let entry = if i == 0 {
                 "pickle".to_string()
             } else {
                 format!("pickle {} at byte {at}", i + 1)
             };
-            match self.pickle(rest, &entry) {
+            match self.pickle(rest, &entry, whole)? {
                 Some(used) if used > 0 => at += used,
-                _ => return,
+                _ => return Ok(()),
             }
         }
+        Ok(())
     }
 
     /// The `.pkl` records of the zip archives a `.distcp` file embeds (torch.save'd
-    /// items). Their local headers carry no sizes (torch streams them), so each
-    /// archive is found from its end record: the central directory's size and offset
-    /// say where the archive starts.
-    fn embedded_archives(&mut self, data: &[u8]) {
-        let mut at = 0usize;
-        while let Some(eocd) = find(data, at, b"PK\x05\x06") {
-            at = eocd + 4;
-            let Some(start) = archive_start(data, eocd) else {
-                continue;
+    /// items, back to back). Each archive is found from its end record (the central
+    /// directory's size and offset say where the archive starts), walking back from
+    /// the end of the file: only records are read. Where the walk stops (an item
+    /// that is not a zip archive: a compressed one), the rest is searched for end
+    /// records block by block.
+    fn embedded_archives(&mut self) {
+        let mut end = self.blob.len();
+        while let Some(eocd) = end.checked_sub(22) {
+            let Some(start) = self.archive_at(eocd, end) else {
+                break;
             };
-            let comment = read_u16(data, eocd + 20).unwrap_or(0);
-            let Some(archive) = data.get(start..eocd + 22 + comment) else {
-                continue;
-            };
-            let index = match zip::ZipIndex::parse(archive) {
-                Ok(i) => i,
+            end = start;
+        }
+        if end < 22 {
+            return;
+        }
+        // Search [0, end) for end records, in blocks overlapping by 3 bytes so that
+        // a signature across two blocks is seen.
+        let mut from = 0u64;
+        let mut found = Vec::new();
+        while from + 4 <= end {
+            let n = SEARCH_BLOCK.min(end - from);
+            let block = match self.blob.read_vec(from, n) {
+                Ok(b) => b,
                 Err(e) => {
-                    self.scan
-                        .problems
-                        .push(format!("archive ending at byte {eocd}: {}", e.0));
-                    continue;
+                    self.scan.problems.push(format!("cannot read it: {e}"));
+                    return;
                 }
             };
-            for e in &index.entries {
-                if !e.name.ends_with(".pkl") {
-                    continue;
+            found.extend(
+                block
+                    .windows(4)
+                    .enumerate()
+                    .filter(|(_, w)| *w == b"PK\x05\x06")
+                    .map(|(i, _)| from + i as u64),
+            );
+            if from + n >= end {
+                break;
+            }
+            from += n - 3;
+        }
+        for eocd in found {
+            let comment = self.read::<2>(eocd + 20).map_or(0, u16::from_le_bytes);
+            let _ = self.archive_at(eocd, eocd + 22 + u64::from(comment));
+        }
+    }
+
+    /// Scans the archive whose end record is at `eocd` and which ends at `end`;
+    /// returns where it starts, or `None` if there is no end record there.
+    fn archive_at(&mut self, eocd: u64, end: u64) -> Option<u64> {
+        if self.read::<4>(eocd)? != *b"PK\x05\x06" || end > self.blob.len() {
+            return None;
+        }
+        let start = self.archive_start(eocd)?;
+        let at = format!(" (archive at byte {start})");
+        match Archive::new(self.blob, start, end - start) {
+            Ok(mut a) => self.zip(&mut a, &at),
+            Err(e) => self.scan.problems.push(format!("{e}")),
+        }
+        Some(start)
+    }
+
+    /// Where the zip archive whose end record is at `eocd` starts: the central
+    /// directory ends where the end records begin, and its offset in the archive
+    /// is known. torch writes ZIP64 end records (a 56-byte record and a 20-byte
+    /// locator) before the end record; their sizes and offsets take precedence.
+    fn archive_start(&self, eocd: u64) -> Option<u64> {
+        let e = self.read::<22>(eocd)?;
+        let mut cd_size = u64::from(le32(&e, 12));
+        let mut cd_offset = u64::from(le32(&e, 16));
+        let mut cd_end = eocd;
+        if let Some(locator) = eocd.checked_sub(20) {
+            let l = self.read::<4>(locator)?;
+            if u32::from_le_bytes(l) == 0x0706_4b50 {
+                let record = locator.checked_sub(56)?;
+                let r = self.read::<56>(record)?;
+                if le32(&r, 0) != 0x0606_4b50 {
+                    return None;
                 }
-                match zip_record(archive, e) {
-                    Ok(bytes) => {
-                        self.pickle(&bytes, &format!("{} (archive at byte {start})", e.name));
-                    }
-                    Err(m) => self.scan.problems.push(m),
-                }
+                cd_end = record;
+                cd_size = le64(&r, 40);
+                cd_offset = le64(&r, 48);
             }
         }
+        cd_end.checked_sub(cd_size)?.checked_sub(cd_offset)
     }
-}
 
-/// Where the zip archive whose end record is at `eocd` starts: the central directory
-/// ends where the end records begin, and its offset in the archive is known. torch
-/// writes ZIP64 end records (a 56-byte record and a 20-byte locator) before the end
-/// record; their sizes and offsets take precedence.
-fn archive_start(data: &[u8], eocd: usize) -> Option<usize> {
-    let mut cd_size = u64::from(read_u32(data, eocd + 12)?);
-    let mut cd_offset = u64::from(read_u32(data, eocd + 16)?);
-    let mut cd_end = eocd;
-    if let Some(locator) = eocd.checked_sub(20) {
-        if read_u32(data, locator) == Some(0x0706_4b50) {
-            let record = locator.checked_sub(56)?;
-            if read_u32(data, record)? != 0x0606_4b50 {
-                return None;
-            }
-            cd_end = record;
-            cd_size = read_u64(data, record + 40)?;
-            cd_offset = read_u64(data, record + 48)?;
+    /// `N` bytes at `at`, if they lie inside the file.
+    fn read<const N: usize>(&self, at: u64) -> Option<[u8; N]> {
+        if at.checked_add(N as u64)? > self.blob.len() {
+            return None;
         }
-    }
-    let cd_start = cd_end.checked_sub(usize::try_from(cd_size).ok()?)?;
-    cd_start.checked_sub(usize::try_from(cd_offset).ok()?)
-}
-
-fn read_u16(data: &[u8], at: usize) -> Option<usize> {
-    let b = data.get(at..at + 2)?;
-    Some(u16::from_le_bytes([b[0], b[1]]) as usize)
-}
-
-fn read_u32(data: &[u8], at: usize) -> Option<u32> {
-    let b = data.get(at..at + 4)?;
-    Some(u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-}
-
-fn read_u64(data: &[u8], at: usize) -> Option<u64> {
-    let b: [u8; 8] = data.get(at..at + 8)?.try_into().ok()?;
-    Some(u64::from_le_bytes(b))
-}
-
-/// The bytes of a zip record: borrowed when stored, inflated (up to its declared
-/// size, at most [`MAX_INFLATED`]) when deflated.
-fn zip_record<'a>(data: &'a [u8], e: &zip::ZipEntry) -> Result<std::borrow::Cow<'a, [u8]>, String> {
-    match e.method {
-        zip::METHOD_STORED => {
-            let index = zip::ZipIndex {
-                entries: Vec::new(),
-            };
-            index
-                .stored_bytes(data, e)
-                .map(std::borrow::Cow::Borrowed)
-                .map_err(|err| err.0)
-        }
-        zip::METHOD_DEFLATED => zip::inflate(data, e, MAX_INFLATED)
-            .map(std::borrow::Cow::Owned)
-            .map_err(|err| err.0),
-        other => Err(format!(
-            "record '{}' uses zip compression method {other}, which torch does not read",
-            e.name
-        )),
+        let mut buf = [0u8; N];
+        self.blob.read_at(at, &mut buf).ok()?;
+        Some(buf)
     }
 }
 
-/// Offset of the first `needle` in `data` at or after `from`.
-fn find(data: &[u8], from: usize, needle: &[u8]) -> Option<usize> {
-    let hay = data.get(from..)?;
-    let first = *needle.first()?;
-    let mut i = 0;
-    while let Some(p) = hay.get(i..)?.iter().position(|&b| b == first) {
-        let at = i + p;
-        if hay.get(at..at + needle.len()) == Some(needle) {
-            return Some(from + at);
-        }
-        i = at + 1;
-    }
-    None
+fn le32(b: &[u8], at: usize) -> u32 {
+    u32::from_le_bytes([b[at], b[at + 1], b[at + 2], b[at + 3]])
+}
+
+fn le64(b: &[u8], at: usize) -> u64 {
+    let mut a = [0u8; 8];
+    a.copy_from_slice(&b[at..at + 8]);
+    u64::from_le_bytes(a)
 }

@@ -18,6 +18,8 @@ use std::path::{Path, PathBuf};
 
 use unshard_pickle::{Pickle, Verdict};
 
+use crate::options::UnsafePolicy;
+
 pub use files::scan_file;
 
 /// One callable a pickle would run under `torch.load(weights_only=False)`.
@@ -52,6 +54,40 @@ impl UnsafeCall {
     }
 }
 
+impl serde::Serialize for UnsafeCall {
+    /// `{callable, route, offset, entry, verdict, path}`: the `unsafe` arrays of
+    /// `inspect --json` and `scan --json`.
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        use serde::ser::SerializeStruct;
+        let mut o = s.serialize_struct("UnsafeCall", 6)?;
+        o.serialize_field("callable", &self.callable)?;
+        o.serialize_field("route", &self.route)?;
+        o.serialize_field("offset", &self.offset)?;
+        o.serialize_field("entry", &self.entry)?;
+        o.serialize_field("verdict", self.verdict.as_str())?;
+        o.serialize_field("path", &self.path.display().to_string())?;
+        o.end()
+    }
+}
+
+/// Applies an [`UnsafePolicy`] to what inputs' pickles would run: tells its
+/// `report` (if any), then refuses if asked to.
+pub fn apply_policy(policy: UnsafePolicy, calls: &[UnsafeCall]) -> crate::Result<()> {
+    let Some(first) = calls.first() else {
+        return Ok(());
+    };
+    if let Some(report) = policy.report {
+        report(calls);
+    }
+    if policy.refuse {
+        return Err(crate::Error::Unsafe {
+            path: first.path.clone(),
+            calls: calls.iter().map(|c| c.callable.clone()).collect(),
+        });
+    }
+    Ok(())
+}
+
 /// Findings of one pickle, as [`UnsafeCall`]s of `path` / `entry`; the second value
 /// counts findings beyond the audit's bound, which are not listed.
 pub fn audit_pickle(path: &Path, entry: &str, pickle: &Pickle) -> (Vec<UnsafeCall>, usize) {
@@ -74,11 +110,13 @@ pub fn audit_pickle(path: &Path, entry: &str, pickle: &Pickle) -> (Vec<UnsafeCal
 /// What `unshard scan` found in one file.
 #[derive(Clone, Debug, Default)]
 pub struct FileScan {
+    /// The file.
     pub path: PathBuf,
     /// What the file was read as (`torch.save zip archive`, `bare pickle`, ...).
     pub kind: String,
     /// Pickles read in the file.
     pub pickles: usize,
+    /// What its pickles would run under `torch.load`.
     pub unsafe_calls: Vec<UnsafeCall>,
     /// Findings beyond the per-pickle bound, not listed.
     pub omitted: usize,

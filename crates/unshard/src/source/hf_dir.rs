@@ -8,7 +8,7 @@
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use super::{safetensors, torch, Blob, Checkpoint, Format, TensorSource};
+use super::{legacy, safetensors, torch, Blob, Checkpoint, Format, TensorSource};
 use crate::{Error, Result};
 
 /// Files larger than this are never copied into an output directory as "extras".
@@ -17,16 +17,20 @@ pub const MAX_EXTRA_FILE: u64 = 256 * 1024 * 1024;
 /// Which kind of weight files a directory holds.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum WeightFormat {
+    /// `*.safetensors` files.
     Safetensors,
+    /// `pytorch_model*.bin` files (`torch.save`).
     TorchBin,
 }
 
 /// A model directory, opened.
 #[derive(Debug)]
 pub struct HfDir {
+    /// The directory.
     pub path: PathBuf,
     /// `config.json`, parsed (key order kept).
     pub config: Option<serde_json::Map<String, serde_json::Value>>,
+    /// The kind of weight files, when there are any.
     pub weight_format: Option<WeightFormat>,
     /// Weight files in load order.
     pub weight_files: Vec<PathBuf>,
@@ -133,17 +137,15 @@ impl HfDir {
             let blob = Arc::new(Blob::open(f)?);
             match format {
                 WeightFormat::Safetensors => {
-                    let header = safetensors::read_header(f, blob.bytes())?;
+                    let header = safetensors::read_header_from(&blob)?;
                     tensors.extend(safetensors::sources(id, &header));
                 }
                 WeightFormat::TorchBin => {
-                    let mut payload = torch::read_zip_payload(f, blob.bytes(), 0).or_else(|e| {
-                        if super::legacy::is_legacy(blob.bytes()) {
-                            super::legacy::read_legacy_payload(f, blob.bytes())
-                        } else {
-                            Err(e)
-                        }
-                    })?;
+                    let mut payload = if legacy::is_legacy(&blob.head(64)?) {
+                        legacy::read_legacy_payload(&blob)?
+                    } else {
+                        torch::read_zip_file(&blob)?
+                    };
                     unsafe_calls.append(&mut payload.unsafe_calls);
                     let found = torch::find_tensors(&payload.pickle, f, None)?;
                     tensors.extend(torch::plain_sources(&payload, id, &found)?);

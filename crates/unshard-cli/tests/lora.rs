@@ -1,0 +1,426 @@
+//! `unshard merge ADAPTER --base BASE`: LoRA / DoRA adapters fused into the base,
+//! against what peft's own `merge_and_unload()` gives (fixtures/lora, written by
+//! `fixtures/gen_lora.py` with peft 0.21.2; expected bytes read with the
+//! `safetensors` crate). A fused weight must be within one ulp of peft's in the
+//! output dtype; every other tensor byte-identical; `unshard verify` must accept
+//! the output and reject a fused weight that is off.
+#![allow(clippy::unwrap_used)]
+
+mod common;
+
+use std::collections::BTreeSet;
+use std::path::Path;
+use std::process::{Command, Output};
+
+use common::fixtures;
+
+fn unshard(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_unshard"))
+        .args(args)
+        .output()
+        .unwrap()
+}
+
+fn cases() -> serde_json::Value {
+    serde_json::from_slice(&std::fs::read(fixtures().join("lora/cases.json")).unwrap()).unwrap()
+}
+
+fn fx(rel: &str) -> String {
+    fixtures().join(rel).to_string_lossy().into_owned()
+}
+
+/// The case's extra arguments, paths made absolute.
+fn extra(case: &serde_json::Value) -> Vec<String> {
+    case["extra_args"]
+        .as_array()
+        .map(|a| {
+            a.iter()
+                .map(|v| v.as_str().unwrap())
+                .map(|s| {
+                    if s.starts_with("lora/") {
+                        fx(s)
+                    } else {
+                        s.to_string()
+                    }
+                })
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// Values ordered like their bits: adjacent floats of a dtype differ by 1.
+fn ordered(bytes: &[u8], dtype: safetensors::Dtype) -> Vec<i64> {
+    match dtype {
+        safetensors::Dtype::F32 => bytes
+            .chunks_exact(4)
+            .map(|c| {
+                let b = i32::from_le_bytes([c[0], c[1], c[2], c[3]]) as i64;
+                if b < 0 {
+                    -(b & 0x7fff_ffff)
+                } else {
+                    b
+                }
+            })
+            .collect(),
+        _ => bytes
+            .chunks_exact(2)
+            .map(|c| {
+                let b = i16::from_le_bytes([c[0], c[1]]) as i64;
+                if b < 0 {
+                    -(b & 0x7fff)
+                } else {
+                    b
+                }
+            })
+            .collect(),
+    }
+}
+
+/// Compares an output dir's single shard with an expected dir's: same names,
+/// dtypes and shapes; `fused` tensors within 1 ulp, the others byte-identical.
+/// Returns how many fused tensors differ from peft's at all.
+fn compare(out: &Path, expected: &Path, fused: &BTreeSet<String>, name: &str) -> usize {
+    let ours = std::fs::read(out.join("model.safetensors")).unwrap();
+    let ours = safetensors::SafeTensors::deserialize(&ours).unwrap();
+    let theirs = std::fs::read(expected.join("model.safetensors")).unwrap();
+    let theirs = safetensors::SafeTensors::deserialize(&theirs).unwrap();
+    let names = |s: &safetensors::SafeTensors| {
+        s.names()
+            .into_iter()
+            .map(str::to_string)
+            .collect::<BTreeSet<_>>()
+    };
+    assert_eq!(names(&ours), names(&theirs), "{name}: tensor names");
+    let mut inexact = 0;
+    for n in names(&theirs) {
+        let (a, b) = (ours.tensor(&n).unwrap(), theirs.tensor(&n).unwrap());
+        assert_eq!(
+            (a.dtype(), a.shape()),
+            (b.dtype(), b.shape()),
+            "{name}: {n}"
+        );
+        if !fused.contains(&n) {
+            assert!(
+                a.data() == b.data(),
+                "{name}: {n} is not fused but differs from peft's"
+            );
+            continue;
+        }
+        let (x, y) = (ordered(a.data(), a.dtype()), ordered(b.data(), b.dtype()));
+        let worst = x
+            .iter()
+            .zip(&y)
+            .map(|(p, q)| (p - q).abs())
+            .max()
+            .unwrap_or(0);
+        assert!(worst <= 1, "{name}: {n} is {worst} ulp from peft's");
+        inexact += (a.data() != b.data()) as usize;
+    }
+    assert!(!fused.is_empty(), "{name}: nothing fused");
+    inexact
+}
+
+#[test]
+fn every_case_merges_within_one_ulp_of_peft_and_verifies() {
+    let all = cases();
+    let mut inexact = 0;
+    for case in all["cases"].as_array().unwrap() {
+        let name = case["name"].as_str().unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let out = dir.path().join("out");
+        let (adapter, base) = (
+            fx(case["adapter"].as_str().unwrap()),
+            fx(case["base"].as_str().unwrap()),
+        );
+        let mut args = vec![
+            "merge",
+            &adapter,
+            "--base",
+            &base,
+            "--output",
+            out.to_str().unwrap(),
+        ];
+        let extra = extra(case);
+        args.extend(extra.iter().map(String::as_str));
+        let r = unshard(&args);
+        let stderr = String::from_utf8_lossy(&r.stderr);
+        assert!(r.status.success(), "{name}: {stderr}");
+        assert!(stderr.contains("note: adapter '"), "{name}: {stderr}");
+        assert!(!stderr.contains("warning:"), "{name}: {stderr}");
+        // Which tensors the fuse computed: the adapter's modules (lora_A names).
+        let fused = adapter_targets(case);
+        inexact += compare(
+            &out,
+            &fixtures().join(case["expected_dir"].as_str().unwrap()),
+            &fused,
+            name,
+        );
+
+        let mut vargs = vec![
+            "verify",
+            out.to_str().unwrap(),
+            "--against",
+            &adapter,
+            "--base",
+            &base,
+        ];
+        vargs.extend(extra.iter().map(String::as_str));
+        let v = unshard(&vargs);
+        assert!(
+            v.status.success(),
+            "{name}: verify: {}",
+            String::from_utf8_lossy(&v.stdout)
+        );
+    }
+    // On x86-64 (torch 2.15's CPU matmul, matrixmultiply's kernel) every fused
+    // tensor of these fixtures comes out bit-identical to peft's; another
+    // summation order may round an element the other way, which the 1-ulp bound allows.
+    eprintln!("fused tensors not bit-identical to peft's: {inexact}");
+}
+
+/// The base names of the weights an adapter case fuses, read from the adapter's
+/// own tensor names (lora_A / lora_embedding_A), with the safetensors crate or,
+/// for a training checkpoint, from the expected dir against the base.
+fn adapter_targets(case: &serde_json::Value) -> BTreeSet<String> {
+    let expected = fixtures().join(case["expected_dir"].as_str().unwrap());
+    let base = fixtures().join(case["base"].as_str().unwrap());
+    let e = std::fs::read(expected.join("model.safetensors")).unwrap();
+    let e = safetensors::SafeTensors::deserialize(&e).unwrap();
+    let b = std::fs::read(base.join("model.safetensors")).unwrap();
+    let b = safetensors::SafeTensors::deserialize(&b).unwrap();
+    e.names()
+        .into_iter()
+        .filter(|n| {
+            b.tensor(n)
+                .map(|t| t.data() != e.tensor(n).unwrap().data())
+                .unwrap_or(true)
+        })
+        .map(str::to_string)
+        .collect()
+}
+
+#[test]
+fn errors_name_the_field_the_adapter_or_the_missing_config() {
+    let all = cases();
+    for case in all["error_cases"].as_array().unwrap() {
+        let name = case["name"].as_str().unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let out = dir.path().join("out");
+        let (adapter, base) = (
+            fx(case["adapter"].as_str().unwrap()),
+            fx(case["base"].as_str().unwrap()),
+        );
+        let r = unshard(&[
+            "merge",
+            &adapter,
+            "--base",
+            &base,
+            "--output",
+            out.to_str().unwrap(),
+        ]);
+        let stderr = String::from_utf8_lossy(&r.stderr);
+        assert!(!r.status.success(), "{name}");
+        assert!(
+            stderr.contains(case["error"].as_str().unwrap()),
+            "{name}: {stderr}"
+        );
+        assert!(!out.exists(), "{name}: an output was left behind");
+    }
+    // An adapter name that is not there lists those that are.
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("out");
+    let r = unshard(&[
+        "merge",
+        &fx("lora/adapters/llama_two_adapters"),
+        "--base",
+        &fx("models/llama-bf16"),
+        "--adapter",
+        "third",
+        "--output",
+        out.to_str().unwrap(),
+    ]);
+    let stderr = String::from_utf8_lossy(&r.stderr);
+    assert!(
+        !r.status.success() && stderr.contains("'third'") && stderr.contains("default, second"),
+        "{stderr}"
+    );
+    // Adapter flags on a checkpoint without an adapter are refused, not ignored.
+    let r = unshard(&[
+        "merge",
+        &fx("ckpt/llama_policy.pt"),
+        "--base",
+        &fx("models/llama-bf16"),
+        "--no-fuse",
+        "--output",
+        out.to_str().unwrap(),
+    ]);
+    assert!(String::from_utf8_lossy(&r.stderr).contains("--no-fuse applies to LoRA adapters"));
+}
+
+/// verl's merger writes `lora_alpha: 0`: fusing with that config gives the base
+/// again, and unshard says so loudly.
+#[test]
+fn alpha_zero_warns_that_the_output_is_the_base() {
+    let dir = tempfile::tempdir().unwrap();
+    let src = fixtures().join("lora/adapters/llama_lora");
+    let adapter = dir.path().join("adapter");
+    std::fs::create_dir(&adapter).unwrap();
+    std::fs::copy(
+        src.join("adapter_model.safetensors"),
+        adapter.join("adapter_model.safetensors"),
+    )
+    .unwrap();
+    let mut cfg: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(src.join("adapter_config.json")).unwrap()).unwrap();
+    cfg["lora_alpha"] = serde_json::json!(0);
+    std::fs::write(adapter.join("adapter_config.json"), cfg.to_string()).unwrap();
+    let out = dir.path().join("out");
+    let r = unshard(&[
+        "merge",
+        adapter.to_str().unwrap(),
+        "--base",
+        &fx("models/llama-bf16"),
+        "--output",
+        out.to_str().unwrap(),
+        "--quiet",
+    ]);
+    let stderr = String::from_utf8_lossy(&r.stderr);
+    assert!(r.status.success(), "{stderr}");
+    assert!(
+        stderr.contains("warning: THE OUTPUT IS THE BASE MODEL UNCHANGED"),
+        "{stderr}"
+    );
+    // And it is: every tensor equals the base's.
+    let ours = std::fs::read(out.join("model.safetensors")).unwrap();
+    let ours = safetensors::SafeTensors::deserialize(&ours).unwrap();
+    let base = std::fs::read(fixtures().join("models/llama-bf16/model.safetensors")).unwrap();
+    let base = safetensors::SafeTensors::deserialize(&base).unwrap();
+    for n in base.names() {
+        assert!(
+            ours.tensor(n).unwrap().data() == base.tensor(n).unwrap().data(),
+            "{n}"
+        );
+    }
+}
+
+/// `--no-fuse`: the base's tensors unchanged, the adapter in OUT/adapter/ with the
+/// config it was trained with (the real alpha), loadable by peft (interop.py).
+#[test]
+fn no_fuse_writes_the_base_unchanged_and_the_adapter_beside_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("out");
+    let r = unshard(&[
+        "merge",
+        &fx("lora/train/llama_modules_to_save_pt/policy.pt"),
+        "--base",
+        &fx("models/llama-bf16"),
+        "--no-fuse",
+        "--output",
+        out.to_str().unwrap(),
+    ]);
+    assert!(r.status.success(), "{}", String::from_utf8_lossy(&r.stderr));
+    let ours = std::fs::read(out.join("model.safetensors")).unwrap();
+    let ours = safetensors::SafeTensors::deserialize(&ours).unwrap();
+    let base = std::fs::read(fixtures().join("models/llama-bf16/model.safetensors")).unwrap();
+    let base = safetensors::SafeTensors::deserialize(&base).unwrap();
+    assert_eq!(ours.names().len(), base.names().len());
+    for n in base.names() {
+        assert!(
+            ours.tensor(n).unwrap().data() == base.tensor(n).unwrap().data(),
+            "{n}"
+        );
+    }
+    let saved = fixtures().join("lora/adapters/llama_modules_to_save/adapter_model.safetensors");
+    let peft = std::fs::read(saved).unwrap();
+    let peft = safetensors::SafeTensors::deserialize(&peft).unwrap();
+    let written = std::fs::read(out.join("adapter/adapter_model.safetensors")).unwrap();
+    let written = safetensors::SafeTensors::deserialize(&written).unwrap();
+    let mut a: Vec<_> = written.names();
+    let mut b: Vec<_> = peft.names();
+    a.sort();
+    b.sort();
+    assert_eq!(a, b);
+    for n in b {
+        assert!(
+            written.tensor(n).unwrap().data() == peft.tensor(n).unwrap().data(),
+            "{n}"
+        );
+    }
+    let cfg: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(out.join("adapter/adapter_config.json")).unwrap())
+            .unwrap();
+    assert_eq!(cfg["lora_alpha"], serde_json::json!(8));
+}
+
+/// A fused weight written off by more than the tolerance is a verify mismatch.
+#[test]
+fn verify_rejects_a_fused_weight_that_is_off() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("out");
+    let adapter = fx("lora/adapters/llama_dora");
+    let base = fx("models/llama-bf16");
+    let r = unshard(&[
+        "merge",
+        &adapter,
+        "--base",
+        &base,
+        "--output",
+        out.to_str().unwrap(),
+    ]);
+    assert!(r.status.success());
+    let file = out.join("model.safetensors");
+    let bytes = std::fs::read(&file).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let t = st.tensor("model.layers.0.self_attn.q_proj.weight").unwrap();
+    // The element of largest magnitude, two bfloat16 ulps up (a bump of an
+    // element near zero could hide inside the tolerance, which is taken at the
+    // magnitude of W and of the update).
+    let big = t
+        .data()
+        .chunks_exact(2)
+        .map(|c| f32::from_bits((u16::from_le_bytes([c[0], c[1]]) as u32) << 16).abs())
+        .enumerate()
+        .max_by(|a, b| a.1.total_cmp(&b.1))
+        .unwrap()
+        .0;
+    let offset = t.data().as_ptr() as usize - bytes.as_ptr() as usize + 2 * big;
+    let mut bytes = bytes.clone();
+    let v = u16::from_le_bytes([bytes[offset], bytes[offset + 1]]) + 2;
+    bytes[offset..offset + 2].copy_from_slice(&v.to_le_bytes());
+    std::fs::write(&file, bytes).unwrap();
+    let v = unshard(&[
+        "verify",
+        out.to_str().unwrap(),
+        "--against",
+        &adapter,
+        "--base",
+        &base,
+    ]);
+    let stdout = String::from_utf8_lossy(&v.stdout);
+    assert!(!v.status.success(), "{stdout}");
+    assert!(
+        stdout.contains("model.layers.0.self_attn.q_proj.weight"),
+        "{stdout}"
+    );
+}
+
+/// An adapter directory alone has no weights to fuse into: the error says to pass
+/// --base, and nothing is written.
+#[test]
+fn an_adapter_without_a_base_asks_for_one() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("out");
+    let r = unshard(&[
+        "merge",
+        &fx("lora/adapters/llama_lora"),
+        "--output",
+        out.to_str().unwrap(),
+    ]);
+    let stderr = String::from_utf8_lossy(&r.stderr);
+    assert!(!r.status.success());
+    assert!(
+        stderr.contains("no base model to fuse it into") && stderr.contains("--base"),
+        "{stderr}"
+    );
+    assert!(!out.exists());
+}

@@ -1,0 +1,212 @@
+//! From Python's arguments to the library's options, and from the library's
+//! reports and errors back to what Python receives.
+//!
+//! Option values are parsed here with the command line's own rules (the same
+//! dtype spellings, sizes and rename syntax), but messages name the keyword
+//! arguments (`max_shard_size=`), not the flags.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use serde::Deserialize;
+use unshard::{
+    Cancel, DiffOptions, Error, InspectOptions, MergeOptions, OpenOptions, PlanOptions, Progress,
+    VerifyOptions,
+};
+
+use crate::job::Counters;
+
+/// The keyword arguments of `merge` and `verify`, as `_api.py` serialises them.
+#[derive(Deserialize)]
+struct Kwargs {
+    base: Option<String>,
+    dtype: String,
+    max_shard_size: String,
+    strict: bool,
+    key: Option<String>,
+    rename: Vec<String>,
+    force: bool,
+    allow_overflow: bool,
+    verify: bool,
+    fail_on_nonfinite: bool,
+}
+
+/// A merge (or the merge a `verify` re-derives), ready to run.
+pub struct MergeRequest {
+    opts: MergeOptions,
+}
+
+impl MergeRequest {
+    /// Parses the keyword arguments; a bad value is a usage error naming it.
+    pub fn parse(checkpoint: &str, output: &str, kwargs: &str) -> Result<MergeRequest, Error> {
+        let k: Kwargs = serde_json::from_str(kwargs)
+            .map_err(|e| Error::Usage(format!("malformed options from the Python layer: {e}")))?;
+        let plan = plan_options(&k)?;
+        let open = OpenOptions { key: k.key };
+        Ok(MergeRequest {
+            opts: MergeOptions {
+                checkpoint: PathBuf::from(checkpoint),
+                base: k.base.map(PathBuf::from),
+                output: PathBuf::from(output),
+                open,
+                plan,
+                force: k.force,
+                allow_overflow: k.allow_overflow,
+                verify: k.verify,
+                fail_on_nonfinite: k.fail_on_nonfinite,
+                cancel: Cancel::new(),
+                ..MergeOptions::default()
+            },
+        })
+    }
+
+    /// Runs the merge; the report as JSON.
+    pub fn run(mut self, progress: &dyn Progress, cancel: &Cancel) -> Result<String, Error> {
+        self.opts.cancel = cancel.clone();
+        let outcome = unshard::merge(&self.opts, progress)?;
+        to_json(&outcome)
+    }
+
+    /// Verifies `output` against the merge these options describe; the report as JSON.
+    pub fn verify(self, progress: &dyn Progress, cancel: &Cancel) -> Result<String, Error> {
+        let mut opts = VerifyOptions::of_merge(&self.opts, &self.opts.output);
+        opts.cancel = cancel.clone();
+        let report = unshard::verify(&opts, progress)?;
+        to_json(&report)
+    }
+}
+
+fn plan_options(k: &Kwargs) -> Result<PlanOptions, Error> {
+    let dtype = unshard_cli::parse_dtype(&k.dtype).ok_or_else(|| {
+        Error::Usage(format!(
+            "dtype={:?} is not a dtype unshard writes (auto, float16, bfloat16, float32, or bf16, fp16, half, fp32, float, torch.bfloat16, ...)",
+            k.dtype
+        ))
+    })?;
+    let max_shard_size = unshard::parse_size(&k.max_shard_size)
+        .filter(|&s| s > 0)
+        .ok_or_else(|| {
+            Error::Usage(format!(
+                "max_shard_size={:?} is not a size (examples: \"5GB\", \"500MB\", \"2GiB\", 1000000)",
+                k.max_shard_size
+            ))
+        })?;
+    let mut renames = Vec::new();
+    for r in &k.rename {
+        let (re, rep) = r
+            .split_once('=')
+            .ok_or_else(|| Error::Usage(format!("rename {r:?} must be \"REGEX=REPLACEMENT\"")))?;
+        let re = regex::Regex::new(re)
+            .map_err(|e| Error::Usage(format!("rename {r:?}: invalid regular expression: {e}")))?;
+        renames.push((re, rep.to_string()));
+    }
+    Ok(PlanOptions {
+        dtype,
+        strict: k.strict,
+        renames,
+        max_shard_size,
+        ..PlanOptions::default()
+    })
+}
+
+/// `unshard.inspect`: the report as JSON.
+pub fn inspect(
+    path: &str,
+    key: Option<String>,
+    stats: bool,
+    cancel: &Cancel,
+) -> Result<String, Error> {
+    let open = OpenOptions { key };
+    let report = unshard::inspect(&InspectOptions {
+        path: PathBuf::from(path),
+        open,
+        stats,
+        cancel: cancel.clone(),
+    })?;
+    to_json(&report)
+}
+
+/// `unshard.diff`: the report as JSON.
+pub fn diff(a: &str, b: &str, progress: &dyn Progress, cancel: &Cancel) -> Result<String, Error> {
+    let report = unshard::diff(
+        &DiffOptions {
+            a: PathBuf::from(a),
+            b: PathBuf::from(b),
+            open: OpenOptions::default(),
+            cancel: cancel.clone(),
+            ..DiffOptions::default()
+        },
+        progress,
+    )?;
+    to_json(&report)
+}
+
+fn to_json<T: serde::Serialize>(v: &T) -> Result<String, Error> {
+    serde_json::to_string(v).map_err(|e| Error::Check {
+        msg: format!("cannot serialise the report: {e}"),
+        hint: None,
+    })
+}
+
+/// Progress into the shared counters. `UNSHARD_TEST_WINDOW_DELAY_MS` slows each
+/// step down (as in the command line) so that tests can cancel mid-merge.
+pub struct Reporter<'a> {
+    counters: &'a Counters,
+    delay: Option<Duration>,
+}
+
+impl<'a> Reporter<'a> {
+    /// A reporter into `counters`.
+    pub fn new(counters: &'a Counters) -> Reporter<'a> {
+        let delay = std::env::var("UNSHARD_TEST_WINDOW_DELAY_MS")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .map(Duration::from_millis);
+        Reporter { counters, delay }
+    }
+}
+
+impl Progress for Reporter<'_> {
+    fn start(&self, total_bytes: u64) {
+        self.counters.start(total_bytes);
+    }
+    fn advance(&self, bytes: u64) {
+        if let Some(d) = self.delay {
+            std::thread::sleep(d);
+        }
+        self.counters.advance(bytes);
+    }
+}
+
+/// The `kind` Python maps to an exception class (see `python/unshard/_errors.py`).
+pub fn kind_of(e: &Error) -> &'static str {
+    match e {
+        Error::Io { .. }
+        | Error::Corrupt { .. }
+        | Error::Pickle { .. }
+        | Error::Unsupported { .. }
+        | Error::UnknownFormat { .. }
+        | Error::BadTensor { .. }
+        | Error::Incomplete { .. }
+        | Error::NoTensors { .. }
+        | Error::KeyNotFound { .. }
+        | Error::AmbiguousTensors { .. } => "unreadable_checkpoint",
+        Error::UnknownTensors { .. } => "unknown_tensor",
+        Error::ShapeMismatch { .. } => "shape_mismatch",
+        Error::DuplicateName { .. } => "duplicate_name",
+        Error::Strict { .. } => "strict",
+        Error::OutputExists { .. } => "output_exists",
+        Error::NonFinite { .. } => "non_finite",
+        Error::Overflow { .. } => "overflow",
+        Error::Output { .. } => "output",
+        Error::Usage(_) => "usage",
+        Error::Interrupted => "cancelled",
+        Error::Check { .. } => "verification_failed",
+        _ => "error",
+    }
+}
+
+/// The hint, in the library's words (options, not flags).
+pub fn hint_of(e: &Error) -> Option<String> {
+    e.hint()
+}

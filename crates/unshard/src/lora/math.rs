@@ -1,0 +1,290 @@
+//! The fuse itself, in float32, as peft's `merge_and_unload` computes it.
+//!
+//! peft (`tuners/lora/layer.py`, `variants.py`, `dora.py`) does, per adapted layer:
+//! `delta = transpose(B @ A, fan_in_fan_out) * scale` (float32 products, then one
+//! multiply by the scale), `W += delta`; for DoRA, `norm = ||W + delta||` over the
+//! input dimension (one norm per output channel) and `W' = (m / norm) * (W + delta)`.
+//! Embeddings use `transpose(B @ A, True)`. The same steps are taken here, in the same
+//! order, so results differ from peft's only by the summation order of the matrix
+//! product (matrixmultiply's blocked kernel instead of torch's) and of the norm.
+//!
+//! Memory: the weight being fused (float32) plus, per thread, one block of the
+//! update of at most [`BLOCK_ELEMS`] elements; the adapter's A and B are small (rank r).
+
+use rayon::prelude::*;
+
+/// How the update `B @ A` lies over the stored weight.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Layout {
+    /// `nn.Linear`: the weight is `[out, in]`, A is `[r, in]`, B is `[out, r]`.
+    Linear,
+    /// GPT-2 `Conv1D` (`fan_in_fan_out`): the weight is `[in, out]`, A is `[r, in]`,
+    /// B is `[out, r]`; the update is `(B @ A)^T`.
+    FanInFanOut,
+    /// `nn.Embedding`: the weight is `[num_embeddings, dim]`, A is
+    /// `[r, num_embeddings]`, B is `[dim, r]`; the update is `(B @ A)^T`.
+    Embedding,
+}
+
+impl Layout {
+    /// Whether the update is `(B @ A)^T`.
+    pub fn transposed(self) -> bool {
+        !matches!(self, Layout::Linear)
+    }
+
+    /// The expected shapes of A and B for a stored weight `[rows, cols]` and rank `r`.
+    pub fn factor_shapes(self, rows: u64, cols: u64, r: u64) -> ([u64; 2], [u64; 2]) {
+        if self.transposed() {
+            ([r, rows], [cols, r])
+        } else {
+            ([r, cols], [rows, r])
+        }
+    }
+
+    /// Output channels (the length of a DoRA magnitude) of a stored weight `[rows, cols]`.
+    pub fn out_channels(self, rows: u64, cols: u64) -> u64 {
+        if self.transposed() {
+            cols
+        } else {
+            rows
+        }
+    }
+}
+
+/// Elements of the update computed at a time.
+pub const BLOCK_ELEMS: usize = 1 << 20;
+
+/// One adapted weight's factors.
+#[derive(Clone, Copy, Debug)]
+pub struct Factors<'a> {
+    /// How the update lies over the weight.
+    pub layout: Layout,
+    /// `[r, ..]`, row-major.
+    pub a: &'a [f32],
+    /// `[.., r]`, row-major.
+    pub b: &'a [f32],
+    /// `r`: rows of A, columns of B.
+    pub rank: usize,
+    /// The scale as peft holds it (a Python float), applied in float32.
+    pub scale: f64,
+    /// DoRA's magnitude, one per output channel.
+    pub magnitude: Option<&'a [f32]>,
+}
+
+/// Fuses the factors into `w` (`[rows, cols]`, row-major) in place. The caller has
+/// checked the shapes (see [`Layout::factor_shapes`]); a mismatch here is a bug and
+/// only fails the debug assertions.
+pub fn fuse(w: &mut [f32], rows: usize, cols: usize, f: &Factors<'_>) {
+    debug_assert_eq!(w.len(), rows * cols);
+    let r = f.rank;
+    debug_assert_eq!(
+        f.a.len(),
+        r * if f.layout.transposed() { rows } else { cols }
+    );
+    debug_assert_eq!(
+        f.b.len(),
+        r * if f.layout.transposed() { cols } else { rows }
+    );
+    // torch multiplies a float32 tensor by a Python float in float32.
+    let scale = f.scale as f32;
+    if rows == 0 || cols == 0 {
+        return;
+    }
+    // Blocks of rows are independent: each thread computes its block of the update
+    // into its own buffer and adds it (one buffer of BLOCK_ELEMS per thread).
+    let block_rows = (BLOCK_ELEMS / cols).clamp(1, rows);
+    w.par_chunks_mut(block_rows * cols)
+        .enumerate()
+        .for_each_init(Vec::new, |delta, (i, wblock)| {
+            let row0 = i * block_rows;
+            let n_rows = wblock.len() / cols;
+            delta.resize(n_rows * cols, 0f32);
+            product_rows(f, rows, cols, row0, n_rows, delta);
+            for (wv, d) in wblock.iter_mut().zip(delta.iter()) {
+                // Two roundings, as peft: delta = (B@A) * scale, then W += delta.
+                *wv += *d * scale;
+            }
+        });
+    if let Some(m) = f.magnitude {
+        apply_dora(w, rows, cols, f.layout, m);
+    }
+}
+
+/// Rows `[row0, row0 + n_rows)` of the unscaled update, in the stored weight's layout.
+fn product_rows(
+    f: &Factors<'_>,
+    rows: usize,
+    cols: usize,
+    row0: usize,
+    n_rows: usize,
+    out: &mut [f32],
+) {
+    let r = f.rank;
+    // out[i][j] = sum_k lhs[i][k] * rhs[k][j], with strides in elements.
+    let (lhs, rsa, csa, rhs, rsb, csb) = if f.layout.transposed() {
+        // out = A^T[row0.., :] @ B^T: lhs(i, k) = A[k][row0 + i], rhs(k, j) = B[j][k].
+        (
+            &f.a[row0.min(f.a.len())..],
+            1isize,
+            rows as isize,
+            f.b,
+            1isize,
+            r as isize,
+        )
+    } else {
+        // out = B[row0.., :] @ A: lhs(i, k) = B[row0 + i][k], rhs(k, j) = A[k][j].
+        (
+            &f.b[(row0 * r).min(f.b.len())..],
+            r as isize,
+            1isize,
+            f.a,
+            cols as isize,
+            1isize,
+        )
+    };
+    debug_assert!(out.len() >= n_rows * cols);
+    if r == 0 {
+        out.fill(0.0);
+        return;
+    }
+    // Bounds the last element each operand is read at, so the unsafe call below
+    // stays inside the slices whatever the caller passed.
+    let lhs_last = (n_rows - 1) as isize * rsa + (r - 1) as isize * csa;
+    let rhs_last = (r - 1) as isize * rsb + (cols - 1) as isize * csb;
+    assert!(
+        (lhs_last as usize) < lhs.len()
+            && (rhs_last as usize) < rhs.len()
+            && out.len() >= n_rows * cols,
+        "lora factors do not fit the weight"
+    );
+    // SAFETY: the assert above proves every element sgemm reads (lhs at
+    // i*rsa + k*csa, rhs at k*rsb + j*csb for i < n_rows, k < r, j < cols) and
+    // writes (out at i*cols + j) lies inside its slice; the slices do not overlap
+    // (out is a separate buffer), and beta = 0 means out is not read.
+    unsafe {
+        matrixmultiply::sgemm(
+            n_rows,
+            r,
+            cols,
+            1.0,
+            lhs.as_ptr(),
+            rsa,
+            csa,
+            rhs.as_ptr(),
+            rsb,
+            csb,
+            0.0,
+            out.as_mut_ptr(),
+            cols as isize,
+            1,
+        );
+    }
+}
+
+/// `W' = m / ||W|| * W` per output channel, `W` already holding `W + delta`. The norm
+/// is summed in float64 and rounded once to float32 (torch's float32 reduction gives
+/// the correctly rounded value or one next to it).
+fn apply_dora(w: &mut [f32], rows: usize, cols: usize, layout: Layout, m: &[f32]) {
+    if layout.transposed() {
+        // Output channels are columns.
+        let mut sums = vec![0f64; cols];
+        for row in w.chunks_exact(cols) {
+            for (s, &v) in sums.iter_mut().zip(row) {
+                *s += (v as f64) * (v as f64);
+            }
+        }
+        let factors: Vec<f32> = sums
+            .iter()
+            .zip(m)
+            .map(|(&s, &mag)| mag / (s.sqrt() as f32))
+            .collect();
+        for row in w.chunks_exact_mut(cols) {
+            for (v, &f) in row.iter_mut().zip(&factors) {
+                *v *= f;
+            }
+        }
+    } else {
+        for (row, &mag) in w.chunks_exact_mut(cols).zip(m).take(rows) {
+            let s: f64 = row.iter().map(|&v| (v as f64) * (v as f64)).sum();
+            let factor = mag / (s.sqrt() as f32);
+            for v in row {
+                *v *= factor;
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// W = 0, r = 1: the update is the outer product, in the right orientation.
+    #[test]
+    fn orientation_follows_the_layout() {
+        let a = [1.0f32, 2.0, 3.0]; // [1, 3]
+        let b = [10.0f32, 20.0]; // [2, 1]
+        let f = |layout| Factors {
+            layout,
+            a: &a,
+            b: &b,
+            rank: 1,
+            scale: 0.5,
+            magnitude: None,
+        };
+        // Linear: W [out=2, in=3], delta[o][i] = b[o] * a[i] * 0.5.
+        let mut w = vec![0f32; 6];
+        fuse(&mut w, 2, 3, &f(Layout::Linear));
+        assert_eq!(w, [5.0, 10.0, 15.0, 10.0, 20.0, 30.0]);
+        // Conv1D: W [in=3, out=2], the transpose.
+        let mut w = vec![0f32; 6];
+        fuse(&mut w, 3, 2, &f(Layout::FanInFanOut));
+        assert_eq!(w, [5.0, 10.0, 10.0, 20.0, 15.0, 30.0]);
+    }
+
+    #[test]
+    fn dora_rescales_each_output_channel_to_its_magnitude() {
+        let a = [0.0f32, 0.0]; // r = 1, no update
+        let b = [0.0f32, 0.0];
+        let m = [1.0f32, 10.0];
+        let mut w = vec![3.0f32, 4.0, 0.0, 2.0]; // rows (3,4) and (0,2)
+        fuse(
+            &mut w,
+            2,
+            2,
+            &Factors {
+                layout: Layout::Linear,
+                a: &a,
+                b: &b,
+                rank: 1,
+                scale: 1.0,
+                magnitude: Some(&m),
+            },
+        );
+        assert_eq!(w, [0.6, 0.8, 0.0, 10.0]);
+    }
+
+    #[test]
+    fn blocks_cover_every_row() {
+        // More rows than one block holds, so the update is computed in pieces.
+        let cols = 3;
+        let rows = BLOCK_ELEMS / cols + 5;
+        let a = vec![1.0f32; cols];
+        let b: Vec<f32> = (0..rows).map(|i| i as f32).collect();
+        let mut w = vec![0f32; rows * cols];
+        fuse(
+            &mut w,
+            rows,
+            cols,
+            &Factors {
+                layout: Layout::Linear,
+                a: &a,
+                b: &b,
+                rank: 1,
+                scale: 1.0,
+                magnitude: None,
+            },
+        );
+        assert_eq!(w[(rows - 1) * cols], (rows - 1) as f32);
+        assert_eq!(w[7 * cols + 2], 7.0);
+    }
+}

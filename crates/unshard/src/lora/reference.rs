@@ -1,0 +1,229 @@
+//! verify's own evaluation of a fused weight: plain float64 loops, no matrix
+//! library, no shared code with [`super::math`], so that a mistake in one does not
+//! hide in the other.
+//!
+//! A fused value cannot be compared bit for bit: peft and unshard sum the rank-r
+//! products and the DoRA norm in different orders, in float32. The tolerance is
+//! one unit in the last place of the output dtype, plus the rounding error bound of
+//! a float32 evaluation (`(r + 4)` unit roundoffs, 2^-24 each), both taken at the
+//! magnitude the float32 arithmetic works at: `max(|W|, scale * sum_k |B[o,k]
+//! A[k,i]|)`, times the DoRA factor. For bfloat16 and float16 outputs the second
+//! term is a small fraction of an ulp; for float32 outputs it is what lets any
+//! correct float32 merge (peft's, or unshard's) pass when `W` and the update
+//! nearly cancel. A wrong scale, a missing transpose or a norm on the wrong axis
+//! is off by many units.
+
+use crate::DType;
+
+use super::math::Layout;
+
+/// The exact (float64) fused weight and, per element, the magnitude its float32
+/// computation works at.
+pub struct Expected {
+    /// The fused values, C order.
+    pub values: Vec<f64>,
+    /// Per element, the magnitude the float32 arithmetic works at.
+    pub magnitude: Vec<f64>,
+    /// Unit roundoffs a float32 evaluation may lose, relative to the magnitude.
+    pub float32_roundoffs: f64,
+}
+
+impl Expected {
+    /// How far (absolute) a value of `dtype` may be from element `i`'s exact value.
+    pub fn allowed(&self, i: usize, dtype: DType) -> f64 {
+        tolerance(
+            self.values[i],
+            self.magnitude[i],
+            self.float32_roundoffs,
+            dtype,
+        )
+    }
+
+    /// Whether `found` (a value of `dtype`) is an acceptable fused value of element `i`.
+    pub fn allows(&self, i: usize, found: f64, dtype: DType) -> bool {
+        within_tolerance(
+            found,
+            self.values[i],
+            self.magnitude[i],
+            self.float32_roundoffs,
+            dtype,
+        )
+    }
+}
+
+/// Inputs of one fused weight, in float64, row-major.
+pub struct Operands<'a> {
+    /// How the update lies over the weight.
+    pub layout: Layout,
+    /// The weight, `[rows, cols]`.
+    pub w: &'a [f64],
+    /// Rows of the stored weight.
+    pub rows: usize,
+    /// Columns of the stored weight.
+    pub cols: usize,
+    /// lora_A (or lora_embedding_A), `[r, ..]`.
+    pub a: &'a [f64],
+    /// lora_B (or lora_embedding_B), `[.., r]`.
+    pub b: &'a [f64],
+    /// `r`.
+    pub rank: usize,
+    /// `alpha / r` or `alpha / sqrt(r)`.
+    pub scale: f64,
+    /// DoRA's magnitude, one per output channel.
+    pub dora_magnitude: Option<&'a [f64]>,
+}
+
+/// Evaluates `W + scale * B@A` (transposed where the layout says), then DoRA.
+pub fn evaluate(op: &Operands<'_>) -> Expected {
+    let (rows, cols, r) = (op.rows, op.cols, op.rank);
+    let mut values = vec![0f64; rows * cols];
+    let mut magnitude = vec![0f64; rows * cols];
+    for i in 0..rows {
+        for j in 0..cols {
+            // (out, in) of the element in peft's terms.
+            let (o, x) = if op.layout == Layout::Linear {
+                (i, j)
+            } else {
+                (j, i)
+            };
+            let in_dim = if op.layout == Layout::Linear {
+                cols
+            } else {
+                rows
+            };
+            let mut sum = 0f64;
+            let mut abs = 0f64;
+            for k in 0..r {
+                let p = op.b[o * r + k] * op.a[k * in_dim + x];
+                sum += p;
+                abs += p.abs();
+            }
+            let w = op.w[i * cols + j];
+            values[i * cols + j] = w + op.scale * sum;
+            magnitude[i * cols + j] = w.abs().max(op.scale.abs() * abs);
+        }
+    }
+    if let Some(m) = op.dora_magnitude {
+        let out_channels = if op.layout == Layout::Linear {
+            rows
+        } else {
+            cols
+        };
+        let mut norms = vec![0f64; out_channels];
+        for i in 0..rows {
+            for j in 0..cols {
+                let o = if op.layout == Layout::Linear { i } else { j };
+                norms[o] += values[i * cols + j] * values[i * cols + j];
+            }
+        }
+        for i in 0..rows {
+            for j in 0..cols {
+                let o = if op.layout == Layout::Linear { i } else { j };
+                let factor = m[o] / norms[o].sqrt();
+                values[i * cols + j] *= factor;
+                magnitude[i * cols + j] *= factor.abs();
+            }
+        }
+    }
+    Expected {
+        values,
+        magnitude,
+        float32_roundoffs: (r + 4) as f64,
+    }
+}
+
+/// One unit in the last place of `dtype` at magnitude `x` (the spacing of the
+/// dtype's numbers around it, never below its smallest subnormal).
+pub fn ulp(dtype: DType, x: f64) -> f64 {
+    let (mantissa_bits, min_exp) = match dtype {
+        DType::F64 => (52, -1022),
+        DType::F32 => (23, -126),
+        DType::F16 => (10, -14),
+        DType::BF16 => (7, -126),
+        DType::F8E4M3 => (3, -6),
+        DType::F8E5M2 => (2, -14),
+        _ => return 0.0,
+    };
+    let x = x.abs();
+    let exp = if x > 0.0 && x.is_finite() {
+        (x.log2().floor() as i32).max(min_exp)
+    } else {
+        min_exp
+    };
+    2f64.powi(exp - mantissa_bits)
+}
+
+/// Whether `found` (a value of `dtype`) is within one ulp of `expected`, plus
+/// `roundoffs` float32 unit roundoffs, at `magnitude`.
+pub fn within_tolerance(
+    found: f64,
+    expected: f64,
+    magnitude: f64,
+    roundoffs: f64,
+    dtype: DType,
+) -> bool {
+    if found.is_nan() || expected.is_nan() {
+        return found.is_nan() && expected.is_nan();
+    }
+    found == expected
+        || (found - expected).abs() <= tolerance(expected, magnitude, roundoffs, dtype)
+}
+
+/// One ulp of `dtype` plus `roundoffs` float32 unit roundoffs, at the larger of
+/// `magnitude` and `|expected|`.
+pub fn tolerance(expected: f64, magnitude: f64, roundoffs: f64, dtype: DType) -> f64 {
+    let at = magnitude.max(expected.abs());
+    ulp(dtype, at) + roundoffs * 2f64.powi(-24) * at
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ulps_of_the_output_dtypes() {
+        assert_eq!(ulp(DType::BF16, 1.0), 2f64.powi(-7));
+        assert_eq!(ulp(DType::BF16, 1.99), 2f64.powi(-7));
+        assert_eq!(ulp(DType::F16, 0.5), 2f64.powi(-11));
+        assert_eq!(ulp(DType::F16, 1e-9), 2f64.powi(-24));
+        assert_eq!(ulp(DType::F32, 3.0), 2f64.powi(-22));
+        assert!(within_tolerance(
+            1.0 + 2f64.powi(-7),
+            1.0,
+            1.0,
+            8.0,
+            DType::BF16
+        ));
+        assert!(!within_tolerance(
+            1.0 + 2f64.powi(-6),
+            1.0,
+            1.0,
+            8.0,
+            DType::BF16
+        ));
+        assert!(!within_tolerance(
+            1.0 + 2f64.powi(-19),
+            1.0,
+            1.0,
+            8.0,
+            DType::F32
+        ));
+    }
+
+    #[test]
+    fn conv1d_update_is_the_transpose() {
+        // W = 0 [in=2, out=1]; A [1, 2] = (1, 2); B [1, 1] = 3: W' = 3 * (1, 2)^T.
+        let e = evaluate(&Operands {
+            layout: Layout::FanInFanOut,
+            w: &[0.0, 0.0],
+            rows: 2,
+            cols: 1,
+            a: &[1.0, 2.0],
+            b: &[3.0],
+            rank: 1,
+            scale: 1.0,
+            dora_magnitude: None,
+        });
+        assert_eq!(e.values, [3.0, 6.0]);
+    }
+}

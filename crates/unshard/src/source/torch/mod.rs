@@ -1,0 +1,333 @@
+//! `torch.save` files: the zip container and the meaning of its pickle.
+//!
+//! The pickle is parsed inertly by `unshard-pickle`; this module interprets the few
+//! calls that describe tensors (`torch._utils._rebuild_tensor_v2` and friends, see
+//! docs/formats.md) and resolves their storages to byte ranges of the file. Nothing
+//! else in the pickle is ever called: an `os.system` reduce stays an opaque object
+//! that `inspect` lists and `merge` ignores.
+//!
+//! The same code reads the archives embedded in DCP `.distcp` files (an archive is a
+//! byte range of a file) and the storages of legacy (pre-zip) files, which
+//! `legacy.rs` locates and hands over as a storage table. By job:
+//! - this file: reading the archive into a [`TorchPayload`] (pickle + storage table)
+//!   and turning tensor views into [`Piece`]s;
+//! - `values`: soft accessors over pickle values;
+//! - `rebuild`: the rebuild calls that make a tensor ([`leaf`]);
+//! - `find`: where the state dict is inside the pickle ([`find_tensors`]).
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+
+use unshard_pickle::{NodeId, Pickle, Value};
+
+use super::zip::{Archive, ZipIndex, METHOD_STORED};
+use super::{check_view, legacy, Blob, FileId, Piece, StorageId, TensorSource};
+use crate::dtype::DType;
+use crate::scan::UnsafeCall;
+use crate::{Error, Result};
+
+mod find;
+mod rebuild;
+mod values;
+
+pub use find::{find_tensors, plain_sources, Found, LOCAL_SHARD, WRAPPER_KEYS};
+pub use rebuild::{
+    is_tensor_like, leaf, storage_table, subclass_local, Leaf, SubclassRef, TensorRef,
+};
+pub use values::describe;
+pub(crate) use values::{
+    class_of, dict_get, dict_of, dims_of, dtype_of, field_of, int_of, seq_of, str_of,
+};
+
+/// Where a storage's bytes are, in the file holding them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct StorageLoc {
+    /// Offset of its first byte in the file.
+    pub offset: u64,
+    /// Its length in bytes.
+    pub len: u64,
+    /// The record was deflated: `offset` is into [`TorchPayload::inflated`].
+    pub inflated: bool,
+}
+
+/// Most bytes of deflated storage records inflated into memory for one archive.
+/// torch writes stored records; deflated ones come from archives repacked by a zip
+/// tool, and are read (torch reads them) as long as they fit.
+const MAX_INFLATED_STORAGES: u64 = 2 << 30;
+
+/// A parsed `torch.save` payload: the pickle and where its storages are.
+#[derive(Debug)]
+pub struct TorchPayload {
+    /// The file it was read from.
+    pub path: PathBuf,
+    /// The object pickle (`data.pkl`), parsed inertly.
+    pub pickle: Pickle,
+    /// Storage key → where its bytes are.
+    pub storages: HashMap<String, StorageLoc>,
+    /// Whether storages hold big-endian elements.
+    pub big_endian: bool,
+    /// What the file's pickles would run under `torch.load` (never run here).
+    pub unsafe_calls: Vec<UnsafeCall>,
+    /// The deflated storage records, inflated back to back (empty if none).
+    pub inflated: Vec<u8>,
+    /// The file id under which the caller holds `inflated` as a blob; storages in it
+    /// cannot be read until it is set.
+    pub inflated_file: Option<FileId>,
+}
+
+/// Reads the `torch.save` archive `a` (a whole `.pt` file, or a DCP chunk inside its
+/// `.distcp` file) and parses its pickle. Only records are read: the zip index, the
+/// pickle and the byte-order record; storages are located, never read.
+pub fn read_zip_payload(a: &mut Archive<'_>) -> Result<TorchPayload> {
+    let index = ZipIndex::read(a)?;
+    payload_from_index(a, index)
+}
+
+/// Reads a file that is a `torch.save` zip archive.
+pub fn read_zip_file(blob: &Blob) -> Result<TorchPayload> {
+    read_zip_payload(&mut Archive::whole(blob))
+}
+
+/// Whether the first bytes of a file are a zip archive's (a `.pt` file, or an empty
+/// archive).
+pub fn is_zip(head: &[u8]) -> bool {
+    head.starts_with(b"PK\x03\x04") || head.starts_with(b"PK\x05\x06")
+}
+
+/// Reads a `torch.save` file of either container: zip, or legacy (pre-zip). Anything
+/// else is an error saying the file is not a `torch.save` file.
+pub fn read_payload(blob: &Blob) -> Result<TorchPayload> {
+    let head = blob.head(64)?;
+    if is_zip(&head) {
+        read_zip_file(blob)
+    } else if legacy::is_legacy(&head) {
+        legacy::read_legacy_payload(blob)
+    } else {
+        Err(Error::UnknownFormat {
+            path: blob.path.clone(),
+            found: "a file that is not a torch.save archive".into(),
+        })
+    }
+}
+
+fn payload_from_index(a: &Archive<'_>, index: ZipIndex) -> Result<TorchPayload> {
+    let path = &a.blob().path;
+    let Some(first) = index.entries.first() else {
+        return Err(Error::corrupt(path, "the zip archive has no entries"));
+    };
+    let prefix = match first.name.split_once('/') {
+        Some((p, _)) => p.to_string(),
+        None => {
+            return Err(Error::UnknownFormat {
+                path: path.to_path_buf(),
+                found: format!("a zip archive whose first entry '{}' is not in a folder, so not written by torch.save", first.name),
+            })
+        }
+    };
+    // Two records of one name: torch reads the first, other zip readers the last, so
+    // the file does not say which tensor (or which pickle) it holds.
+    if let Some(dup) = index.duplicate() {
+        return Err(Error::corrupt(
+            path,
+            format!(
+                "the archive holds two records named '{}': torch reads one, other zip readers the other, so it is ambiguous which it holds; re-save the file with torch.save",
+                dup.name
+            ),
+        ));
+    }
+    let has = |name: &str| index.find(&format!("{prefix}/{name}")).is_some();
+    if has("constants.pkl")
+        || index.entries.iter().any(|e| {
+            e.name
+                .strip_prefix(prefix.as_str())
+                .is_some_and(|rest| rest.starts_with("/code/"))
+        })
+    {
+        return Err(Error::Unsupported {
+            path: path.to_path_buf(),
+            what: "a TorchScript archive (torch.jit.save)".into(),
+            hint: Some("TorchScript programs carry code, not a state dict; in Python, save `model.state_dict()` with torch.save instead".into()),
+        });
+    }
+    let pkl_name = format!("{prefix}/data.pkl");
+    let Some(pkl) = index.find(&pkl_name) else {
+        return Err(Error::UnknownFormat {
+            path: path.to_path_buf(),
+            found: format!("a zip archive without {pkl_name}"),
+        });
+    };
+    let pkl_bytes = index.stored(a, pkl)?;
+    let big_endian = match index.find(&format!("{prefix}/byteorder")) {
+        None => false,
+        Some(e) => {
+            let b = index.stored(a, e)?;
+            match &b[..] {
+                b"little" => false,
+                b"big" => true,
+                other => {
+                    return Err(Error::corrupt(
+                        path,
+                        format!(
+                            "unknown byteorder record '{}'",
+                            String::from_utf8_lossy(other)
+                        ),
+                    ))
+                }
+            }
+        }
+    };
+    let pickle = unshard_pickle::parse(&pkl_bytes).map_err(|source| Error::Pickle {
+        path: path.to_path_buf(),
+        entry: pkl_name.clone(),
+        source,
+    })?;
+    let data_prefix = format!("{prefix}/data/");
+    let mut storages = HashMap::new();
+    let mut inflated = Vec::new();
+    for e in &index.entries {
+        let Some(key) = e.name.strip_prefix(&data_prefix) else {
+            continue;
+        };
+        let loc = if e.method == METHOD_STORED {
+            StorageLoc {
+                offset: a.base() + e.data_offset,
+                len: e.size,
+                inflated: false,
+            }
+        } else {
+            let total = (inflated.len() as u64).saturating_add(e.size);
+            if total > MAX_INFLATED_STORAGES {
+                return Err(Error::corrupt(path, format!("the archive's compressed storage records hold more than {MAX_INFLATED_STORAGES} bytes, which unshard will not hold in memory; unzip and re-zip it without compression (zip -0), or re-save it with torch.save")));
+            }
+            let bytes = index.inflate(a, e, MAX_INFLATED_STORAGES)?;
+            let loc = StorageLoc {
+                offset: inflated.len() as u64,
+                len: e.size,
+                inflated: true,
+            };
+            inflated.extend_from_slice(&bytes);
+            loc
+        };
+        storages.insert(key.to_string(), loc);
+    }
+    check_storage_sizes(&pickle, &storages).map_err(|m| Error::corrupt(path, m))?;
+    // An archive inside a larger file (a DCP chunk) is named by where it starts.
+    let entry = if a.base() > 0 {
+        format!("{pkl_name} of the archive at byte {}", a.base())
+    } else {
+        pkl_name.clone()
+    };
+    let (unsafe_calls, _) = crate::scan::audit_pickle(path, &entry, &pickle);
+    Ok(TorchPayload {
+        path: path.to_path_buf(),
+        pickle,
+        storages,
+        big_endian,
+        unsafe_calls,
+        inflated,
+        inflated_file: None,
+    })
+}
+
+/// Each storage's declared element count (in its persistent id) against the size of
+/// its record: torch refuses a file where they differ, and a reader that trusted
+/// either would read something else than torch.
+fn check_storage_sizes(
+    p: &Pickle,
+    storages: &HashMap<String, StorageLoc>,
+) -> std::result::Result<(), String> {
+    for i in 0..p.len() {
+        let Value::PersistentId(pid) = p.get(NodeId(i as u32)) else {
+            continue;
+        };
+        let Some(t) = seq_of(p, *pid) else { continue };
+        if t.len() < 5 || str_of(p, t[0]) != Some("storage") {
+            continue;
+        }
+        let key = match p.get(t[2]) {
+            Value::Str(s) => s.clone(),
+            Value::Int(i) => i.to_string(),
+            _ => continue,
+        };
+        let class = values::global_of(p, t[1]).map(|g| g.1).unwrap_or("?");
+        let size = if class == "UntypedStorage" {
+            Some(1)
+        } else {
+            DType::from_storage_class(class).map(|d| d.size() as u64)
+        };
+        let (Some(size), Some(numel), Some(loc)) = (
+            size,
+            int_of(p, t[4]).and_then(|n| u64::try_from(n).ok()),
+            storages.get(&key),
+        ) else {
+            continue;
+        };
+        if numel.checked_mul(size) != Some(loc.len) {
+            return Err(format!(
+                "storage '{key}' declares {numel} elements of {class} ({} bytes) but its record holds {} bytes; torch refuses this file too",
+                numel.saturating_mul(size),
+                loc.len
+            ));
+        }
+    }
+    Ok(())
+}
+
+impl TorchPayload {
+    /// Turns a plain tensor into a one-piece [`TensorSource`] after checking that the
+    /// view fits in its storage record.
+    pub fn source(&self, file: FileId, name: &str, t: &TensorRef) -> Result<TensorSource> {
+        let piece = self.piece(file, name, t, vec![0; t.shape.len()])?;
+        Ok(TensorSource {
+            name: name.to_string(),
+            dtype: t.dtype,
+            shape: t.shape.clone(),
+            pieces: vec![piece],
+            storage: Some(StorageId {
+                file,
+                key: t.key.clone(),
+            }),
+            layout: None,
+        })
+    }
+
+    /// The piece a tensor view occupies, placed at `global_offset`.
+    pub fn piece(
+        &self,
+        file: FileId,
+        name: &str,
+        t: &TensorRef,
+        global_offset: Vec<u64>,
+    ) -> Result<Piece> {
+        let loc = self.storages.get(&t.key).ok_or_else(|| {
+            Error::bad_tensor(
+                &self.path,
+                name,
+                format!("its storage '{}' is missing from the file", t.key),
+            )
+        })?;
+        let elem = t.dtype.size() as u64;
+        check_view(&t.shape, &t.strides, elem, t.offset, loc.len)
+            .map_err(|m| Error::bad_tensor(&self.path, name, m))?;
+        let file = match (loc.inflated, self.inflated_file) {
+            (false, _) => file,
+            (true, Some(inflated)) => inflated,
+            (true, None) => {
+                return Err(Error::bad_tensor(
+                    &self.path,
+                    name,
+                    format!("its storage record '{}' is compressed, which is read in single torch.save files only; unzip and re-zip the archive without compression (zip -0)", t.key),
+                ))
+            }
+        };
+        Ok(Piece {
+            file,
+            byte_offset: loc.offset + t.offset * elem,
+            dtype: t.dtype,
+            shape: t.shape.clone(),
+            strides: t.strides.clone(),
+            global_offset,
+            big_endian: self.big_endian,
+        })
+    }
+}

@@ -1,0 +1,196 @@
+"""The Python API: thin wrappers over the extension module.
+
+Work runs in Rust with the GIL released. The calling thread wakes a few times a
+second to deliver progress and to notice Ctrl-C: ``KeyboardInterrupt`` cancels the
+running job, which removes everything it staged, and is then raised as usual.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Callable, Dict, Iterable, Optional, Union
+
+from . import _unshard as _native
+from ._errors import _from_native
+from ._reports import DiffReport, MergeReport, VerifyReport
+
+PathLike = Union[str, "os.PathLike[str]"]
+ProgressArg = Union[bool, Callable[[int, int], Any], None]
+
+
+def _path(p: PathLike, what: str) -> str:
+    try:
+        return os.fspath(p)
+    except TypeError:
+        raise TypeError(f"{what} must be a str or os.PathLike, not {type(p).__name__}") from None
+
+
+class _TqdmProgress:
+    """Feeds a tqdm bar (created on the first report, when the total is known)."""
+
+    def __init__(self, tqdm_cls: Any, desc: str):
+        self._cls = tqdm_cls
+        self._desc = desc
+        self._bar: Any = None
+
+    def __call__(self, done: int, total: int) -> None:
+        if self._bar is None:
+            self._bar = self._cls(
+                total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=self._desc
+            )
+        if self._bar.total != total:
+            self._bar.total = total
+        self._bar.update(done - self._bar.n)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+
+
+def _progress_callback(progress: ProgressArg, desc: str) -> Optional[Callable[[int, int], Any]]:
+    if progress is None or progress is False:
+        return None
+    if progress is True:
+        try:
+            from tqdm.auto import tqdm
+        except ImportError:
+            return None
+        return _TqdmProgress(tqdm, desc)
+    if callable(progress):
+        return progress
+    raise TypeError("progress must be True, False, None or a callable(done_bytes, total_bytes)")
+
+
+def _run(fn: Callable[..., str], *args: Any, progress: ProgressArg = False, desc: str = "unshard") -> Dict[str, Any]:
+    callback = _progress_callback(progress, desc)
+    try:
+        out = fn(*args, callback)
+    except _native.NativeError as e:
+        kind, message, hint = e.args
+        raise _from_native(kind, message, hint) from None
+    finally:
+        close = getattr(callback, "close", None)
+        if close is not None:
+            close()
+    return json.loads(out)
+
+
+def _merge_options(
+    base: Optional[PathLike],
+    dtype: str,
+    max_shard_size: Union[str, int],
+    strict: bool,
+    key: Optional[str],
+    rename: Iterable[str],
+    force: bool,
+    allow_overflow: bool,
+    verify: bool,
+    fail_on_nonfinite: bool,
+) -> str:
+    if isinstance(rename, str):
+        rename = [rename]
+    return json.dumps(
+        {
+            "base": None if base is None else _path(base, "base"),
+            "dtype": str(dtype),
+            "max_shard_size": str(max_shard_size),
+            "strict": bool(strict),
+            "key": key,
+            "rename": [str(r) for r in rename],
+            "force": bool(force),
+            "allow_overflow": bool(allow_overflow),
+            "verify": bool(verify),
+            "fail_on_nonfinite": bool(fail_on_nonfinite),
+        }
+    )
+
+
+def merge(
+    checkpoint: PathLike,
+    output: PathLike,
+    *,
+    base: Optional[PathLike] = None,
+    dtype: str = "auto",
+    max_shard_size: Union[str, int] = "5GB",
+    strict: bool = False,
+    key: Optional[str] = None,
+    rename: Iterable[str] = (),
+    force: bool = False,
+    allow_overflow: bool = False,
+    verify: bool = False,
+    fail_on_nonfinite: bool = False,
+    progress: ProgressArg = True,
+) -> MergeReport:
+    """Merge a training checkpoint (onto a base model) into a Hugging Face model directory.
+
+    Same job and options as ``unshard merge``: ``checkpoint`` is a torch.save file, a
+    torch.distributed.checkpoint directory, a directory of per-rank files (or any other
+    input the CLI reads); ``base`` the Hugging Face directory training started from.
+    The output appears complete or not at all. ``progress`` is True (a tqdm bar when
+    tqdm is installed), False, or a callable ``progress(done_bytes, total_bytes)``.
+
+    Returns a :class:`MergeReport`; raises :class:`UnshardError` subclasses.
+    """
+    opts = _merge_options(
+        base, dtype, max_shard_size, strict, key, rename, force, allow_overflow, verify, fail_on_nonfinite
+    )
+    data = _run(
+        _native.merge,
+        _path(checkpoint, "checkpoint"),
+        _path(output, "output"),
+        opts,
+        progress=progress,
+        desc="merging",
+    )
+    return MergeReport(data)
+
+
+def inspect(path: PathLike, *, key: Optional[str] = None, stats: bool = False) -> Dict[str, Any]:
+    """What a checkpoint, safetensors file or model directory holds.
+
+    Returns the object ``unshard inspect --json`` prints (format, key, tensors with
+    names, dtypes, shapes and sizes, the non-tensor entries, notes; with
+    ``stats=True`` each tensor's mean, std, min, max and non-finite counts).
+    """
+    return _run(_native.inspect, _path(path, "path"), key, bool(stats))
+
+
+def verify(
+    output: PathLike,
+    against: PathLike,
+    *,
+    base: Optional[PathLike] = None,
+    dtype: str = "auto",
+    max_shard_size: Union[str, int] = "5GB",
+    strict: bool = False,
+    key: Optional[str] = None,
+    rename: Iterable[str] = (),
+    allow_overflow: bool = False,
+    progress: ProgressArg = False,
+) -> VerifyReport:
+    """Check that ``output`` holds exactly what merging ``against`` with these options gives.
+
+    Pass the options the merge ran with. Returns a :class:`VerifyReport` whose ``ok``
+    is False when anything differs (it does not raise for a mismatch).
+    """
+    opts = _merge_options(base, dtype, max_shard_size, strict, key, rename, False, allow_overflow, False, False)
+    data = _run(
+        _native.verify,
+        _path(output, "output"),
+        _path(against, "against"),
+        opts,
+        progress=progress,
+        desc="verifying",
+    )
+    return VerifyReport(data)
+
+
+def diff(a: PathLike, b: PathLike, *, progress: ProgressArg = False) -> DiffReport:
+    """Compare two checkpoints or model directories tensor by tensor.
+
+    Returns a :class:`DiffReport` (``identical`` is True when names, dtypes, shapes
+    and values all agree; NaN matches NaN).
+    """
+    data = _run(_native.diff, _path(a, "a"), _path(b, "b"), progress=progress, desc="comparing")
+    return DiffReport(data)

@@ -1,0 +1,16 @@
+"""The extension module (Rust). Use the functions of the `unshard` package instead."""
+
+from typing import Any, Callable, List, Optional
+
+__version__: str
+
+class NativeError(Exception):
+    """args: (kind, message, hint)."""
+
+ProgressFn = Optional[Callable[[int, int], Any]]
+
+def run_cli(argv: List[str]) -> int: ...
+def merge(checkpoint: str, output: str, options_json: str, progress: ProgressFn) -> str: ...
+def inspect(path: str, key: Optional[str], stats: bool, progress: ProgressFn) -> str: ...
+def verify(output: str, against: str, options_json: str, progress: ProgressFn) -> str: ...
+def diff(a: str, b: str, progress: ProgressFn) -> str: ...
