@@ -10,7 +10,9 @@ many ranks, to measure what grows with the rank count) and every input kind in i
   cp       cp -r of the input: the yardstick for reading and writing those bytes
   unshard  unshard merge INPUT --base base --dtype bfloat16 (writes half the bytes cp does)
   python   the Python pipeline (python_pipeline.py), where torch is installed:
-           policy.pt and DCP only (per-rank files have no torch-only converter)
+           policy.pt and DCP only (per-rank files have no torch-only converter);
+           for the DeepSpeed folders of gen_deepspeed.py, DeepSpeed's own
+           zero_to_fp32.py --safe_serialization instead
 
 Each row runs --repeat times (rows interleaved, so noise hits them alike) and the
 median is reported: wall time of the whole process, its ratio to cp's wall time
@@ -46,6 +48,9 @@ KINDS = (
     ("policy", "policy.pt", "policy.pt (fp32)", "pt"),
     ("dcp", "dcp", "DCP, 4 ranks", "dcp"),
     ("ranks", "ranks", "verl ranks, 4 files", None),
+    # gen_deepspeed.py: the Python row is DeepSpeed's own zero_to_fp32.py.
+    ("zero2", "zero2", "DeepSpeed ZeRO-2, 4 ranks", "zero"),
+    ("zero3", "zero3", "DeepSpeed ZeRO-3, 4 ranks", "zero"),
 )
 
 
@@ -174,7 +179,12 @@ def run(args):
                             "--dtype", "bfloat16", "--quiet", "--force"]))
                 else:
                     skipped = "not supported yet (%s)" % why
-            if python_ok and mode:
+            if python_ok and mode == "zero":
+                # What DeepSpeed users run: float32 safetensors, no config.
+                rows.append(("zero_to_fp32", lambda out, src=src: [
+                    args.python, "-m", "deepspeed.utils.zero_to_fp32", src, out,
+                    "--safe_serialization"]))
+            elif python_ok and mode:
                 rows.append(("python", lambda out, src=src, mode=mode: [
                     args.python, pipeline, mode, src, base, out]))
             runs = {tool: [] for tool, _ in rows}
@@ -212,7 +222,8 @@ def run(args):
     return results, cache
 
 
-TOOL_NAMES = {"read": "read only (read_floor.py)", "cp": "cp -r", "unshard": "unshard merge (to bf16)", "python": "Python pipeline"}
+TOOL_NAMES = {"read": "read only (read_floor.py)", "cp": "cp -r", "unshard": "unshard merge (to bf16)", "python": "Python pipeline",
+              "zero_to_fp32": "zero_to_fp32.py --safe_serialization (fp32)"}
 
 
 def table(results):
@@ -264,7 +275,7 @@ def main():
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--cache", choices=("auto", "cold", "warm"), default="auto")
     ap.add_argument("--rows", default="read,cp,unshard,python")
-    ap.add_argument("--kinds", default="policy,dcp,ranks")
+    ap.add_argument("--kinds", default="policy,dcp,ranks,zero2,zero3")
     ap.add_argument("--work", default="/tmp/unshard-bench",
                     help="where outputs go (removed after each run); put it on the inputs' disk")
     ap.add_argument("--json", help="also write the results here")

@@ -206,3 +206,25 @@ def test_two_merges_in_two_threads_one_cancelled(tmp_path, slow_engine):
     assert isinstance(results["b"], RuntimeError)
     assert not (tmp_path / "b").exists()
     assert leftovers(tmp_path, "b") == []
+
+
+def test_merge_fuses_a_lora_adapter_as_peft_does(tmp_path):
+    out = tmp_path / "out"
+    unshard.merge(FIXTURES / "lora/adapters/llama_lora", out, base=FIXTURES / "models/llama-bf16", progress=False)
+    # peft's merge_and_unload on a float32 base, cast once, saved by transformers.
+    assert same_tree(out, FIXTURES / "lora/expected/llama_lora") == []
+    kept = unshard.merge(FIXTURES / "lora/adapters/llama_lora", tmp_path / "kept",
+                         base=FIXTURES / "models/llama-bf16", no_fuse=True, progress=False)
+    assert (tmp_path / "kept" / "adapter" / "adapter_config.json").is_file()
+    assert unshard.diff(tmp_path / "kept", FIXTURES / "models/llama-bf16").identical
+    assert kept.files
+
+
+def test_several_adapters_need_a_name(tmp_path):
+    two = FIXTURES / "lora/adapters/llama_two_adapters"
+    with pytest.raises(unshard.UnshardError) as info:
+        unshard.merge(two, tmp_path / "out", base=FIXTURES / "models/llama-bf16", progress=False)
+    assert "default, second" in info.value.message
+    assert not (tmp_path / "out").exists()
+    unshard.merge(two, tmp_path / "out", base=FIXTURES / "models/llama-bf16", adapter="second", progress=False)
+    assert not unshard.diff(tmp_path / "out", FIXTURES / "models/llama-bf16").identical

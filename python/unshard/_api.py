@@ -82,11 +82,15 @@ def _merge_options(
     max_shard_size: Union[str, int],
     strict: bool,
     key: Optional[str],
+    tag: Optional[str],
     rename: Iterable[str],
     force: bool,
     allow_overflow: bool,
     verify: bool,
     fail_on_nonfinite: bool,
+    adapter: Optional[str] = None,
+    adapter_config: Optional[PathLike] = None,
+    no_fuse: bool = False,
 ) -> str:
     if isinstance(rename, str):
         rename = [rename]
@@ -97,11 +101,15 @@ def _merge_options(
             "max_shard_size": str(max_shard_size),
             "strict": bool(strict),
             "key": key,
+            "tag": tag,
             "rename": [str(r) for r in rename],
             "force": bool(force),
             "allow_overflow": bool(allow_overflow),
             "verify": bool(verify),
             "fail_on_nonfinite": bool(fail_on_nonfinite),
+            "adapter": adapter,
+            "adapter_config": None if adapter_config is None else _path(adapter_config, "adapter_config"),
+            "no_fuse": bool(no_fuse),
         }
     )
 
@@ -115,25 +123,37 @@ def merge(
     max_shard_size: Union[str, int] = "5GB",
     strict: bool = False,
     key: Optional[str] = None,
+    tag: Optional[str] = None,
     rename: Iterable[str] = (),
     force: bool = False,
     allow_overflow: bool = False,
     verify: bool = False,
     fail_on_nonfinite: bool = False,
+    adapter: Optional[str] = None,
+    adapter_config: Optional[PathLike] = None,
+    no_fuse: bool = False,
     progress: ProgressArg = True,
 ) -> MergeReport:
     """Merge a training checkpoint (onto a base model) into a Hugging Face model directory.
 
     Same job and options as ``unshard merge``: ``checkpoint`` is a torch.save file, a
     torch.distributed.checkpoint directory, a directory of per-rank files (or any other
-    input the CLI reads); ``base`` the Hugging Face directory training started from.
+    input the CLI reads, DeepSpeed ZeRO folders too: ``tag`` picks a tag other than
+    ``latest``'s); ``base`` the Hugging Face directory training started from.
     The output appears complete or not at all. ``progress`` is True (a tqdm bar when
     tqdm is installed), False, or a callable ``progress(done_bytes, total_bytes)``.
+
+    A LoRA/DoRA adapter (a peft adapter directory, or a training checkpoint of a
+    peft-wrapped model) is fused into ``base``; ``adapter`` picks one of several named
+    adapters, ``adapter_config`` gives the ``adapter_config.json`` when it is not
+    beside the checkpoint, and ``no_fuse=True`` keeps the base weights and writes the
+    adapter beside them.
 
     Returns a :class:`MergeReport`; raises :class:`UnshardError` subclasses.
     """
     opts = _merge_options(
-        base, dtype, max_shard_size, strict, key, rename, force, allow_overflow, verify, fail_on_nonfinite
+        base, dtype, max_shard_size, strict, key, tag, rename, force, allow_overflow, verify, fail_on_nonfinite,
+        adapter, adapter_config, no_fuse,
     )
     data = _run(
         _native.merge,
@@ -146,14 +166,16 @@ def merge(
     return MergeReport(data)
 
 
-def inspect(path: PathLike, *, key: Optional[str] = None, stats: bool = False) -> Dict[str, Any]:
+def inspect(
+    path: PathLike, *, key: Optional[str] = None, tag: Optional[str] = None, stats: bool = False
+) -> Dict[str, Any]:
     """What a checkpoint, safetensors file or model directory holds.
 
     Returns the object ``unshard inspect --json`` prints (format, key, tensors with
     names, dtypes, shapes and sizes, the non-tensor entries, notes; with
     ``stats=True`` each tensor's mean, std, min, max and non-finite counts).
     """
-    return _run(_native.inspect, _path(path, "path"), key, bool(stats))
+    return _run(_native.inspect, _path(path, "path"), key, tag, bool(stats))
 
 
 def verify(
@@ -165,8 +187,12 @@ def verify(
     max_shard_size: Union[str, int] = "5GB",
     strict: bool = False,
     key: Optional[str] = None,
+    tag: Optional[str] = None,
     rename: Iterable[str] = (),
     allow_overflow: bool = False,
+    adapter: Optional[str] = None,
+    adapter_config: Optional[PathLike] = None,
+    no_fuse: bool = False,
     progress: ProgressArg = False,
 ) -> VerifyReport:
     """Check that ``output`` holds exactly what merging ``against`` with these options gives.
@@ -174,7 +200,10 @@ def verify(
     Pass the options the merge ran with. Returns a :class:`VerifyReport` whose ``ok``
     is False when anything differs (it does not raise for a mismatch).
     """
-    opts = _merge_options(base, dtype, max_shard_size, strict, key, rename, False, allow_overflow, False, False)
+    opts = _merge_options(
+        base, dtype, max_shard_size, strict, key, tag, rename, False, allow_overflow, False, False,
+        adapter, adapter_config, no_fuse,
+    )
     data = _run(
         _native.verify,
         _path(output, "output"),

@@ -17,6 +17,11 @@ pub struct KeyArg {
     /// By default unshard finds it.
     #[arg(long, value_name = "PATH")]
     pub key: Option<String>,
+
+    /// DeepSpeed checkpoints: the tag folder to read instead of the one named by
+    /// `latest` (e.g. `global_step500`).
+    #[arg(long, value_name = "TAG")]
+    pub tag: Option<String>,
 }
 
 /// `--json`: a machine-readable result on stdout.

@@ -64,11 +64,12 @@ fn merge(
 
 /// Describes an input; see `unshard.inspect`.
 #[pyfunction]
-#[pyo3(signature = (path, key, stats, progress))]
+#[pyo3(signature = (path, key, tag, stats, progress))]
 fn inspect(
     py: Python<'_>,
     path: String,
     key: Option<String>,
+    tag: Option<String>,
     stats: bool,
     progress: Option<Bound<'_, PyAny>>,
 ) -> PyResult<String> {
@@ -79,7 +80,7 @@ fn inspect(
         &counters,
         progress.as_ref(),
         &|| cancel.cancel(),
-        || options::inspect(&path, key, stats, &cancel),
+        || options::inspect(&path, key, tag, stats, &cancel),
     )?;
     result.map_err(|e| to_py(&e))
 }

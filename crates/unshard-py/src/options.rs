@@ -10,8 +10,8 @@ use std::time::Duration;
 
 use serde::Deserialize;
 use unshard::{
-    Cancel, DiffOptions, Error, InspectOptions, MergeOptions, OpenOptions, PlanOptions, Progress,
-    VerifyOptions,
+    AdapterOptions, Cancel, DiffOptions, Error, InspectOptions, MergeOptions, OpenOptions,
+    PlanOptions, Progress, VerifyOptions,
 };
 
 use crate::job::Counters;
@@ -24,11 +24,15 @@ struct Kwargs {
     max_shard_size: String,
     strict: bool,
     key: Option<String>,
+    tag: Option<String>,
     rename: Vec<String>,
     force: bool,
     allow_overflow: bool,
     verify: bool,
     fail_on_nonfinite: bool,
+    adapter: Option<String>,
+    adapter_config: Option<String>,
+    no_fuse: bool,
 }
 
 /// A merge (or the merge a `verify` re-derives), ready to run.
@@ -42,7 +46,10 @@ impl MergeRequest {
         let k: Kwargs = serde_json::from_str(kwargs)
             .map_err(|e| Error::Usage(format!("malformed options from the Python layer: {e}")))?;
         let plan = plan_options(&k)?;
-        let open = OpenOptions { key: k.key };
+        let open = OpenOptions {
+            key: k.key,
+            tag: k.tag,
+        };
         Ok(MergeRequest {
             opts: MergeOptions {
                 checkpoint: PathBuf::from(checkpoint),
@@ -54,6 +61,11 @@ impl MergeRequest {
                 allow_overflow: k.allow_overflow,
                 verify: k.verify,
                 fail_on_nonfinite: k.fail_on_nonfinite,
+                adapter: AdapterOptions {
+                    name: k.adapter,
+                    config: k.adapter_config.map(PathBuf::from),
+                    no_fuse: k.no_fuse,
+                },
                 cancel: Cancel::new(),
                 ..MergeOptions::default()
             },
@@ -113,10 +125,11 @@ fn plan_options(k: &Kwargs) -> Result<PlanOptions, Error> {
 pub fn inspect(
     path: &str,
     key: Option<String>,
+    tag: Option<String>,
     stats: bool,
     cancel: &Cancel,
 ) -> Result<String, Error> {
-    let open = OpenOptions { key };
+    let open = OpenOptions { key, tag };
     let report = unshard::inspect(&InspectOptions {
         path: PathBuf::from(path),
         open,

@@ -84,6 +84,7 @@ pub use diff::{diff, DiffReport, DiffSide, TensorDiff, ValueDiff};
 pub use dtype::DType;
 pub use error::{Error, Result};
 pub use inspect::{inspect, InspectReport, InspectedTensor, NonTensor};
+pub use lora::input::AdapterOptions;
 pub use merge::{merge, merge_into, parse_size, MergeOutcome};
 pub use options::{DiffOptions, InspectOptions, MergeOptions, UnsafePolicy, VerifyOptions};
 pub use plan::{DtypeChoice, PlanOptions};

@@ -15,27 +15,58 @@ fn fuzz_dir() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fuzz")
 }
 
-/// Corpus, regressions and (locally) artifacts of one target.
+/// Says the regressions of a target are empty, in the directory itself.
+const EMPTY_NOTE: &str = "README.md";
+
+/// Corpus, regressions and (locally) artifacts of one target. The corpus and the
+/// regressions directory must exist; an empty regressions directory must say so
+/// (its README.md), and one with reproducers must not.
 fn inputs(target: &str) -> Vec<(PathBuf, Vec<u8>)> {
     let mut out = Vec::new();
     for sub in ["corpus", "regressions", "artifacts"] {
-        let Ok(rd) = std::fs::read_dir(fuzz_dir().join(sub).join(target)) else {
-            continue;
+        let dir = fuzz_dir().join(sub).join(target);
+        let rd = match std::fs::read_dir(&dir) {
+            Ok(rd) => rd,
+            // artifacts/ is git-ignored: present only where the fuzzer ran.
+            Err(_) if sub == "artifacts" => continue,
+            Err(e) => panic!("{}: {e}", dir.display()),
         };
+        let before = out.len();
+        let mut note = None;
         for e in rd {
             let p = e.unwrap().path();
-            if p.is_file() && p.file_name().is_some_and(|n| n != ".gitkeep") {
+            if p.file_name().is_some_and(|n| n == EMPTY_NOTE) {
+                note = Some(std::fs::read_to_string(&p).unwrap());
+            } else if p.is_file() {
                 out.push((p.clone(), std::fs::read(&p).unwrap()));
             }
+        }
+        let found = out.len() - before;
+        if sub == "regressions" {
+            let says_empty = note.is_some_and(|n| n.starts_with("No reproducers"));
+            assert_eq!(
+                says_empty,
+                found == 0,
+                "{}: {found} reproducer(s); its {EMPTY_NOTE} must say 'No reproducers' exactly when there are none",
+                dir.display()
+            );
+        } else if sub == "corpus" {
+            assert!(found > 0, "{}: empty corpus", dir.display());
         }
     }
     out
 }
 
-fn read_all(c: &source::Checkpoint) {
+/// Reads every tensor of what a reader accepted: each either whole (as many bytes
+/// as its shape says) or an error naming the file.
+fn read_all(c: &source::Checkpoint, file: &Path) {
+    let name = file.file_name().unwrap().to_string_lossy();
     for t in &c.tensors {
         if t.nbytes() <= 16 << 20 {
-            let _ = read_tensor(&c.files, t, t.dtype);
+            match read_tensor(&c.files, t, t.dtype) {
+                Ok((bytes, _)) => assert_eq!(bytes.len() as u64, t.nbytes(), "{}", t.name),
+                Err(e) => assert!(e.to_string().contains(&*name), "{}: {e}", t.name),
+            }
         }
     }
 }
@@ -68,7 +99,11 @@ fn legacy_corpus_replays() {
                 assert!(loc.offset + loc.len <= data.len() as u64);
             }
             if let Ok(found) = torch::find_tensors(&payload.pickle, &p, None) {
-                let _ = torch::plain_sources(&payload, 0, &found);
+                // Described or refused with an error naming the file.
+                if let Err(e) = torch::plain_sources(&payload, 0, &found) {
+                    let name = p.file_name().unwrap().to_string_lossy();
+                    assert!(e.to_string().contains(&*name), "{e}");
+                }
             }
         }
     }
@@ -93,11 +128,11 @@ fn detect_corpus_replays() {
     assert!(all.len() >= 10);
     for (p, data) in all {
         if let Ok(c) = source::open(&p, &OpenOptions::default()) {
-            read_all(&c);
+            read_all(&c, &p);
         }
-        let blob = Arc::new(Blob::owned(p, data));
+        let blob = Arc::new(Blob::owned(p.clone(), data));
         if let Ok(c) = source::open_blob(blob, &OpenOptions::default()) {
-            read_all(&c);
+            read_all(&c, &p);
         }
     }
 }
@@ -115,7 +150,7 @@ fn dcp_metadata_corpus_replays() {
     for (_, data) in all {
         std::fs::write(dir.path().join(".metadata"), &data).unwrap();
         if let Ok(c) = source::open(dir.path(), &OpenOptions::default()) {
-            read_all(&c);
+            read_all(&c, dir.path());
         }
     }
 }

@@ -163,6 +163,7 @@ fn picks_the_state_dict_named_by_key() {
         &fixtures().join("torch/nested.pt"),
         &OpenOptions {
             key: Some("model.module".into()),
+            ..OpenOptions::default()
         },
     )
     .unwrap();
@@ -171,6 +172,7 @@ fn picks_the_state_dict_named_by_key() {
         &fixtures().join("torch/dpo_policy.pt"),
         &OpenOptions {
             key: Some("nope".into()),
+            ..OpenOptions::default()
         },
     )
     .unwrap_err();
@@ -234,6 +236,7 @@ fn truncated_files_are_errors_at_every_length() {
     ] {
         let bytes = std::fs::read(fixtures().join("torch").join(name)).unwrap();
         let step = (bytes.len() / 300).max(1);
+        let (mut opened, mut refused) = (0, 0);
         for n in (0..bytes.len()).step_by(step) {
             let p = dir.path().join(format!("cut-{n}-{name}"));
             std::fs::write(&p, &bytes[..n]).unwrap();
@@ -241,12 +244,37 @@ fn truncated_files_are_errors_at_every_length() {
                 Ok(c) => {
                     // A cut that leaves a parsable prefix must still not read out of bounds.
                     for t in &c.tensors {
-                        let _ = read_tensor(&c.files, t, t.dtype);
+                        read_whole_or_name(&c, t, &format!("cut-{n}-"));
                     }
+                    opened += 1;
                 }
-                Err(e) => assert!(e.to_string().contains(&format!("cut-{n}-")), "{e}"),
+                Err(e) => {
+                    assert!(e.to_string().contains(&format!("cut-{n}-")), "{e}");
+                    refused += 1;
+                }
             }
             std::fs::remove_file(&p).unwrap();
+        }
+        // Every cut ran; nearly all are refused (a zip needs its end records).
+        assert_eq!(opened + refused, bytes.len().div_ceil(step), "{name}");
+        assert!(
+            refused > opened,
+            "{name}: {refused} refused, {opened} opened"
+        );
+    }
+}
+
+/// Reads `t` whole: either its bytes (as many as its shape says) or an error that
+/// names the file (`file_part` is part of its name).
+fn read_whole_or_name(c: &source::Checkpoint, t: &source::TensorSource, file_part: &str) -> bool {
+    match read_tensor(&c.files, t, t.dtype) {
+        Ok((bytes, _)) => {
+            assert_eq!(bytes.len() as u64, t.nbytes(), "{}", t.name);
+            true
+        }
+        Err(e) => {
+            assert!(e.to_string().contains(file_part), "{}: {e}", t.name);
+            false
         }
     }
 }
@@ -256,6 +284,7 @@ fn truncated_files_are_errors_at_every_length() {
 fn corrupted_bytes_never_panic() {
     let dir = tempfile::tempdir().unwrap();
     let mut x: u64 = 0x9e37_79b9_7f4a_7c15;
+    let (mut opened, mut refused) = (0, 0);
     for name in [
         "dpo_policy.pt",
         "views_legacy.pt",
@@ -274,13 +303,26 @@ fn corrupted_bytes_never_panic() {
             }
             let p = dir.path().join(name);
             std::fs::write(&p, &bytes).unwrap();
-            if let Ok(c) = source::open(&p, &OpenOptions::default()) {
-                for t in &c.tensors {
-                    let _ = read_tensor(&c.files, t, t.dtype);
+            match source::open(&p, &OpenOptions::default()) {
+                Ok(c) => {
+                    for t in &c.tensors {
+                        read_whole_or_name(&c, t, name);
+                    }
+                    opened += 1;
+                }
+                Err(e) => {
+                    assert!(e.to_string().contains(name), "{e}");
+                    refused += 1;
                 }
             }
         }
     }
+    // 1,200 variants ran, and flips hit both what is checked and what is only data.
+    assert_eq!(opened + refused, 1200);
+    assert!(
+        opened > 0 && refused > 0,
+        "{opened} opened, {refused} refused"
+    );
 }
 
 /// torch on a big-endian machine writes `byteorder = big` and byte-swapped storages;

@@ -15,7 +15,8 @@ use crate::text::{self, escape};
 pub struct InspectArgs {
     /// What to inspect: a torch.save file (.pt, .bin), a .safetensors file, a
     /// model directory, a torch.distributed.checkpoint (DCP) directory (.metadata and
-    /// .distcp files), or a directory of per-rank files (one torch.save per rank).
+    /// .distcp files), a directory of per-rank files (one torch.save per rank), or
+    /// a DeepSpeed checkpoint folder (`latest` + `global_stepN/`).
     path: PathBuf,
 
     #[command(flatten)]
@@ -32,7 +33,10 @@ pub struct InspectArgs {
 pub fn run(args: InspectArgs) -> anyhow::Result<Status> {
     let report = unshard::inspect(&InspectOptions {
         path: args.path.clone(),
-        open: OpenOptions { key: args.key.key },
+        open: OpenOptions {
+            key: args.key.key,
+            tag: args.key.tag,
+        },
         stats: args.stats,
         cancel: crate::signals::token(),
     })

@@ -20,8 +20,9 @@ use crate::unsafe_report::{self, RefuseArg};
 #[derive(clap::Args, Debug)]
 pub struct MergeArgs {
     /// The checkpoint: a torch.save file (policy.pt, pytorch_model.bin, ...), a
-    /// torch.distributed.checkpoint directory, a directory of per-rank files, or a
-    /// peft LoRA/DoRA adapter directory (fused into --base).
+    /// torch.distributed.checkpoint directory, a directory of per-rank files, a
+    /// DeepSpeed checkpoint folder (`latest` + `global_stepN/`, or a Trainer
+    /// `checkpoint-N/`), or a peft LoRA/DoRA adapter directory (fused into --base).
     checkpoint: PathBuf,
 
     /// Where to write the model directory (created; must be empty or absent).
@@ -91,6 +92,7 @@ pub fn run(args: MergeArgs) -> anyhow::Result<Status> {
         output,
         open: OpenOptions {
             key: args.plan.key.key.clone(),
+            tag: args.plan.key.tag.clone(),
         },
         plan: args.plan.plan_options()?,
         force: args.force,

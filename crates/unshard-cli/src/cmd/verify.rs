@@ -44,6 +44,7 @@ pub fn run(args: VerifyArgs) -> anyhow::Result<Status> {
         base: args.plan.base.clone(),
         open: OpenOptions {
             key: args.plan.key.key.clone(),
+            tag: args.plan.key.tag.clone(),
         },
         plan: args.plan.plan_options()?,
         adapter: args.plan.adapter.options(),

@@ -41,6 +41,29 @@ impl Drop for Tmpfs {
     }
 }
 
+/// Whether this run is CI's (`CI=true`), where every test must run.
+pub fn in_ci() -> bool {
+    std::env::var("CI").is_ok_and(|v| v == "true" || v == "1")
+}
+
+/// What a test needs from the machine (root to mount, a tool). Where it is missing,
+/// the test fails under CI (`CI=true`, where `.ci/run` provides it) and elsewhere
+/// prints a `SKIPPED` line and returns `None`. docs/testing.md lists these tests.
+pub fn require_in_ci<T>(got: Option<T>, what: &str) -> Option<T> {
+    if got.is_none() {
+        let test = std::thread::current()
+            .name()
+            .unwrap_or("this test")
+            .to_string();
+        assert!(
+            !in_ci(),
+            "{test}: cannot {what} here, and CI=true requires it"
+        );
+        eprintln!("SKIPPED {test}: cannot {what} here (CI=true makes this a failure)");
+    }
+    got
+}
+
 /// A float32 safetensors checkpoint of `n` tensors of 1 Mi elements (4 MiB each),
 /// so that merging it to bfloat16 takes `n` windows.
 pub fn big_checkpoint(dir: &Path, n: usize) -> PathBuf {

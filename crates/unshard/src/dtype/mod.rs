@@ -399,3 +399,6 @@ impl serde::Serialize for DType {
         s.serialize_str(self.safetensors_name())
     }
 }
+
+#[cfg(test)]
+mod reference_tests;

@@ -11,11 +11,11 @@
 //! - [`locate`]: where the adapter, its weights and its config are;
 //! - [`config`]: `adapter_config.json`, and the refusal of what cannot be fused;
 //! - [`names`]: peft's tensor names read back into base names;
-//! - [`resolve`]: names + config -> tensors and fuses, every shape checked;
+//! - `resolve`: names + config -> tensors and fuses, every shape checked;
 //! - [`mapping`]: the plan's `LoraFuse` mapping: fused weights become `Expr::Fuse`;
 //! - [`input`]: opening an adapter directory or a training checkpoint;
 //! - [`math`]: the fuse in float32, and [`eval`], which reads its inputs;
-//! - [`reference`]: the same in plain float64 loops (verify's evaluation);
+//! - [`reference`](mod@reference): the same in plain float64 loops (verify's evaluation);
 //! - [`report`]: the notes and the loud warning when the fuse changes nothing;
 //! - [`export`]: `--no-fuse`, the adapter written back as a peft adapter directory.
 

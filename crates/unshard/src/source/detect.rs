@@ -4,7 +4,7 @@ use std::fmt;
 use std::path::Path;
 use std::sync::Arc;
 
-use super::{dcp, hf_dir, legacy, safetensors, sharded, torch, Blob, Checkpoint};
+use super::{dcp, deepspeed, hf_dir, legacy, safetensors, sharded, torch, Blob, Checkpoint};
 use crate::{Error, Result};
 
 /// The kinds of input unshard reads.
@@ -22,6 +22,8 @@ pub enum Format {
     Dcp,
     /// One `torch.save` file per rank (verl's `model_world_size_N_rank_R.pt`).
     Ranks,
+    /// A DeepSpeed ZeRO checkpoint (`latest` + `global_stepN/` of per-rank files).
+    DeepSpeed,
 }
 
 impl Format {
@@ -34,6 +36,7 @@ impl Format {
             Format::HfDir => "hf-dir",
             Format::Dcp => "dcp",
             Format::Ranks => "ranks",
+            Format::DeepSpeed => "deepspeed",
         }
     }
 }
@@ -47,6 +50,7 @@ impl fmt::Display for Format {
             Format::HfDir => "Hugging Face model directory",
             Format::Dcp => "torch.distributed.checkpoint directory",
             Format::Ranks => "per-rank torch.save files",
+            Format::DeepSpeed => "DeepSpeed ZeRO checkpoint",
         })
     }
 }
@@ -56,6 +60,8 @@ impl fmt::Display for Format {
 pub struct OpenOptions {
     /// Dotted path of the tensor dict inside a pickle (`--key`).
     pub key: Option<String>,
+    /// The DeepSpeed tag folder to read instead of the one `latest` names (`--tag`).
+    pub tag: Option<String>,
 }
 
 /// Opens any supported input and describes its tensors.
@@ -115,6 +121,13 @@ fn from_payload(
     mut payload: torch::TorchPayload,
     opts: &OpenOptions,
 ) -> Result<Checkpoint> {
+    if opts.key.is_none() && deepspeed::is_optim_states(&payload.pickle) {
+        return Err(Error::Incomplete {
+            path: path.to_path_buf(),
+            msg: "a DeepSpeed optimizer-state file: one rank's flat partitions of the fp32 weights, which mean nothing without the other ranks' and the model-states file".into(),
+            hint: Some("pass the folder that holds it (or the folder holding 'latest') with every rank's files".into()),
+        });
+    }
     // Deflated storage records, inflated in memory, are read as a second file.
     let mut files = vec![blob];
     if !payload.inflated.is_empty() {
@@ -125,6 +138,19 @@ fn from_payload(
     let found = torch::find_tensors(&payload.pickle, path, opts.key.as_deref())?;
     let tensors = torch::plain_sources(&payload, 0, &found)?;
     let mut notes = Vec::new();
+    if deepspeed::is_model_states(&payload.pickle) {
+        if let Some(t) = tensors.iter().find(|t| t.shape == [0]) {
+            return Err(Error::Incomplete {
+                path: path.to_path_buf(),
+                msg: format!(
+                    "a DeepSpeed ZeRO-3 model-states file: its module holds [0]-shaped placeholders (e.g. '{}'); the weights are partitioned over every rank's optimizer-state file",
+                    t.name
+                ),
+                hint: Some("pass the folder that holds this file (or the folder holding 'latest') with every rank's *_optim_states.pt".into()),
+            });
+        }
+        notes.push("a DeepSpeed model-states file: its module is the 16-bit copy of the weights; the fp32 masters are in the optimizer-state files (pass the folder that holds them)".into());
+    }
     if tensors.iter().any(|t| t.layout.is_some()) {
         notes.push("this file holds one rank's shards of distributed tensors; pass the directory of all rank files to merge them".into());
     }
@@ -141,6 +167,15 @@ fn from_payload(
 }
 
 fn open_dir(path: &Path, opts: &OpenOptions) -> Result<Checkpoint> {
+    if let Some(found) = deepspeed::find(path, opts)? {
+        return deepspeed::open(&found);
+    }
+    if let Some(tag) = &opts.tag {
+        return Err(Error::Usage(format!(
+            "--tag {tag} picks a DeepSpeed tag folder, but {} is not a DeepSpeed checkpoint folder (no 'latest' file or tag folders)",
+            path.display()
+        )));
+    }
     if dcp::is_dcp_dir(path) {
         return dcp::open(path, opts);
     }

@@ -58,6 +58,15 @@ pub fn is_weight_file(name: &str) -> bool {
     EXT.iter().any(|e| name.ends_with(e)) || name.ends_with(".index.json") || name == ".metadata"
 }
 
+/// Files a trainer writes beside a model's config (an HF Trainer `checkpoint-N/` of a
+/// DeepSpeed run, used as the base config), which a model directory does not carry.
+fn is_training_state(name: &str) -> bool {
+    matches!(
+        name,
+        "latest" | "trainer_state.json" | "zero_to_fp32.py" | "zero_to_torch.py"
+    )
+}
+
 /// Whether a directory looks like a model directory.
 pub fn is_hf_dir(path: &Path) -> bool {
     [
@@ -98,6 +107,8 @@ impl HfDir {
             let meta = std::fs::metadata(&p).map_err(|e| Error::io("read the size of", &p, e))?;
             if meta.is_dir() {
                 skipped.push((p, "a directory".into()));
+            } else if is_training_state(&name) {
+                skipped.push((p, "training state, not part of a model".into()));
             } else if is_weight_file(&name) {
                 continue;
             } else if meta.len() > MAX_EXTRA_FILE {

@@ -42,6 +42,7 @@ use crate::{DType, Error, Result};
 
 pub mod bytes;
 pub mod dcp;
+pub mod deepspeed;
 pub mod detect;
 pub mod hf_dir;
 pub mod legacy;
@@ -369,7 +370,8 @@ fn first_overlap(boxes: &[(&[u64], Vec<u64>)]) -> Option<(usize, usize)> {
 }
 
 /// A config directory that travels with a checkpoint and serves as the base config
-/// when `--base` is not given: verl writes one as `huggingface/` beside its rank files.
+/// when `--base` is not given: verl writes one as `huggingface/` beside its rank files,
+/// the HF Trainer writes config.json into a DeepSpeed `checkpoint-N/`.
 pub fn config_dir_for(checkpoint: &Path) -> Option<PathBuf> {
     let dir = if checkpoint.is_dir() {
         checkpoint
@@ -377,5 +379,9 @@ pub fn config_dir_for(checkpoint: &Path) -> Option<PathBuf> {
         checkpoint.parent()?
     };
     let hf = dir.join("huggingface");
-    hf.join("config.json").is_file().then_some(hf)
+    if hf.join("config.json").is_file() {
+        return Some(hf);
+    }
+    // An HF Trainer `checkpoint-N/` of a DeepSpeed run holds its config.json.
+    deepspeed::config_dir_for(checkpoint)
 }

@@ -132,7 +132,8 @@ pub(crate) fn gather(
                 &mut bufs.scratch,
             )
             .map_err(|msg| bad(&b.blob.path, msg))?;
-            dtype::convert(bytes, b.dtype, dst, to);
+            // By definition, not with the writer's kernels (see `convert`).
+            super::convert::convert(bytes, b.dtype, dst, to);
             covered += count;
         }
         for d in (0..lead.len()).rev() {

@@ -17,8 +17,10 @@
 //! The expected values are gathered here with a deliberately plain algorithm (output
 //! row by output row, asking each piece for the columns it holds) rather than with
 //! the writer's run merging, so that a placement bug in the engine shows up as a
-//! mismatch instead of being reproduced. Conversions share the `dtype` kernels,
-//! which are tested bit for bit against torch.
+//! mismatch instead of being reproduced. For the same reason the conversions are
+//! not the writer's: `convert` converts by definition (exact values, rounding by
+//! `f64::round_ties_even`), so a rounding bug in `dtype`'s kernels or its scalar
+//! path shows up as a mismatch; the kernel tests hold `dtype` to it as well.
 //!
 //! Problems with the output are findings, collected in a [`VerifyReport`]; only
 //! problems with the inputs (which make the check itself impossible) are errors.
@@ -29,7 +31,9 @@
 //!
 //! Files by job: [`report`] (what was found), `structure` (the files, headers,
 //! index and config), `gather` (the expected values, by coordinates), `compare`
-//! (byte comparison, NaN matching NaN) and [`checks`] (the checks a merge runs).
+//! (byte comparison, NaN matching NaN), `convert` (the conversions, by definition),
+//! `reference` (computed tensors, element by element) and [`checks`] (the checks a
+//! merge runs).
 
 use std::collections::HashSet;
 use std::path::Path;
@@ -45,6 +49,7 @@ use crate::{Error, Result};
 
 pub mod checks;
 mod compare;
+pub(crate) mod convert;
 mod gather;
 mod reference;
 pub mod report;

@@ -3,12 +3,11 @@
 //! Here every output element is traced by its coordinates down the expression to
 //! the one leaf element it comes from, and leaves are read with verify's own
 //! gather. Values are float32, as the engine evaluates them, converted to the
-//! output dtype with the shared kernels (tested bit for bit against torch).
+//! output dtype by definition (`convert`), not with the writer's kernels.
 //!
 //! Memory: every leaf of the tensor in float32, and the tensor twice (float32 and
 //! its output dtype).
 
-use crate::dtype;
 use crate::plan::Expr;
 use crate::prepare::Inputs;
 use crate::{DType, Error, Result};
@@ -142,7 +141,7 @@ pub(crate) fn expected(e: &Expr, shape: &[u64], to: DType, inputs: Inputs<'_>) -
         out.extend_from_slice(v);
     }
     let mut converted = vec![0u8; n as usize * to.size()];
-    dtype::convert(&out, DType::F32, &mut converted, to);
+    super::convert::convert(&out, DType::F32, &mut converted, to);
     Ok(converted)
 }
 

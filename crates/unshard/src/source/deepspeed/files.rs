@@ -1,0 +1,331 @@
+//! The two kinds of file in a DeepSpeed tag folder, read into plain values.
+//!
+//! `*_model_states.pt` holds the module's state dict (16-bit; under ZeRO-3 every
+//! partitioned parameter is a `[0]`-shaped placeholder), `param_shapes` (one ordered
+//! `{name: torch.Size}` per optimizer parameter group, in the order the parameters
+//! were flattened), `buffer_names`, `shared_params` (`{alias: name}`) and, for
+//! frozen parameters, `frozen_param_shapes` / `frozen_param_fragments`.
+//! `*_optim_states.pt` holds, under `optimizer_state_dict`, this rank's flat fp32
+//! partition of every group (`single_partition_of_fp32_groups` for ZeRO-1/2 and
+//! `BF16_Optimizer`, `fp32_flat_groups` for ZeRO-3), `partition_count`,
+//! `zero_stage` and the wrapped optimizer's own state (Adam moments), which is
+//! described but never read.
+//!
+//! Only the pickles are parsed; every tensor is kept as a reference to its storage.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use unshard_pickle::{NodeId, Pickle, Value};
+
+use super::super::torch::{
+    self, dict_get, dict_of, dims_of, int_of, seq_of, str_of, Leaf, TensorRef, TorchPayload,
+};
+use super::super::{Blob, Piece};
+use crate::{Error, Result};
+
+/// A parsed `torch.save` file of the tag folder.
+pub struct Parsed {
+    pub path: PathBuf,
+    pub blob: Arc<Blob>,
+    pub payload: TorchPayload,
+}
+
+impl Parsed {
+    pub fn open(path: &Path) -> Result<Parsed> {
+        let blob = Arc::new(Blob::open(path)?);
+        let payload = torch::read_zip_file(&blob)?;
+        Ok(Parsed {
+            path: path.to_path_buf(),
+            blob,
+            payload,
+        })
+    }
+
+    fn p(&self) -> &Pickle {
+        &self.payload.pickle
+    }
+
+    fn bad(&self, msg: impl Into<String>) -> Error {
+        Error::corrupt(&self.path, msg)
+    }
+
+    /// A top-level key of the root dict.
+    fn top(&self, key: &str) -> Option<NodeId> {
+        dict_get(self.p(), self.p().root(), key)
+    }
+
+    /// A tensor node as a plain tensor reference.
+    pub fn tensor(&self, name: &str, id: NodeId) -> Result<TensorRef> {
+        match torch::leaf(self.p(), id) {
+            Ok(Some(Leaf::Tensor(t))) => Ok(t),
+            Ok(_) => Err(Error::bad_tensor(&self.path, name, "is not a plain tensor")),
+            Err(m) => Err(Error::bad_tensor(&self.path, name, m)),
+        }
+    }
+
+    /// The contiguous 1-D run of elements a flat tensor occupies in the file.
+    pub fn flat(&self, name: &str, id: NodeId, file: usize) -> Result<Flat> {
+        let t = self.tensor(name, id)?;
+        let numel: u64 = t.shape.iter().product();
+        let contiguous = super::super::contiguous_strides(&t.shape);
+        if t.strides != contiguous && numel > 1 {
+            return Err(Error::bad_tensor(
+                &self.path,
+                name,
+                format!(
+                    "shape {:?} with strides {:?} is not contiguous",
+                    t.shape, t.strides
+                ),
+            ));
+        }
+        let piece = self.payload.piece(file, name, &t, vec![0; t.shape.len()])?;
+        Ok(Flat { piece, numel })
+    }
+}
+
+/// A contiguous run of elements in a file: a flat partition or a whole tensor.
+#[derive(Clone, Debug)]
+pub struct Flat {
+    /// The tensor as stored (its byte offset, dtype, byte order).
+    pub piece: Piece,
+    pub numel: u64,
+}
+
+/// What a model-states file says about the model.
+pub struct ModelStates {
+    /// `module`: `(name, tensor node)` in the model's order.
+    pub module: Vec<(String, NodeId)>,
+    pub buffer_names: Vec<String>,
+    /// One `[(name, shape)]` per parameter group, in flattening order.
+    pub param_shapes: Vec<Vec<(String, Vec<u64>)>>,
+    pub frozen_shapes: Vec<(String, Vec<u64>)>,
+    /// `frozen_param_fragments`: `(name, tensor node)`.
+    pub frozen_fragments: Vec<(String, NodeId)>,
+    /// `shared_params`: `(alias, name)`.
+    pub shared: Vec<(String, String)>,
+    /// `ds_version`, for `inspect`.
+    pub version: Option<String>,
+}
+
+/// Whether a parsed pickle is a DeepSpeed model-states dict.
+pub fn is_model_states(p: &Pickle) -> bool {
+    let root = p.root();
+    dict_get(p, root, "param_shapes").is_some() && dict_get(p, root, "buffer_names").is_some()
+}
+
+/// Whether a parsed pickle is one rank's DeepSpeed optimizer-states dict.
+pub fn is_optim_states(p: &Pickle) -> bool {
+    dict_get(p, p.root(), "optimizer_state_dict").is_some_and(|o| {
+        ["single_partition_of_fp32_groups", "fp32_flat_groups"]
+            .iter()
+            .any(|k| dict_get(p, o, k).is_some())
+    })
+}
+
+pub fn model_states(f: &Parsed) -> Result<ModelStates> {
+    let p = f.p();
+    if !is_model_states(p) {
+        return Err(f.bad("not a DeepSpeed model-states file: no 'param_shapes' or 'buffer_names'"));
+    }
+    let module = match f.top("module").and_then(|m| dict_of(p, m)) {
+        Some(items) => items
+            .iter()
+            .map(|(k, v)| {
+                let k = str_of(p, *k).ok_or_else(|| f.bad("a 'module' key is not a string"))?;
+                Ok((k.to_string(), *v))
+            })
+            .collect::<Result<Vec<_>>>()?,
+        None => return Err(f.bad("no 'module' state dict")),
+    };
+    let strings = |key: &str| -> Result<Vec<String>> {
+        match f.top(key).map(|id| p.get(id)) {
+            None | Some(Value::None) => Ok(Vec::new()),
+            Some(Value::List(v) | Value::Tuple(v) | Value::Set(v) | Value::FrozenSet(v)) => v
+                .iter()
+                .map(|&s| {
+                    str_of(p, s)
+                        .map(str::to_string)
+                        .ok_or_else(|| f.bad(format!("'{key}' holds a non-string")))
+                })
+                .collect(),
+            Some(_) => Err(f.bad(format!("'{key}' is not a list"))),
+        }
+    };
+    let buffer_names = strings("buffer_names")?;
+    let shapes_of = |id: NodeId, what: &str| -> Result<Vec<(String, Vec<u64>)>> {
+        let items = dict_of(p, id).ok_or_else(|| f.bad(format!("'{what}' is not a dict")))?;
+        items
+            .iter()
+            .map(|(k, v)| {
+                let k = str_of(p, *k)
+                    .ok_or_else(|| f.bad(format!("a '{what}' key is not a string")))?;
+                let s = dims_of(p, *v).ok_or_else(|| {
+                    f.bad(format!(
+                        "'{what}' gives '{k}' a shape that is not a torch.Size"
+                    ))
+                })?;
+                // Element counts are summed and multiplied later: refuse shapes
+                // whose element count does not fit, so nothing there can overflow.
+                if s.iter()
+                    .try_fold(1u64, |a, &d| a.checked_mul(d))
+                    .filter(|&n| n < 1 << 60)
+                    .is_none()
+                {
+                    return Err(f.bad(format!("'{what}' gives '{k}' the shape {s:?}, too large")));
+                }
+                Ok((k.to_string(), s))
+            })
+            .collect()
+    };
+    let param_shapes = match f.top("param_shapes").map(|id| (id, p.get(id))) {
+        Some((_, Value::List(groups) | Value::Tuple(groups))) => groups
+            .iter()
+            .map(|&g| shapes_of(g, "param_shapes"))
+            .collect::<Result<Vec<_>>>()?,
+        // Older DeepSpeed saved a single dict.
+        Some((id, Value::Dict(_))) => vec![shapes_of(id, "param_shapes")?],
+        _ => return Err(f.bad("'param_shapes' is not a list of dicts")),
+    };
+    let frozen_shapes = match f.top("frozen_param_shapes") {
+        Some(id) if !matches!(p.get(id), Value::None) => shapes_of(id, "frozen_param_shapes")?,
+        _ => Vec::new(),
+    };
+    let frozen_fragments = match f.top("frozen_param_fragments") {
+        Some(id) if !matches!(p.get(id), Value::None) => dict_of(p, id)
+            .ok_or_else(|| f.bad("'frozen_param_fragments' is not a dict"))?
+            .iter()
+            .map(|(k, v)| {
+                let k = str_of(p, *k)
+                    .ok_or_else(|| f.bad("a 'frozen_param_fragments' key is not a string"))?;
+                Ok((k.to_string(), *v))
+            })
+            .collect::<Result<Vec<_>>>()?,
+        _ => Vec::new(),
+    };
+    let shared = match f.top("shared_params") {
+        Some(id) if !matches!(p.get(id), Value::None) => dict_of(p, id)
+            .ok_or_else(|| f.bad("'shared_params' is not a dict"))?
+            .iter()
+            .map(|(k, v)| match (str_of(p, *k), str_of(p, *v)) {
+                (Some(a), Some(b)) => Ok((a.to_string(), b.to_string())),
+                _ => Err(f.bad("'shared_params' holds a non-string")),
+            })
+            .collect::<Result<Vec<_>>>()?,
+        _ => Vec::new(),
+    };
+    let version = f
+        .top("ds_version")
+        .and_then(|v| str_of(p, v))
+        .map(str::to_string);
+    Ok(ModelStates {
+        module,
+        buffer_names,
+        param_shapes,
+        frozen_shapes,
+        frozen_fragments,
+        shared,
+        version,
+    })
+}
+
+/// What one rank's optimizer-states file holds.
+pub struct OptimStates {
+    /// `zero_stage` (absent in `BF16_Optimizer` files).
+    pub stage: Option<i64>,
+    /// `partition_count`: the data-parallel world size (the largest, when per group).
+    pub partition_count: u64,
+    /// This rank's flat fp32 partition of each group (tensor nodes).
+    pub groups: Vec<NodeId>,
+    /// Which key held them.
+    pub groups_key: &'static str,
+    /// `param_alignment_paddings`: elements left after each parameter, per group.
+    pub alignment_paddings: Option<Vec<Vec<u64>>>,
+    /// Number of tensors in the wrapped optimizer's state (moments), not read.
+    pub moments: usize,
+}
+
+pub fn optim_states(f: &Parsed) -> Result<OptimStates> {
+    let p = f.p();
+    let osd = f
+        .top("optimizer_state_dict")
+        .filter(|&id| dict_of(p, id).is_some())
+        .ok_or_else(|| f.bad("not a DeepSpeed optimizer-states file: no 'optimizer_state_dict'"))?;
+    let get = |k: &str| dict_get(p, osd, k);
+    // `ZeroStageEnum(2)` is pickled as a call; older files hold a plain int.
+    let stage = get("zero_stage").and_then(|id| {
+        int_of(p, id).or_else(|| match p.get(id) {
+            Value::Object { args, .. } => int_of(p, *seq_of(p, *args)?.first()?),
+            _ => None,
+        })
+    });
+    let partition_count = match get("partition_count").map(|id| (id, p.get(id))) {
+        Some((id, Value::Int(_))) => int_of(p, id).and_then(|i| u64::try_from(i).ok()),
+        Some((id, Value::List(_) | Value::Tuple(_))) => seq_of(p, id).and_then(|v| {
+            v.iter()
+                .map(|&x| int_of(p, x).and_then(|i| u64::try_from(i).ok()))
+                .collect::<Option<Vec<u64>>>()
+                .and_then(|v| v.into_iter().max())
+        }),
+        _ => None,
+    }
+    .filter(|&n| n > 0)
+    .ok_or_else(|| f.bad("'partition_count' is missing or not a positive int"))?;
+    let (groups_key, groups) = ["fp32_flat_groups", "single_partition_of_fp32_groups"]
+        .into_iter()
+        .find_map(|k| Some((k, get(k)?)))
+        .ok_or_else(|| {
+            f.bad("no fp32 master weights: neither 'single_partition_of_fp32_groups' nor 'fp32_flat_groups'")
+        })?;
+    let groups = seq_of(p, groups)
+        .ok_or_else(|| f.bad(format!("'{groups_key}' is not a list")))?
+        .to_vec();
+    let alignment_paddings = match get("param_alignment_paddings") {
+        Some(id) if !matches!(p.get(id), Value::None) => Some(
+            seq_of(p, id)
+                .and_then(|g| {
+                    g.iter()
+                        .map(|&l| {
+                            seq_of(p, l)?
+                                .iter()
+                                .map(|&x| int_of(p, x).and_then(|i| u64::try_from(i).ok()))
+                                .collect::<Option<Vec<u64>>>()
+                        })
+                        .collect::<Option<Vec<_>>>()
+                })
+                .ok_or_else(|| f.bad("'param_alignment_paddings' is not a list of int lists"))?,
+        ),
+        _ => None,
+    };
+    let moments = ["optimizer_state_dict", "base_optimizer_state"]
+        .into_iter()
+        .filter_map(get)
+        .map(|id| count_tensors(p, id, 0))
+        .sum();
+    Ok(OptimStates {
+        stage,
+        partition_count,
+        groups,
+        groups_key,
+        alignment_paddings,
+        moments,
+    })
+}
+
+/// Counts tensor nodes under a value, for the note on skipped optimizer moments.
+fn count_tensors(p: &Pickle, id: NodeId, depth: usize) -> usize {
+    if depth > 16 {
+        return 0;
+    }
+    if torch::is_tensor_like(p, id) {
+        return 1;
+    }
+    match p.get(id) {
+        Value::Dict(items) => items
+            .iter()
+            .map(|(_, v)| count_tensors(p, *v, depth + 1))
+            .sum(),
+        Value::List(v) | Value::Tuple(v) => v.iter().map(|x| count_tensors(p, *x, depth + 1)).sum(),
+        _ => 0,
+    }
+}

@@ -1,0 +1,329 @@
+//! Where each parameter's elements are: the ZeRO-1/2 and ZeRO-3 partition layouts,
+//! frozen parameters, buffers and tied aliases, checked and turned into tensors.
+
+use std::collections::{HashMap, HashSet};
+use std::path::Path;
+use std::sync::Arc;
+
+use super::files::{self, OptimStates, Parsed};
+use super::partitions::{frozen, zero12_params, zero3_params, Ctx, ZERO3_KEY};
+use super::{names, Found};
+use crate::source::{check_coverage, Checkpoint, Extra, Format, TensorSource};
+use crate::{Error, Result};
+
+pub fn open(found: &Found) -> Result<Checkpoint> {
+    let dir = found.tag_dir.as_path();
+    let n = names(dir)?;
+    if !n.model_parallel.is_empty() {
+        return Err(Error::Unsupported {
+            path: dir.to_path_buf(),
+            what: format!(
+                "a DeepSpeed checkpoint with tensor or pipeline parallelism ({})",
+                crate::report::list_some(&n.model_parallel, 3)
+            ),
+            hint: Some("only data-parallel ZeRO checkpoints (mp_rank_00 files) are read".into()),
+        });
+    }
+    let zero3_layout = !n.model_ranks.is_empty();
+    if n.optim.is_empty() {
+        let what = if zero3_layout {
+            "ZeRO-3's weights live only there: its model-states files hold [0]-shaped placeholders"
+        } else {
+            "the fp32 master weights live there"
+        };
+        return Err(Error::Incomplete {
+            path: dir.to_path_buf(),
+            msg: format!("no optimizer-state files (*_optim_states.pt): {what}"),
+            hint: Some(format!(
+                "copy every rank's zero_pp_rank_R_mp_rank_00_optim_states.pt into {}{}",
+                dir.display(),
+                if zero3_layout {
+                    ""
+                } else {
+                    ", or pass mp_rank_00_model_states.pt itself to merge its 16-bit copy of the weights"
+                }
+            )),
+        });
+    }
+
+    // Optimizer states of every rank: the world size, checked against every file.
+    let mut files: Vec<Arc<crate::source::Blob>> = Vec::new();
+    let mut optim: Vec<(Parsed, OptimStates)> = Vec::new();
+    for (_, name) in &n.optim {
+        let f = Parsed::open(&dir.join(name))?;
+        let o = files::optim_states(&f)?;
+        optim.push((f, o));
+    }
+    let world = optim[0].1.partition_count;
+    let world = usize::try_from(world)
+        .ok()
+        .filter(|&w| w <= MAX_WORLD)
+        .ok_or_else(|| {
+            Error::corrupt(
+                &optim[0].0.path,
+                format!("partition_count {world} is not believable"),
+            )
+        })?;
+    let prefix = |name: &str| name.starts_with("bf16_");
+    for ((r, name), (f, o)) in n.optim.iter().zip(&optim) {
+        if o.partition_count as usize != world
+            || *r >= world
+            || prefix(name) != prefix(&n.optim[0].1)
+        {
+            return Err(mixed(
+                dir,
+                &format!(
+                    "this file says world size {} (partition_count), {} says {world}",
+                    o.partition_count, n.optim[0].1
+                ),
+                f,
+            ));
+        }
+        if o.groups.len() != optim[0].1.groups.len()
+            || o.groups_key != optim[0].1.groups_key
+            || o.stage != optim[0].1.stage
+        {
+            return Err(mixed(
+                dir,
+                &format!(
+                    "its ZeRO stage or parameter groups differ from {}'s",
+                    n.optim[0].1
+                ),
+                f,
+            ));
+        }
+    }
+    for r in 0..world {
+        if n.optim.get(r).map(|(x, _)| *x) != Some(r) {
+            let stem = if prefix(&n.optim[0].1) { "bf16_" } else { "" };
+            return Err(Error::Incomplete {
+                path: dir.join(format!("{stem}zero_pp_rank_{r}_mp_rank_00_optim_states.pt")),
+                msg: format!("rank {r}'s optimizer-state file is missing (world size {world}); it holds that rank's share of the fp32 weights"),
+                hint: Some(format!("copy all {world} *_optim_states.pt files of the tag folder into {}", dir.display())),
+            });
+        }
+    }
+    let zero3 = optim[0].1.groups_key == ZERO3_KEY;
+    let stage = optim[0].1.stage;
+    if zero3 != zero3_layout {
+        return Err(Error::corrupt(
+            dir,
+            format!(
+            "the optimizer-state files hold {} but the model-states files are named for ZeRO-{}",
+            optim[0].1.groups_key,
+            if zero3_layout { "3" } else { "1/2" }
+        ),
+        ));
+    }
+    // What every file's pickle would run under torch.load, in file order.
+    let mut unsafe_calls = Vec::new();
+    for (f, _) in &optim {
+        files.push(f.blob.clone());
+        unsafe_calls.extend(f.payload.unsafe_calls.iter().cloned());
+    }
+
+    // Model states: rank 0's (ZeRO-1/2's only one) describes the layout.
+    let mut model_files: Vec<Parsed> = Vec::new();
+    if zero3 {
+        for r in 0..world {
+            match n.model_ranks.get(r) {
+                Some((x, name)) if *x == r => model_files.push(Parsed::open(&dir.join(name))?),
+                _ => {
+                    return Err(Error::Incomplete {
+                        path: dir.join(format!("zero_pp_rank_{r}_mp_rank_00_model_states.pt")),
+                        msg: format!(
+                            "rank {r}'s model-states file is missing (world size {world})"
+                        ),
+                        hint: Some(format!(
+                            "copy all {world} *_model_states.pt files of the tag folder into {}",
+                            dir.display()
+                        )),
+                    })
+                }
+            }
+        }
+        if let Some((r, name)) = n.model_ranks.iter().find(|(r, _)| *r >= world) {
+            return Err(Error::Incomplete {
+                path: dir.join(name),
+                msg: format!("a model-states file of rank {r}, but the optimizer-state files give world size {world}: files of two runs are mixed"),
+                hint: Some("keep only the files of one save_checkpoint in the tag folder".into()),
+            });
+        }
+    } else if let Some(name) = &n.model {
+        model_files.push(Parsed::open(&dir.join(name))?);
+    }
+    let Some(m0) = model_files.first() else {
+        return Err(Error::Incomplete {
+            path: dir.to_path_buf(),
+            msg: "no model-states file (mp_rank_00_model_states.pt or zero_pp_rank_0_mp_rank_00_model_states.pt): it records which parameter is where".into(),
+            hint: Some("copy the tag folder's *_model_states.pt files back into it".into()),
+        });
+    };
+    let model = files::model_states(m0)?;
+    let first_model_file = files.len();
+    for f in &model_files {
+        files.push(f.blob.clone());
+        unsafe_calls.extend(f.payload.unsafe_calls.iter().cloned());
+    }
+
+    let stage_label = match (stage, zero3) {
+        (_, true) => "ZeRO-3".to_string(),
+        (Some(s), false) => format!("ZeRO-{s}"),
+        (None, false) => "BF16_Optimizer (ZeRO-1 layout)".to_string(),
+    };
+    let ctx = Ctx {
+        dir,
+        world,
+        stage_label: stage_label.clone(),
+    };
+    let mut built: HashMap<String, TensorSource> = HashMap::new();
+    if model.param_shapes.len() != optim[0].1.groups.len() {
+        return Err(Error::corrupt(
+            &m0.path,
+            format!(
+                "'param_shapes' lists {} parameter group(s), the optimizer-state files hold {}",
+                model.param_shapes.len(),
+                optim[0].1.groups.len()
+            ),
+        ));
+    }
+    if zero3 {
+        zero3_params(&ctx, &model, &optim, &mut built)?;
+    } else {
+        zero12_params(&ctx, &model, &optim, &mut built)?;
+    }
+    let frozen_from_fragments = frozen(
+        &ctx,
+        &model,
+        &model_files,
+        first_model_file,
+        zero3,
+        &mut built,
+    )?;
+
+    // Buffers, and (ZeRO-1) frozen parameters kept only in the module.
+    let aliases: HashSet<&str> = model.shared.iter().map(|(a, _)| a.as_str()).collect();
+    let buffers: HashSet<&str> = model.buffer_names.iter().map(String::as_str).collect();
+    let mut from_module = Vec::new();
+    for (name, id) in &model.module {
+        if built.contains_key(name) || aliases.contains(name.as_str()) {
+            continue;
+        }
+        let t = m0.tensor(name, *id)?;
+        if t.shape.contains(&0) && zero3 {
+            return Err(Error::corrupt(&m0.path, format!(
+                "'{name}' is a [0]-shaped ZeRO-3 placeholder in the module, but neither 'param_shapes' nor 'frozen_param_shapes' lists it"
+            )));
+        }
+        let mut s = m0.payload.source(first_model_file, name, &t)?;
+        s.layout = Some(if buffers.contains(name.as_str()) {
+            "buffer (from the module)".to_string()
+        } else {
+            from_module.push(name.clone());
+            "frozen, 16-bit module copy".to_string()
+        });
+        built.insert(name.clone(), s);
+    }
+    // Tied aliases: the same pieces and storage, so the plan writes one copy.
+    for (alias, target) in &model.shared {
+        if let Some(t) = built.get(target) {
+            let mut a = t.clone();
+            a.name = alias.clone();
+            a.layout = Some(format!("tied to {target}"));
+            built.insert(alias.clone(), a);
+        }
+    }
+
+    // Model order first, then anything the module does not list.
+    let mut tensors = Vec::with_capacity(built.len());
+    let mut order: Vec<&str> = model.module.iter().map(|(n, _)| n.as_str()).collect();
+    order.extend(model.param_shapes.iter().flatten().map(|(n, _)| n.as_str()));
+    order.extend(model.frozen_shapes.iter().map(|(n, _)| n.as_str()));
+    order.extend(model.shared.iter().map(|(a, _)| a.as_str()));
+    for name in order {
+        if let Some(t) = built.remove(name) {
+            check_coverage(dir, &t)?;
+            tensors.push(t);
+        }
+    }
+
+    let mut notes = vec![format!(
+        "DeepSpeed {stage_label} checkpoint, {world} rank(s), {}: {}",
+        found.how,
+        dir.display()
+    )];
+    notes.push(format!(
+        "rebuilt {} parameter(s) from the fp32 master partitions ({}) in {} optimizer-state file(s)",
+        model.param_shapes.iter().map(Vec::len).sum::<usize>(),
+        optim[0].1.groups_key,
+        world
+    ));
+    if frozen_from_fragments > 0 {
+        notes.push(format!("{frozen_from_fragments} frozen parameter(s) from frozen_param_fragments (16-bit, as trained)"));
+    }
+    if !from_module.is_empty() {
+        notes.push(format!(
+            "frozen parameter(s) recorded only in the 16-bit module, read from there: {}",
+            crate::report::list_some(&from_module, 4)
+        ));
+    }
+    if !zero3 {
+        notes.push("skipped the module's 16-bit copy of the trained parameters (the fp32 masters are the weights)".into());
+    }
+    let moments: usize = optim.iter().map(|(_, o)| o.moments).sum();
+    if moments > 0 {
+        notes.push(format!(
+            "skipped the optimizer's state (Adam's exp_avg, exp_avg_sq...): {moments} tensor(s) over {world} file(s), not read"
+        ));
+    }
+    let mut skipped = n.other.clone();
+    if found.path != found.tag_dir {
+        if let Ok(rd) = std::fs::read_dir(&found.path) {
+            let tag_name = found.tag_dir.file_name();
+            let mut more: Vec<String> = rd
+                .filter_map(|e| e.ok())
+                .filter(|e| Some(e.file_name().as_os_str()) != tag_name)
+                .map(|e| e.file_name().to_string_lossy().into_owned())
+                .collect();
+            more.sort();
+            skipped.extend(more);
+        }
+    }
+    if !skipped.is_empty() {
+        notes.push(format!(
+            "skipped (not weights): {}",
+            crate::report::list_some(&skipped, 10)
+        ));
+    }
+    let mut extras = Vec::new();
+    if let Some(v) = &model.version {
+        extras.push(Extra {
+            name: "ds_version".into(),
+            kind: format!("str '{v}'"),
+        });
+    }
+    Ok(Checkpoint {
+        format: Format::DeepSpeed,
+        path: found.path.clone(),
+        files,
+        key: None,
+        tensors,
+        extras,
+        notes,
+        unsafe_calls,
+    })
+}
+
+/// The largest world size believed.
+const MAX_WORLD: usize = 1 << 20;
+
+fn mixed(dir: &Path, what: &str, f: &Parsed) -> Error {
+    Error::Incomplete {
+        path: f.path.clone(),
+        msg: format!("{what}: files of different runs (or world sizes) are mixed"),
+        hint: Some(format!(
+            "keep only the files of one save_checkpoint in {} (every rank's file of the same world size)",
+            dir.display()
+        )),
+    }
+}

@@ -1,0 +1,224 @@
+//! DeepSpeed ZeRO checkpoints (stages 1, 2 and 3, and `BF16_Optimizer`).
+//!
+//! `engine.save_checkpoint(dir)` writes `dir/latest` (the tag's name) and a tag
+//! folder, `dir/global_stepN/` (accelerate uses the tag `pytorch_model`), holding:
+//! - ZeRO-1/2: one `mp_rank_00_model_states.pt` (the module in 16 bits plus the
+//!   layout) and one `{bf16_,}zero_pp_rank_R_mp_rank_00_optim_states.pt` per rank;
+//! - ZeRO-3: one `zero_pp_rank_R_mp_rank_00_model_states.pt` per rank (placeholders
+//!   for the module; each rank's share of frozen parameters) and the optim files.
+//!
+//! The weights are the fp32 masters in the optim files: each rank holds one flat
+//! partition per parameter group. Under ZeRO-1/2 (and `BF16_Optimizer`) a group's
+//! partitions concatenated in rank order are the group's parameters flattened one
+//! after the other in `param_shapes` order (with `param_alignment_paddings` after
+//! each, when recorded), padded at the end; a parameter can straddle ranks. Under
+//! ZeRO-3 every parameter is cut on its own: rank `r` holds elements
+//! `[r*ceil(n/W), (r+1)*ceil(n/W))` of it (the last share padded), and a rank's
+//! groups concatenated hold its shares in `param_shapes` order. Either way a
+//! parameter is a few contiguous runs in the files, which [`runs`] turns into
+//! pieces. Frozen parameters, buffers and tied aliases come from the model states.
+//! The 16-bit module copy and the optimizer's moments are never read.
+
+mod files;
+mod layout;
+mod partitions;
+pub mod runs;
+
+use std::path::{Path, PathBuf};
+
+use regex::Regex;
+
+use super::{Checkpoint, OpenOptions};
+use crate::{Error, Result};
+
+pub use files::{is_model_states, is_optim_states};
+
+/// A DeepSpeed checkpoint found on disk.
+#[derive(Clone, Debug)]
+pub struct Found {
+    /// The path the user gave.
+    pub path: PathBuf,
+    /// The tag folder holding the rank files.
+    pub tag_dir: PathBuf,
+    /// How the tag folder was chosen, for `inspect`.
+    pub how: String,
+}
+
+/// The rank files of a tag folder, from their names.
+#[derive(Debug, Default)]
+pub(crate) struct Names {
+    /// `mp_rank_00_model_states.pt` (ZeRO-1/2).
+    pub model: Option<String>,
+    /// `(rank, name)` of `zero_pp_rank_R_mp_rank_00_model_states.pt` (ZeRO-3), sorted.
+    pub model_ranks: Vec<(usize, String)>,
+    /// `(rank, name)` of the optim files, sorted.
+    pub optim: Vec<(usize, String)>,
+    /// Other files (not weights).
+    pub other: Vec<String>,
+    /// Files of model-parallel ranks other than 0.
+    pub model_parallel: Vec<String>,
+}
+
+const MAX_RANKS: usize = 1 << 20;
+
+pub(crate) fn names(dir: &Path) -> Result<Names> {
+    let re =
+        Regex::new(r"^(?:(bf16_)?zero_pp_rank_(\d+)_)?mp_rank_(\d+)_(model|optim)_states\.pt$")
+            .map_err(|e| Error::corrupt(dir, e.to_string()))?;
+    let mut out = Names::default();
+    let mut list: Vec<String> = std::fs::read_dir(dir)
+        .map_err(|e| Error::io("list", dir, e))?
+        .filter_map(|e| e.ok())
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .collect();
+    list.sort();
+    for name in list {
+        let Some(c) = re.captures(&name) else {
+            out.other.push(name);
+            continue;
+        };
+        let num = |i: usize| {
+            c.get(i)
+                .and_then(|m| m.as_str().parse::<usize>().ok())
+                .filter(|&r| r < MAX_RANKS)
+        };
+        if num(3) != Some(0) {
+            out.model_parallel.push(name);
+            continue;
+        }
+        match (c.get(4).map(|m| m.as_str()), num(2)) {
+            (Some("model"), None) => out.model = Some(name),
+            (Some("model"), Some(r)) => out.model_ranks.push((r, name)),
+            (Some("optim"), Some(r)) => out.optim.push((r, name)),
+            _ => out.other.push(name),
+        }
+    }
+    out.model_ranks.sort();
+    out.optim.sort();
+    Ok(out)
+}
+
+/// Whether a folder holds a DeepSpeed model-states file.
+fn is_tag_dir(dir: &Path) -> bool {
+    names(dir)
+        .map(|n| n.model.is_some() || !n.model_ranks.is_empty())
+        .unwrap_or(false)
+}
+
+/// Sub-folders that are tag folders, for hints.
+fn tags_in(dir: &Path) -> Vec<String> {
+    let mut tags: Vec<String> = std::fs::read_dir(dir)
+        .map(|rd| {
+            rd.filter_map(|e| e.ok())
+                .filter(|e| is_tag_dir(&e.path()))
+                .map(|e| e.file_name().to_string_lossy().into_owned())
+                .collect()
+        })
+        .unwrap_or_default();
+    tags.sort();
+    tags
+}
+
+/// Reads a `latest` file: one line naming the tag.
+fn read_latest(path: &Path) -> Result<String> {
+    let meta = std::fs::metadata(path).map_err(|e| Error::io("read", path, e))?;
+    if meta.len() > 4096 {
+        return Err(Error::corrupt(
+            path,
+            "a 'latest' file names one tag; this one is too long",
+        ));
+    }
+    let text = std::fs::read_to_string(path).map_err(|e| Error::io("read", path, e))?;
+    Ok(text.trim().to_string())
+}
+
+/// Finds a DeepSpeed checkpoint in a folder: the tag folder itself, the folder
+/// holding `latest` (the tag it names, or `opts.tag`), or an HF Trainer
+/// `checkpoint-N/` (which is such a folder). `Ok(None)` when it is none of these.
+pub fn find(path: &Path, opts: &OpenOptions) -> Result<Option<Found>> {
+    if is_tag_dir(path) {
+        if let Some(tag) = &opts.tag {
+            return Err(Error::Usage(format!(
+                "{} is a DeepSpeed tag folder itself; --tag {tag} picks a tag folder inside the folder holding 'latest' (pass {} instead, or drop --tag)",
+                path.display(),
+                path.parent().unwrap_or(path).display()
+            )));
+        }
+        return Ok(Some(Found {
+            path: path.to_path_buf(),
+            tag_dir: path.to_path_buf(),
+            how: "the tag folder".into(),
+        }));
+    }
+    let latest = path.join("latest");
+    let (tag, how) = match (&opts.tag, latest.is_file()) {
+        (Some(t), _) => (t.clone(), format!("tag {t} (--tag)")),
+        (None, true) => {
+            let t = read_latest(&latest)?;
+            let how = format!("tag {t} (named by 'latest')");
+            (t, how)
+        }
+        (None, false) => return Ok(None),
+    };
+    let tags = tags_in(path);
+    if tags.is_empty() && !path.join(&tag).is_dir() && (opts.tag.is_none() || !latest.is_file()) {
+        // No tag folder, and a `latest` of something else (or none): not DeepSpeed.
+        return Ok(None);
+    }
+    let hint = || {
+        if tags.is_empty() {
+            "the folder holds no tag folder with *_model_states.pt files; copy the tag folder into it".to_string()
+        } else if tags.len() == 1 {
+            format!("pass --tag {} (the one tag folder here)", tags[0])
+        } else {
+            format!("pass --tag with one of: {}", tags.join(", "))
+        }
+    };
+    let bad_name = tag.is_empty() || tag.contains('/') || tag == "." || tag == "..";
+    let tag_dir = path.join(&tag);
+    if bad_name || !tag_dir.is_dir() {
+        let msg = if opts.tag.is_some() {
+            format!("there is no tag folder '{tag}'")
+        } else {
+            format!("'latest' names the tag '{tag}', but there is no such folder")
+        };
+        return Err(Error::Incomplete {
+            path: if bad_name { latest } else { tag_dir },
+            msg,
+            hint: Some(hint()),
+        });
+    }
+    if !is_tag_dir(&tag_dir) {
+        return Err(Error::Incomplete {
+            path: tag_dir,
+            msg: "the tag folder holds no *_model_states.pt file".into(),
+            hint: Some(hint()),
+        });
+    }
+    Ok(Some(Found {
+        path: path.to_path_buf(),
+        tag_dir,
+        how,
+    }))
+}
+
+/// Reads a DeepSpeed checkpoint found by [`find`].
+pub fn open(found: &Found) -> Result<Checkpoint> {
+    layout::open(found)
+}
+
+/// The folder whose `config.json` describes a DeepSpeed checkpoint when no base is
+/// given: an HF Trainer `checkpoint-N/` holds it beside `latest` and the tag folder.
+pub fn config_dir_for(checkpoint: &Path) -> Option<PathBuf> {
+    let dir = if checkpoint.is_dir() {
+        checkpoint
+    } else {
+        checkpoint.parent()?
+    };
+    let with_config = |d: &Path| d.join("config.json").is_file() && d.join("latest").is_file();
+    if with_config(dir) {
+        return Some(dir.to_path_buf());
+    }
+    let parent = dir.parent()?;
+    (is_tag_dir(dir) && with_config(parent)).then(|| parent.to_path_buf())
+}

@@ -1,0 +1,269 @@
+//! The conversions `verify` expects, computed by definition rather than with the
+//! writer's code.
+//!
+//! A verify that converted with `dtype` (its SIMD kernels or its scalar path) would
+//! reproduce any rounding bug there and pass. So this module converts the slow,
+//! obvious way: decode each element to its exact value (every float dtype here is
+//! exact in f64), scale it by the power of two of the target's spacing at that
+//! magnitude, round with `f64::round_ties_even`, and re-encode; past the largest
+//! finite value, infinity. Nothing is shared with `dtype` but the [`DType`] names.
+//!
+//! It follows the policy README.md documents: round to nearest even with gradual
+//! underflow; float64 to float16/bfloat16 rounds through float32 (torch's two
+//! steps); a NaN becomes bfloat16 `0xFFFF`, or float16 `sign|0x7E00|payload` (the top
+//! ten payload bits of a float32 NaN, as F16C writes). Verify compares NaN by class
+//! anyway; the kernel tests hold this module to the exact NaN bits too.
+
+use crate::DType;
+
+/// A binary floating-point format: stored mantissa bits, exponent field bits,
+/// bias, and whether the all-ones exponent means inf/NaN (IEEE) or only its
+/// all-ones mantissa is NaN (float8_e4m3fn, which has no inf).
+#[derive(Clone, Copy)]
+struct Format {
+    mantissa: u32,
+    exponent: u32,
+    bias: i32,
+    ieee: bool,
+}
+
+const F16: Format = Format {
+    mantissa: 10,
+    exponent: 5,
+    bias: 15,
+    ieee: true,
+};
+const BF16: Format = Format {
+    mantissa: 7,
+    exponent: 8,
+    bias: 127,
+    ieee: true,
+};
+const E4M3: Format = Format {
+    mantissa: 3,
+    exponent: 4,
+    bias: 7,
+    ieee: false,
+};
+const E5M2: Format = Format {
+    mantissa: 2,
+    exponent: 5,
+    bias: 15,
+    ieee: true,
+};
+
+/// 2^e exactly, for the exponents these formats reach (well inside f64's range).
+fn pow2(e: i32) -> f64 {
+    f64::from_bits(((e + 1023) as u64) << 52)
+}
+
+/// The exact value of `bits` in format `f` (NaN for its NaNs).
+fn decode(bits: u32, f: Format) -> f64 {
+    let sign = if bits >> (f.mantissa + f.exponent) & 1 == 1 {
+        -1.0
+    } else {
+        1.0
+    };
+    let field = (bits >> f.mantissa) & ((1 << f.exponent) - 1);
+    let man = bits & ((1 << f.mantissa) - 1);
+    let all_ones = (1 << f.exponent) - 1;
+    if f.ieee && field == all_ones {
+        return if man == 0 {
+            sign * f64::INFINITY
+        } else {
+            f64::NAN
+        };
+    }
+    if !f.ieee && field == all_ones && man == (1 << f.mantissa) - 1 {
+        return f64::NAN;
+    }
+    let m = f.mantissa as i32;
+    if field == 0 {
+        sign * man as f64 * pow2(1 - f.bias - m)
+    } else {
+        sign * ((1u32 << f.mantissa) + man) as f64 * pow2(field as i32 - f.bias - m)
+    }
+}
+
+/// The 16-bit pattern nearest to `x` (not NaN) in IEEE format `f`: ties to even,
+/// gradual underflow, infinity beyond the largest finite value.
+fn round_to(x: f64, f: Format) -> u16 {
+    let m = f.mantissa;
+    let sign = if x.is_sign_negative() {
+        1u32 << (m + f.exponent)
+    } else {
+        0
+    };
+    let inf = sign | (((1 << f.exponent) - 1) << m);
+    let a = x.abs();
+    if a.is_infinite() {
+        return inf as u16;
+    }
+    if a == 0.0 {
+        return sign as u16;
+    }
+    let emin = 1 - f.bias;
+    let emax = f.bias;
+    // The binade of `a` (its f64 exponent), no lower than the smallest normal's:
+    // below it the spacing stays that of the subnormals.
+    let mut e = (((a.to_bits() >> 52) & 0x7ff) as i32 - 1023).max(emin);
+    // Multiples of the spacing 2^(e-m): `a / spacing` is exact, so is its rounding.
+    let mut r = (a / pow2(e - m as i32)).round_ties_even() as u32;
+    if r == 1 << (m + 1) {
+        // Rounded up into the next binade.
+        r >>= 1;
+        e += 1;
+    }
+    if e > emax {
+        return inf as u16;
+    }
+    let bits = if r < 1 << m {
+        r // subnormal (then e == emin)
+    } else {
+        (((e - emin + 1) as u32) << m) | (r - (1 << m))
+    };
+    (sign | bits) as u16
+}
+
+/// float32 -> bfloat16 by definition, NaN as [`crate::dtype`]'s policy says.
+pub(crate) fn f32_to_bf16(x: f32) -> u16 {
+    if x.is_nan() {
+        0xffff
+    } else {
+        round_to(x as f64, BF16)
+    }
+}
+
+/// float32 -> float16 by definition; a NaN keeps its sign and top payload bits,
+/// quiet.
+pub(crate) fn f32_to_f16(x: f32) -> u16 {
+    let u = x.to_bits();
+    if x.is_nan() {
+        ((u >> 16) & 0x8000) as u16 | 0x7e00 | ((u >> 13) & 0x3ff) as u16
+    } else {
+        round_to(x as f64, F16)
+    }
+}
+
+/// Element `i` of little-endian `src` as an exact value, and as the float32 the
+/// NaN policy starts from (f64 rounds to f32 first, as torch does).
+fn load(src: &[u8], dtype: DType, i: usize) -> (f64, f32) {
+    let b = |n: usize| &src[n * i..n * i + n];
+    let v = match dtype {
+        DType::F64 => {
+            let v = f64::from_le_bytes(b(8).try_into().unwrap_or_default());
+            return (v, v as f32);
+        }
+        DType::F32 => {
+            let v = f32::from_le_bytes(b(4).try_into().unwrap_or_default());
+            return (v as f64, v);
+        }
+        DType::F16 => decode(u16::from_le_bytes([b(2)[0], b(2)[1]]) as u32, F16),
+        DType::BF16 => decode(u16::from_le_bytes([b(2)[0], b(2)[1]]) as u32, BF16),
+        DType::F8E4M3 => decode(b(1)[0] as u32, E4M3),
+        DType::F8E5M2 => decode(b(1)[0] as u32, E5M2),
+        _ => f64::NAN,
+    };
+    // Every value of these formats is exact in f32.
+    (v, v as f32)
+}
+
+/// Converts little-endian `src` (dtype `from`) into `dst` (dtype `to`): a copy when
+/// the dtypes are equal, else element by element by definition. The pairs are those
+/// `dtype::can_convert` allows; others leave `dst` as it is.
+pub(crate) fn convert(src: &[u8], from: DType, dst: &mut [u8], to: DType) {
+    if from == to {
+        dst.copy_from_slice(&src[..dst.len()]);
+        return;
+    }
+    if !from.is_float() {
+        return;
+    }
+    let n = dst.len() / to.size();
+    for i in 0..n {
+        let (exact, single) = load(src, from, i);
+        match to {
+            DType::F64 => dst[8 * i..8 * i + 8].copy_from_slice(&exact.to_le_bytes()),
+            DType::F32 => dst[4 * i..4 * i + 4].copy_from_slice(&single.to_le_bytes()),
+            DType::BF16 => {
+                dst[2 * i..2 * i + 2].copy_from_slice(&f32_to_bf16(single).to_le_bytes())
+            }
+            DType::F16 => dst[2 * i..2 * i + 2].copy_from_slice(&f32_to_f16(single).to_le_bytes()),
+            _ => {}
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn decodes_the_formats_by_their_definitions() {
+        assert_eq!(decode(0x3c00, F16), 1.0);
+        assert_eq!(decode(0x0001, F16), pow2(-24));
+        assert_eq!(decode(0x7bff, F16), 65504.0);
+        assert_eq!(decode(0xfc00, F16), f64::NEG_INFINITY);
+        assert!(decode(0x7c01, F16).is_nan());
+        assert_eq!(decode(0x3f80, BF16), 1.0);
+        assert_eq!(decode(0x0001, BF16), pow2(-133));
+        assert_eq!(decode(0x7e, E4M3), 448.0);
+        assert!(decode(0x7f, E4M3).is_nan());
+        assert_eq!(decode(0x08, E4M3), pow2(-6));
+        assert_eq!(decode(0x01, E4M3), pow2(-9));
+        assert_eq!(decode(0x7b, E5M2), 57344.0);
+        assert_eq!(decode(0x7c, E5M2), f64::INFINITY);
+    }
+
+    #[test]
+    fn rounds_ties_to_even_and_overflows_past_the_largest_value() {
+        // 1 + 2^-8 is halfway between bf16 1 and 1 + 2^-7: to even (1).
+        assert_eq!(f32_to_bf16(f32::from_bits(0x3f80_8000)), 0x3f80);
+        assert_eq!(f32_to_bf16(f32::from_bits(0x3f81_8000)), 0x3f82);
+        assert_eq!(f32_to_bf16(f32::from_bits(0x3f80_8001)), 0x3f81);
+        assert_eq!(f32_to_bf16(f32::from_bits(0x7f7f_7fff)), 0x7f7f);
+        assert_eq!(f32_to_bf16(f32::from_bits(0x7f7f_8000)), 0x7f80);
+        assert_eq!(f32_to_bf16(-0.0), 0x8000);
+        assert_eq!(f32_to_bf16(f32::NAN), 0xffff);
+        assert_eq!(f32_to_f16(65504.0), 0x7bff);
+        assert_eq!(f32_to_f16(65519.99), 0x7bff);
+        assert_eq!(f32_to_f16(65520.0), 0x7c00);
+        assert_eq!(f32_to_f16(-65520.0), 0xfc00);
+        // 2^-25 is halfway between 0 and the smallest subnormal: to even (0).
+        assert_eq!(f32_to_f16(pow2(-25) as f32), 0x0000);
+        assert_eq!(f32_to_f16(f32::from_bits(0x3300_0001)), 0x0001);
+        assert_eq!(f32_to_f16(3.0 * pow2(-25) as f32), 0x0002);
+        // The largest subnormal rounds up to the smallest normal.
+        assert_eq!(f32_to_f16(f32::from_bits(0x387f_f000)), 0x0400);
+        assert_eq!(f32_to_f16(f32::from_bits(0xffc0_2000)), 0xfe01);
+    }
+
+    #[test]
+    fn converts_between_dtypes_through_exact_values() {
+        let mut out = [0u8; 8];
+        // float64 -> bfloat16 rounds to float32 first: 1 + 2^-8 + 2^-30 becomes the
+        // tie 1 + 2^-8 in f32, then 1 (to even), where one rounding would give 1 + 2^-7.
+        let x = 1.0 + pow2(-8) + pow2(-30);
+        convert(&x.to_le_bytes(), DType::F64, &mut out[..2], DType::BF16);
+        assert_eq!(u16::from_le_bytes([out[0], out[1]]), 0x3f80);
+        // float16 -> bfloat16: 1 + 2^-10 is less than half bf16's spacing above 1.
+        convert(
+            &0x3c01u16.to_le_bytes(),
+            DType::F16,
+            &mut out[..2],
+            DType::BF16,
+        );
+        assert_eq!(u16::from_le_bytes([out[0], out[1]]), 0x3f80);
+        convert(
+            &0x3c01u16.to_le_bytes(),
+            DType::F16,
+            &mut out[..8],
+            DType::F64,
+        );
+        assert_eq!(f64::from_le_bytes(out), 1.0 + pow2(-10));
+        convert(&[0x7e], DType::F8E4M3, &mut out[..4], DType::F32);
+        assert_eq!(f32::from_le_bytes([out[0], out[1], out[2], out[3]]), 448.0);
+        convert(&[1, 2, 3, 4], DType::I32, &mut out[..4], DType::I32);
+        assert_eq!(out[..4], [1, 2, 3, 4]);
+    }
+}
