@@ -32,6 +32,12 @@ const PICKLE_EXTENSIONS: &[&str] = &[
 /// Scans one file (see the module docs). Never fails: what cannot be read is a
 /// problem of the result.
 pub fn scan_file(path: &Path) -> FileScan {
+    scan_file_with(path, FIRST_READ)
+}
+
+/// [`scan_file`], reading a stream of pickles from a first prefix of `first_read`
+/// bytes.
+fn scan_file_with(path: &Path, first_read: u64) -> FileScan {
     let mut scan = FileScan {
         path: path.to_path_buf(),
         ..FileScan::default()
@@ -61,6 +67,7 @@ pub fn scan_file(path: &Path) -> FileScan {
         scan: &mut scan,
         blob: &blob,
         limits: Limits::default().scaled_to(len),
+        first_read,
     };
     if path.extension().is_some_and(|e| e == "distcp") {
         // Items torch.save'd back to back, tensor bytes between them: the file may
@@ -109,6 +116,8 @@ struct Reader<'a> {
     blob: &'a Blob,
     /// What is left of the file's budget.
     limits: Limits,
+    /// The first prefix read for a stream of pickles ([`FIRST_READ`]).
+    first_read: u64,
 }
 
 impl Reader<'_> {
@@ -175,7 +184,7 @@ impl Reader<'_> {
     fn stream(&mut self, kind: Stream) {
         let len = self.blob.len();
         let fresh = (self.limits.clone(), self.scan.clone());
-        let mut want = FIRST_READ.min(len);
+        let mut want = self.first_read.clamp(1, len);
         loop {
             let data = match self.blob.read_vec(0, want) {
                 Ok(d) => d,
@@ -347,4 +356,91 @@ fn le64(b: &[u8], at: usize) -> u64 {
     let mut a = [0u8; 8];
     a.copy_from_slice(&b[at..at + 8]);
     u64::from_le_bytes(a)
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+
+    fn hostile(name: &str) -> std::path::PathBuf {
+        Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../../fixtures/hostile")
+            .join(name)
+    }
+
+    /// The archives of a `.distcp` file are found from its end by their records,
+    /// and by the block search when the walk back stops at bytes that are not an
+    /// archive (a compressed item): both find the same pickles and the payload.
+    #[test]
+    fn distcp_archives_are_found_from_the_end_and_past_an_item_that_is_not_one() {
+        let path = hostile("dcp_payload/__0_0.distcp");
+        let walked = scan_file(&path);
+        assert_eq!(walked.pickles, 2, "{walked:?}");
+        assert!(walked.problems.is_empty(), "{walked:?}");
+        let names: Vec<&str> = walked
+            .unsafe_calls
+            .iter()
+            .map(|c| c.callable.as_str())
+            .collect();
+        assert!(names.contains(&"posix.system"), "{names:?}");
+
+        let dir = tempfile::tempdir().unwrap();
+        let mut bytes = std::fs::read(&path).unwrap();
+        // A trailing item that is not a zip archive: the walk back stops at once.
+        bytes.extend_from_slice(&[0x28; 100]);
+        let searched_path = dir.path().join("__0_0.distcp");
+        std::fs::write(&searched_path, &bytes).unwrap();
+        let searched = scan_file(&searched_path);
+        assert_eq!(searched.pickles, walked.pickles, "{searched:?}");
+        let strip = |s: &FileScan| {
+            s.unsafe_calls
+                .iter()
+                .map(|c| (c.callable.clone(), c.entry.clone(), c.offset))
+                .collect::<Vec<_>>()
+        };
+        let mut a = strip(&walked);
+        let mut b = strip(&searched);
+        a.sort();
+        b.sort();
+        assert_eq!(a, b);
+    }
+
+    /// Pickles longer than the first prefix read are read in full (the prefix
+    /// doubles), and give what one read of the whole file gives.
+    #[test]
+    fn a_stream_of_pickles_longer_than_the_first_read_is_read_in_full() {
+        let src = Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../../fixtures/ckpt/llama_policy_legacy.pt");
+        let whole = scan_file_with(&src, u64::MAX);
+        assert_eq!(whole.pickles, 5, "{whole:?}");
+        assert!(whole.problems.is_empty(), "{whole:?}");
+        for first in [1, 64, 1000] {
+            let grown = scan_file_with(&src, first);
+            assert_eq!(grown.pickles, 5, "first read {first}: {grown:?}");
+            assert!(grown.problems.is_empty(), "first read {first}: {grown:?}");
+        }
+        // Bare pickles back to back, the second past the first read.
+        let dir = tempfile::tempdir().unwrap();
+        let bare = dir.path().join("two.pkl");
+        let payload = std::fs::read(hostile("picklescan/ps_os_anything.pkl")).unwrap();
+        let mut two = payload.clone();
+        two.extend_from_slice(&payload);
+        std::fs::write(&bare, &two).unwrap();
+        let s = scan_file_with(&bare, 8);
+        assert_eq!(s.pickles, 2, "{s:?}");
+        assert_eq!(
+            s.unsafe_calls.len(),
+            2 * scan_file(&hostile("picklescan/ps_os_anything.pkl"))
+                .unsafe_calls
+                .len(),
+            "{s:?}"
+        );
+        // Cut inside the object pickle: a problem, not a hang or a panic.
+        let cut = dir.path().join("cut.pt");
+        let data = std::fs::read(&src).unwrap();
+        std::fs::write(&cut, &data[..200]).unwrap();
+        let s = scan_file(&cut);
+        assert!(!s.problems.is_empty(), "{s:?}");
+    }
 }
