@@ -1,9 +1,10 @@
 //! Any bytes: `parse` returns, never panics, and a parsed arena can be described node
-//! by node (which is what error messages and `inspect` do with untrusted files).
+//! by node (which is what error messages and `inspect` do with untrusted files); the
+//! audit of what a pickle would run, complete or broken, returns bounded findings.
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
-use unshard_pickle::{parse_prefix, Limits};
+use unshard_pickle::{audit, parse_partial, parse_prefix, Limits};
 
 fuzz_target!(|data: &[u8]| {
     // Small limits keep each run cheap and exercise the limit paths too.
@@ -21,5 +22,11 @@ fuzz_target!(|data: &[u8]| {
             let _ = pickle.object(id);
         }
         let _ = pickle.describe(pickle.root());
+    }
+    let partial = parse_partial(data, &limits);
+    let findings = audit(&partial.pickle);
+    assert!(findings.findings.len() <= unshard_pickle::audit::MAX_FINDINGS);
+    for f in &findings.findings {
+        assert!(f.callable.chars().count() < 1024);
     }
 });

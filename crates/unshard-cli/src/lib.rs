@@ -17,6 +17,7 @@ mod panic_hook;
 mod progress;
 mod signals;
 mod text;
+mod unsafe_report;
 
 /// What `unshard --help` says first: what the tool does, in two lines.
 const ABOUT: &str = "\
@@ -61,6 +62,18 @@ enum Command {
     /// prefixes. Exits 0 when A and B hold the same names, dtypes, shapes and
     /// values, 1 otherwise.
     Diff(cmd::diff::DiffArgs),
+    /// Report code that files would run under torch.load, without running it.
+    ///
+    /// Reads every pickle in the files and directories given (recursively): torch.save
+    /// archives (every .pkl record, deflated ones too), legacy torch.save streams (all
+    /// five pickles), bare pickles, the archives inside .distcp files. Every global a
+    /// pickle names or calls, on every path (results it discards, the memo, BUILD
+    /// states, persistent ids, dict keys), is checked against what torch, DeepSpeed
+    /// and the checkpoint formats legitimately use; everything else is listed with
+    /// its full name or the chain producing it, the opcode route, the byte offset and
+    /// the record. Exits 1 if anything is listed (or a file cannot be read fully), 0
+    /// if every file is clean.
+    Scan(cmd::scan::ScanArgs),
     /// Print a shell completion script: `unshard completions bash > /etc/bash_completion.d/unshard`.
     Completions(cmd::completions::CompletionsArgs),
     /// Print a man page (roff), made from these help texts: `unshard man | man -l -`.
@@ -122,6 +135,7 @@ where
         Command::Inspect(args) => cmd::inspect::run(args),
         Command::Verify(args) => cmd::verify::run(args),
         Command::Diff(args) => cmd::diff::run(args),
+        Command::Scan(args) => cmd::scan::run(args),
         Command::Completions(args) => cmd::completions::run(args),
         Command::Man(args) => cmd::man::run(args),
     })

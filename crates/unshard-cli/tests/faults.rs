@@ -145,6 +145,76 @@ fn sigterm_while_reading_exits_143_at_once() {
     interrupted_while_reading_exits_at_once(libc::SIGTERM);
 }
 
+/// What `pickle.dumps([{'k0': 0}, {'k1': 1}, ...], protocol=2)` writes (without the
+/// memo, which changes nothing here): `n` one-entry dicts in a list, appended in
+/// batches of 1000 as CPython's pickler does. Some 28 bytes per dict: 1M of them
+/// take seconds to parse and audit in a debug build. Made here rather than
+/// committed, being tens of MB.
+fn slow_pickle(n: u32) -> Vec<u8> {
+    let mut b = vec![0x80, 2, b']'];
+    for batch in (0..n).collect::<Vec<_>>().chunks(1000) {
+        b.push(b'(');
+        for &i in batch {
+            let key = format!("k{i}");
+            b.push(b'}');
+            b.push(b'X');
+            b.extend_from_slice(&(key.len() as u32).to_le_bytes());
+            b.extend_from_slice(key.as_bytes());
+            b.push(b'J');
+            b.extend_from_slice(&i.to_le_bytes());
+            b.push(b's');
+        }
+        b.push(b'e');
+    }
+    b.push(b'.');
+    b
+}
+
+/// A signal while a slow file is still being parsed (no test hook slows anything:
+/// the parse itself takes seconds) ends `scan`, `inspect` and `merge` within a
+/// second, leaving nothing behind.
+#[test]
+fn a_signal_while_a_slow_file_is_parsed_ends_every_reading_command_at_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let input = dir.path().join("slow.pkl");
+    std::fs::write(&input, slow_pickle(1_000_000)).unwrap();
+    let inp = input.to_str().unwrap().to_string();
+    let out = dir.path().join("out").to_str().unwrap().to_string();
+    let runs: [(&[&str], i32); 4] = [
+        (&["scan", &inp], libc::SIGINT),
+        (&["inspect", &inp], libc::SIGTERM),
+        (&["merge", &inp, &out], libc::SIGINT),
+        (&["diff", &inp, &inp], libc::SIGTERM),
+    ];
+    for (args, sig) in runs {
+        let mut child = Command::new(bin())
+            .args(args)
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        std::thread::sleep(Duration::from_millis(300));
+        assert!(
+            child.try_wait().unwrap().is_none(),
+            "{args:?} finished in 300 ms: the input no longer takes long to parse, make it larger"
+        );
+        let sent = Instant::now();
+        signal(&child, sig);
+        let status = child.wait().unwrap();
+        let took = sent.elapsed();
+        let mut err = String::new();
+        std::io::Read::read_to_string(&mut child.stderr.take().unwrap(), &mut err).unwrap();
+        assert_eq!(status.code(), Some(128 + sig), "{args:?}: {err}");
+        assert!(took < Duration::from_secs(1), "{args:?} took {took:?}");
+        assert!(err.contains("error: interrupted"), "{args:?}: {err}");
+        assert_eq!(
+            names(dir.path()),
+            ["slow.pkl"],
+            "{args:?} left something behind"
+        );
+    }
+}
+
 #[test]
 fn sigint_mid_write_removes_the_staging_directory() {
     interrupted_run_leaves_nothing(libc::SIGINT);

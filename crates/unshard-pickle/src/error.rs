@@ -86,6 +86,15 @@ pub enum ErrorKind {
         /// The type of the value found (see [`crate::Value::type_name`]).
         found: &'static str,
     },
+    /// `EXT1/2/4` with a code that no `copyreg.add_extension` call in the pickle
+    /// registered (`pickle.load` fails there too).
+    #[error(
+        "extension code {0} is not registered (no copyreg.add_extension call for it precedes it)"
+    )]
+    UnregisteredExtension(i64),
+    /// Memory for a value the input asks for could not be allocated.
+    #[error("out of memory allocating {0} bytes or items for a value of the pickle")]
+    OutOfMemory(usize),
     /// `DICT` or `SETITEMS` with a key that has no value.
     #[error("odd number of values ({0}) after MARK: keys and values must pair up")]
     OddItemCount(usize),

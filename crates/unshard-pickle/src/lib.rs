@@ -7,12 +7,19 @@
 //! that records what *would* have been called. Interpreting those objects (torch's
 //! `_rebuild_tensor_v2`, DCP dataclasses, ...) is the caller's job.
 //!
-//! The crate knows nothing about torch. The only calls it interprets are a handful of
+//! The parser knows nothing about torch. The only calls it interprets are a handful of
 //! pure Python builtins whose result is plain data: `collections.OrderedDict()`
 //! (also `defaultdict(..)` and `Counter(..)`), `set`/`frozenset`, `bytes`/`bytearray`,
 //! `_codecs.encode(str, 'latin1')` and `getattr(<global>, name)` (which yields a
 //! nested global name). Both `builtins` and Python 2's `__builtin__` are accepted; other
 //! global names are kept exactly as written (`copy_reg` is not renamed `copyreg`).
+//!
+//! Every global a pickle names and every call it asks for is logged with its byte
+//! offset ([`Pickle::trace`]), on every path: results discarded by `POP`, values only
+//! in the memo, `BUILD` states, persistent ids. [`audit()`] classifies that log against
+//! an allowlist of what torch, DeepSpeed and the checkpoint formats legitimately use
+//! (the one place in the crate that names them) and reports everything else as code
+//! that would run under `torch.load`.
 //!
 //! Values live in an arena and refer to each other by [`NodeId`]. The memo stores ids,
 //! so `BINGET` shares a node instead of copying it, and mutation of a memoised list or
@@ -59,9 +66,19 @@
 //!   [`Value::Object`]s, except for the pure builtins listed above. `BUILD` stores its
 //!   state on an object and is ignored on plain values (every torch state dict is an
 //!   `OrderedDict` with a `_metadata` attribute set by `BUILD`).
-//! * **Unsupported.** `EXT1/2/4` need the extension registry of the writing process and
-//!   `NEXT_BUFFER`/`READONLY_BUFFER` need out-of-band buffers; both are errors, as is a
-//!   `PROTO` above 5.
+//! * **Extensions.** `EXT1/2/4` look a code up in `copyreg`'s extension registry,
+//!   which is empty in a fresh Python process (torch registers nothing). A pickle can
+//!   only use one after registering it itself with a `copyreg.add_extension` call,
+//!   which the reader notes (without calling anything) so that the `EXT` opcode
+//!   yields the global it names, and the audit sees it. An unregistered code is an
+//!   error, as under `pickle.load`.
+//! * **Unsupported.** `NEXT_BUFFER`/`READONLY_BUFFER` need out-of-band buffers; they
+//!   are errors, as is a `PROTO` above 5.
+//! * **Bounded copies.** Builtin calls that copy an earlier value (`set(list)`,
+//!   `_codecs.encode(text)`, `getattr` lengthening a name) are charged to a budget of
+//!   twice the input plus 1 MiB, global names are at most 1 KiB, and allocations whose
+//!   size comes from the input use `try_reserve`, so a hostile pickle gets an error,
+//!   never an abort.
 //! * **No recursion.** Parsing is a loop over opcodes, dropping a [`Pickle`] drops one
 //!   flat vector, and [`Pickle::describe`] looks one level deep. 100 000 nested tuples
 //!   are fine.
@@ -70,15 +87,19 @@
 //!   several pickles back to back).
 
 mod access;
+pub mod audit;
 mod builtins;
 mod error;
 mod keys;
 mod literal;
 mod machine;
 mod opcode;
+pub mod trace;
 
 pub use access::ObjectRef;
+pub use audit::{audit, Audit, Finding, Verdict};
 pub use error::{Error, ErrorKind};
+pub use trace::Trace;
 
 /// Parses one pickle with the default [`Limits`]. The input must hold a whole pickle,
 /// ending at `STOP`; bytes after `STOP` are ignored.
@@ -94,7 +115,35 @@ pub fn parse_with_limits(data: &[u8], limits: &Limits) -> Result<Pickle, Error> 
 /// Parses the pickle at the start of `data` and returns it with the offset just after
 /// its `STOP`, where the next pickle (or raw data) begins.
 pub fn parse_prefix(data: &[u8], limits: &Limits) -> Result<(Pickle, usize), Error> {
-    machine::Machine::new(data, limits).run()
+    let outcome = machine::Machine::new(data, limits).run();
+    match outcome.error {
+        Some(error) => Err(error),
+        None => Ok((outcome.pickle, outcome.end)),
+    }
+}
+
+/// A pickle parsed as far as it goes: what a scanner needs, since `pickle.load` runs
+/// every call a pickle makes before the point where it breaks.
+#[derive(Debug)]
+pub struct Partial {
+    /// The arena and trace up to `STOP`, or up to the opcode that failed. After a
+    /// failure the root is the value that was on top of the stack (or node 0).
+    pub pickle: Pickle,
+    /// Offset just after `STOP`, or of the byte after the failing opcode.
+    pub end: usize,
+    /// Why parsing stopped before `STOP`, if it did.
+    pub error: Option<Error>,
+}
+
+/// Parses the pickle at the start of `data` like [`parse_prefix`], but keeps what was
+/// parsed when it fails.
+pub fn parse_partial(data: &[u8], limits: &Limits) -> Partial {
+    let outcome = machine::Machine::new(data, limits).run();
+    Partial {
+        pickle: outcome.pickle,
+        end: outcome.end,
+        error: outcome.error,
+    }
 }
 
 /// Index of a node in a [`Pickle`] arena.
@@ -239,6 +288,29 @@ impl Limits {
         self.max_payload_bytes = self.max_payload_bytes.max(input_len);
         self
     }
+
+    /// What is left of these limits once `used` has been parsed under them: readers
+    /// of files that hold several pickles (the legacy torch format has five) parse
+    /// each with what the earlier ones left, so that the bounds hold per file.
+    pub fn remaining_after(&self, used: &Pickle) -> Limits {
+        let usage = used.usage();
+        Limits {
+            max_nodes: self.max_nodes.saturating_sub(usage.nodes),
+            max_container_len: self.max_container_len,
+            max_payload_bytes: self.max_payload_bytes.saturating_sub(usage.payload_bytes),
+            max_memo: self.max_memo,
+            max_marks: self.max_marks,
+        }
+    }
+}
+
+/// What a parse used of its [`Limits`] (see [`Limits::remaining_after`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Usage {
+    /// Nodes in the arena.
+    pub nodes: usize,
+    /// Bytes of `Str`, `Bytes`, `BigInt` and global-name payload.
+    pub payload_bytes: usize,
 }
 
 impl Default for Limits {
@@ -258,6 +330,7 @@ impl Default for Limits {
 pub struct Pickle {
     nodes: Vec<Value>,
     root: NodeId,
+    trace: Trace,
 }
 
 impl Pickle {
@@ -275,6 +348,29 @@ impl Pickle {
     /// Number of nodes in the arena.
     pub fn len(&self) -> usize {
         self.nodes.len()
+    }
+
+    /// Every global the pickle named and every call it asked for, in file order.
+    pub fn trace(&self) -> &Trace {
+        &self.trace
+    }
+
+    /// What parsing this pickle used of its limits.
+    pub fn usage(&self) -> Usage {
+        let payload_bytes = self
+            .nodes
+            .iter()
+            .map(|v| match v {
+                Value::Str(s) => s.len(),
+                Value::Bytes(b) | Value::BigInt(b) => b.len(),
+                Value::Global(g) => g.module.len() + g.name.len(),
+                _ => 0,
+            })
+            .sum();
+        Usage {
+            nodes: self.nodes.len(),
+            payload_bytes,
+        }
     }
 
     /// Whether the arena is empty (never true for a parsed pickle).

@@ -23,7 +23,22 @@ use crate::builtins::{self, Builtin};
 use crate::keys::KeyIndex;
 use crate::literal;
 use crate::opcode::{self as op, name as op_name};
+use crate::trace::{CallSite, GlobalRef, Trace};
 use crate::{Error, ErrorKind, Limits, NodeId, ObjectKind, Pickle, Value};
+
+/// Longest module or name of a global, in bytes. Real ones are well under 200 bytes;
+/// without a bound, `STACK_GLOBAL` of a memoised megabyte string (or a chain of
+/// `getattr` calls that each lengthen a name) copies megabytes per opcode.
+pub(crate) const MAX_GLOBAL_NAME: usize = 1024;
+
+/// Bytes and items that builtin calls may copy from values parsed earlier, per input
+/// byte, on top of [`COPY_ALLOWANCE`]. A legitimate pickle copies each value at most
+/// once (`set([...])`, `_codecs.encode(text)`), so this is never reached by one; a
+/// hostile one that converts the same memoised value over and over is stopped in time
+/// and memory linear in its size.
+const COPY_PER_INPUT_BYTE: usize = 2;
+/// See [`COPY_PER_INPUT_BYTE`].
+const COPY_ALLOWANCE: usize = 1 << 20;
 
 type Result<T> = std::result::Result<T, ErrorKind>;
 
@@ -87,6 +102,27 @@ pub(crate) struct Machine<'a> {
     payload: usize,
     /// Container entries allocated so far, over all containers.
     items: usize,
+    /// Bytes and items copied by builtin calls so far, and the bound.
+    copied: usize,
+    copy_limit: usize,
+    /// Offset of the opcode being executed, for the trace.
+    at: usize,
+    trace: Trace,
+    /// Calls of a global already logged, by (callable, opcode, first argument if it
+    /// is a global): a state dict calls `_rebuild_tensor_v2` once per tensor and a DCP
+    /// `.metadata` a dataclass millions of times; the audit needs each once.
+    logged_calls: std::collections::HashSet<(u32, u8, u32)>,
+    /// `copyreg.add_extension(module, name, code)` calls made so far: code -> name.
+    extensions: HashMap<i64, (String, String)>,
+}
+
+/// The result of running the machine: the arena (complete, or as far as parsing got)
+/// and how it ended.
+pub(crate) struct Outcome {
+    pub pickle: Pickle,
+    /// Offset just after `STOP`, or where parsing stopped.
+    pub end: usize,
+    pub error: Option<Error>,
 }
 
 impl<'a> Machine<'a> {
@@ -108,39 +144,59 @@ impl<'a> Machine<'a> {
             keys: KeyIndex::new(),
             payload: 0,
             items: 0,
+            copied: 0,
+            copy_limit: data
+                .len()
+                .saturating_mul(COPY_PER_INPUT_BYTE)
+                .saturating_add(COPY_ALLOWANCE),
+            at: 0,
+            trace: Trace::default(),
+            logged_calls: std::collections::HashSet::new(),
+            extensions: HashMap::new(),
         }
     }
 
-    /// Runs up to and including `STOP`; returns the pickle and the offset after `STOP`.
-    pub fn run(mut self) -> std::result::Result<(Pickle, usize), Error> {
-        loop {
+    /// Runs up to and including `STOP`, or until an error; returns the arena either way
+    /// (a scanner wants what a broken pickle did before it broke: `pickle.load` ran it).
+    pub fn run(mut self) -> Outcome {
+        let (root, error) = loop {
             let offset = self.pos;
             let Some(&op) = self.data.get(offset) else {
-                return Err(Error {
+                let error = Error {
                     offset,
                     opcode: None,
                     kind: ErrorKind::NoStop,
-                });
+                };
+                break (None, Some(error));
             };
             self.pos += 1;
             self.op = op;
+            self.at = offset;
             match self.step(op) {
                 Ok(None) => {}
-                Ok(Some(root)) => {
-                    let pickle = Pickle {
-                        nodes: self.nodes,
-                        root,
-                    };
-                    return Ok((pickle, self.pos));
-                }
+                Ok(Some(root)) => break (Some(root), None),
                 Err(kind) => {
-                    return Err(Error {
+                    let error = Error {
                         offset,
                         opcode: Some(op),
                         kind,
-                    })
+                    };
+                    break (None, Some(error));
                 }
             }
+        };
+        // A broken pickle's root is whatever was on top of the stack.
+        let root = root
+            .or_else(|| self.stack.last().copied())
+            .unwrap_or(NodeId(0));
+        Outcome {
+            pickle: Pickle {
+                nodes: self.nodes,
+                root,
+                trace: self.trace,
+            },
+            end: self.pos,
+            error,
         }
     }
 
@@ -342,6 +398,7 @@ impl<'a> Machine<'a> {
 
             op::GLOBAL => {
                 let global = self.text_global()?;
+                self.log_global(global, None)?;
                 self.push(global)?;
             }
             op::STACK_GLOBAL => self.stack_global()?,
@@ -374,6 +431,7 @@ impl<'a> Machine<'a> {
             }
             op::INST => {
                 let class = self.text_global()?;
+                self.log_global(class, None)?;
                 let items = self.pop_mark()?;
                 let args = self.new_container(Value::Tuple, items)?;
                 self.apply(ObjectKind::Inst, class, args)?;
@@ -393,6 +451,18 @@ impl<'a> Machine<'a> {
                 // Only opaque objects keep their state. For plain values BUILD sets
                 // Python attributes (e.g. `_metadata` on a torch state dict), which a
                 // data reader has no use for.
+                // An earlier BUILD may have set `__setstate__` on the object (as an
+                // attribute through the slot-state half of its state): Python then
+                // calls it with this state.
+                if let Some(Value::Object {
+                    state: Some(previous),
+                    ..
+                }) = self.node(target)
+                {
+                    if let Some(setstate) = self.setstate_in(*previous) {
+                        self.log_call(setstate, state)?;
+                    }
+                }
                 if let Some(Value::Object { state: slot, .. }) = self.node_mut(target) {
                     *slot = Some(state);
                 }
@@ -414,7 +484,19 @@ impl<'a> Machine<'a> {
                 self.push_value(Value::PersistentId(pid))?;
             }
 
-            op::EXT1 | op::EXT2 | op::EXT4 | op::NEXT_BUFFER | op::READONLY_BUFFER => {
+            op::EXT1 => {
+                let [code] = self.take_array()?;
+                self.extension(code.into())?;
+            }
+            op::EXT2 => {
+                let code = u16::from_le_bytes(self.take_array()?);
+                self.extension(code.into())?;
+            }
+            op::EXT4 => {
+                let code = i32::from_le_bytes(self.take_array()?);
+                self.extension(code.into())?;
+            }
+            op::NEXT_BUFFER | op::READONLY_BUFFER => {
                 return Err(ErrorKind::UnsupportedOpcode(op_name(code).unwrap_or("?")));
             }
             other => return Err(ErrorKind::UnknownOpcode(other)),
@@ -499,6 +581,20 @@ impl<'a> Machine<'a> {
         Ok(())
     }
 
+    /// Charges bytes or items that a builtin call copies from earlier values.
+    fn charge_copy(&mut self, amount: usize) -> Result<()> {
+        let limit = self.copy_limit;
+        self.copied = self
+            .copied
+            .checked_add(amount)
+            .filter(|&total| total <= limit)
+            .ok_or(ErrorKind::LimitExceeded {
+                what: "bytes and items copied by builtin calls (twice the input, plus 1 MiB)",
+                limit,
+            })?;
+        Ok(())
+    }
+
     /// Charges `count` new container entries against the arena-wide bound
     /// (`max_nodes`), which keeps copies such as `set(list)` from multiplying memory.
     fn charge_items(&mut self, count: usize) -> Result<()> {
@@ -533,6 +629,7 @@ impl<'a> Machine<'a> {
                 what: "nodes",
                 limit,
             })?;
+        try_grow(&mut self.nodes)?;
         self.nodes.push(value);
         Ok(NodeId(id))
     }
@@ -556,6 +653,7 @@ impl<'a> Machine<'a> {
                 limit,
             });
         }
+        try_grow(&mut self.stack)?;
         self.stack.push(id);
         Ok(())
     }
@@ -658,13 +756,19 @@ impl<'a> Machine<'a> {
         let bytes = self.take(len)?;
         self.charge_payload(len)?;
         let text = std::str::from_utf8(bytes).map_err(|_| ErrorKind::InvalidUtf8)?;
-        self.push_value(Value::Str(text.to_owned()))
+        let mut owned = String::new();
+        try_reserve_str(&mut owned, text.len())?;
+        owned.push_str(text);
+        self.push_value(Value::Str(owned))
     }
 
     fn binary_bytes(&mut self, len: usize) -> Result<()> {
         let bytes = self.take(len)?;
         self.charge_payload(len)?;
-        self.push_value(Value::Bytes(bytes.to_vec()))
+        let mut owned = Vec::new();
+        try_reserve(&mut owned, len)?;
+        owned.extend_from_slice(bytes);
+        self.push_value(Value::Bytes(owned))
     }
 
     /// A Python 2 `str`, read as latin-1 text.
@@ -813,6 +917,7 @@ impl<'a> Machine<'a> {
     fn text_global(&mut self) -> Result<NodeId> {
         let module = self.take_line()?;
         let name = self.take_line()?;
+        check_name_len(module.len().max(name.len()))?;
         self.charge_payload(module.len() + name.len())?;
         let module = std::str::from_utf8(module).map_err(|_| ErrorKind::InvalidUtf8)?;
         let name = std::str::from_utf8(name).map_err(|_| ErrorKind::InvalidUtf8)?;
@@ -834,16 +939,122 @@ impl<'a> Machine<'a> {
                 found,
             });
         };
+        check_name_len(module.len().max(name.len()))?;
         let global = Value::global(module.clone(), name.clone());
         self.charge_payload(module.len() + name.len())?;
-        self.push_value(global)
+        let id = self.new_node(global)?;
+        self.log_global(id, None)?;
+        self.push(id)
+    }
+
+    /// `EXT1/2/4`: the global that `copyreg.add_extension` registered under `code`
+    /// earlier in this pickle. CPython's registry starts empty and nothing torch
+    /// imports fills it, so a code the pickle did not register itself is an error here
+    /// as it is under `pickle.load`.
+    fn extension(&mut self, code: i64) -> Result<()> {
+        if code <= 0 {
+            return Err(ErrorKind::NegativeArgument(code));
+        }
+        let Some((module, name)) = self.extensions.get(&code) else {
+            return Err(ErrorKind::UnregisteredExtension(code));
+        };
+        let global = Value::global(module.clone(), name.clone());
+        self.charge_payload(module.len() + name.len())?;
+        let id = self.new_node(global)?;
+        self.log_global(id, Some(code))?;
+        self.push(id)
+    }
+
+    /// Records that the opcode being executed names the global `node`.
+    fn log_global(&mut self, node: NodeId, ext_code: Option<i64>) -> Result<()> {
+        self.charge_items(1)?;
+        try_grow(&mut self.trace.globals)?;
+        self.trace.globals.push(GlobalRef {
+            offset: self.at,
+            opcode: self.op,
+            node,
+            ext_code,
+        });
+        Ok(())
+    }
+
+    /// Records that the opcode being executed would call `callable` with `args`.
+    fn log_call(&mut self, callable: NodeId, args: NodeId) -> Result<()> {
+        if let Some(Value::Global(_)) = self.node(callable) {
+            let first = match self.node(args) {
+                Some(Value::Tuple(items)) => items.first().copied(),
+                _ => None,
+            };
+            let first_global = match first.and_then(|f| self.node(f)) {
+                Some(Value::Global(_)) => first.map_or(u32::MAX, |f| f.0),
+                _ => u32::MAX,
+            };
+            if !self
+                .logged_calls
+                .insert((callable.0, self.op, first_global))
+            {
+                return Ok(());
+            }
+        }
+        self.charge_items(1)?;
+        try_grow(&mut self.trace.calls)?;
+        self.trace.calls.push(CallSite {
+            offset: self.at,
+            opcode: self.op,
+            callable,
+            args,
+        });
+        Ok(())
+    }
+
+    /// The `__setstate__` entry of a `BUILD` state: `{..}` or `(dict, {slots})`.
+    fn setstate_in(&self, state: NodeId) -> Option<NodeId> {
+        let in_dict = |id: NodeId| match self.node(id) {
+            Some(Value::Dict(pairs)) => pairs
+                .iter()
+                .find(|(k, _)| matches!(self.node(*k), Some(Value::Str(s)) if s == "__setstate__"))
+                .map(|&(_, v)| v),
+            _ => None,
+        };
+        match self.node(state) {
+            Some(Value::Tuple(parts)) => parts.iter().rev().find_map(|&d| in_dict(d)),
+            _ => in_dict(state),
+        }
+    }
+
+    /// Notes a `copyreg.add_extension(module, name, code)` call, so that a later
+    /// `EXT` opcode resolves to the global it registered (as it would under
+    /// `pickle.load`, which makes the call).
+    fn register_extension(&mut self, callable: NodeId, args: &[NodeId]) -> Result<()> {
+        let Some(Value::Global(g)) = self.node(callable) else {
+            return Ok(());
+        };
+        if !matches!(g.module.as_str(), "copyreg" | "copy_reg") || g.name != "add_extension" {
+            return Ok(());
+        }
+        let [module, name, code] = args else {
+            return Ok(());
+        };
+        let (Some(Value::Str(module)), Some(Value::Str(name)), Some(Value::Int(code))) =
+            (self.node(*module), self.node(*name), self.node(*code))
+        else {
+            return Ok(());
+        };
+        if module.len().max(name.len()) > MAX_GLOBAL_NAME {
+            return Ok(());
+        }
+        let entry = (module.clone(), name.clone());
+        let code = *code;
+        self.charge_payload(entry.0.len() + entry.1.len())?;
+        self.extensions.insert(code, entry);
+        Ok(())
     }
 
     /// `REDUCE`, `NEWOBJ(_EX)`, `INST`, `OBJ`: the value of a recognised builtin, or an
     /// opaque object recording the call.
     fn apply(&mut self, kind: ObjectKind, callable: NodeId, args: NodeId) -> Result<()> {
         let items = match self.node(args) {
-            Some(Value::Tuple(items)) => items,
+            Some(Value::Tuple(items)) => items.clone(),
             other => {
                 return Err(ErrorKind::WrongType {
                     expected: "a tuple of arguments",
@@ -851,10 +1062,12 @@ impl<'a> Machine<'a> {
                 })
             }
         };
-        let plain = match builtins::recognize(&self.nodes, kind, callable, items) {
+        let plain = match builtins::recognize(&self.nodes, kind, callable, &items) {
             Some(builtin) => self.builtin(builtin)?,
             None => None,
         };
+        self.register_extension(callable, &items)?;
+        self.log_call(callable, args)?;
         let id = match plain {
             Some(id) => id,
             None => self.new_node(Value::Object {
@@ -875,6 +1088,7 @@ impl<'a> Machine<'a> {
             Builtin::EmptyDict => self.new_node(Value::Dict(Vec::new()))?,
             Builtin::DictFrom(source) => {
                 let len = self.dict_items_len(source);
+                self.charge_copy(len)?;
                 self.charge_items(len)?;
                 let pairs = match self.node(source) {
                     Some(Value::Dict(pairs)) => pairs.clone(),
@@ -895,6 +1109,7 @@ impl<'a> Machine<'a> {
                 };
                 // Charge the whole scan: duplicates are not stored but still cost work,
                 // and the same memoised list can be passed to set() again and again.
+                self.charge_copy(items)?;
                 self.charge_items(items)?;
                 let items = match from.and_then(|id| self.node(id)) {
                     Some(
@@ -914,17 +1129,11 @@ impl<'a> Machine<'a> {
                 set
             }
             Builtin::EmptyBytes => self.new_node(Value::Bytes(Vec::new()))?,
-            Builtin::BytesOf(source) => {
-                let len = self.node(source).map_or(0, payload_len);
-                self.charge_payload(len)?;
-                let bytes = match self.node(source) {
-                    Some(Value::Bytes(b)) => b.clone(),
-                    _ => Vec::new(),
-                };
-                self.new_node(Value::Bytes(bytes))?
-            }
+            // Nothing mutates a value once parsed, so the copy can be the same node.
+            Builtin::BytesOf(source) => source,
             Builtin::Latin1(source) => {
                 let len = self.node(source).map_or(0, payload_len);
+                self.charge_copy(len)?;
                 self.charge_payload(len)?;
                 let text = match self.node(source) {
                     Some(Value::Str(s)) => s.as_str(),
@@ -935,20 +1144,30 @@ impl<'a> Machine<'a> {
                     // Python raises UnicodeEncodeError: keep the call as an object.
                     return Ok(None);
                 }
-                let bytes: Vec<u8> = text.chars().map(|c| u32::from(c) as u8).collect();
+                let mut bytes = Vec::new();
+                try_reserve(&mut bytes, text.len())?;
+                bytes.extend(text.chars().map(|c| u32::from(c) as u8));
                 self.new_node(Value::Bytes(bytes))?
             }
             Builtin::Attribute { owner, attr } => {
-                let len = self.node(owner).map_or(0, payload_len)
-                    + self.node(attr).map_or(0, payload_len);
-                self.charge_payload(len + 1)?;
                 let (Some(Value::Global(g)), Some(Value::Str(attr))) =
                     (self.node(owner), self.node(attr))
                 else {
                     return Ok(None);
                 };
+                // A chain of getattr calls lengthens the name at each step; past the
+                // bound the call stays an opaque object instead of a copied name.
+                let name_len = g.name.len() + 1 + attr.len();
+                if name_len > MAX_GLOBAL_NAME {
+                    return Ok(None);
+                }
+                let len = g.module.len() + name_len;
                 let global = Value::global(g.module.clone(), format!("{}.{attr}", g.name));
-                self.new_node(global)?
+                self.charge_copy(len)?;
+                self.charge_payload(len)?;
+                let id = self.new_node(global)?;
+                self.log_global(id, None)?;
+                id
             }
         };
         Ok(Some(id))
@@ -989,6 +1208,40 @@ fn check_len(len: usize, more: usize, limit: usize) -> Result<()> {
             limit,
         }),
     }
+}
+
+/// A global's module or name must be at most [`MAX_GLOBAL_NAME`] bytes.
+fn check_name_len(len: usize) -> Result<()> {
+    if len > MAX_GLOBAL_NAME {
+        return Err(ErrorKind::LimitExceeded {
+            what: "bytes in a global's module or name",
+            limit: MAX_GLOBAL_NAME,
+        });
+    }
+    Ok(())
+}
+
+/// Makes room for one more element, reporting an allocation failure as an error
+/// instead of aborting the process. Sizes here are driven by the input.
+fn try_grow<T>(v: &mut Vec<T>) -> Result<()> {
+    if v.len() == v.capacity() {
+        v.try_reserve(1).map_err(|_| out_of_memory(v.capacity()))?;
+    }
+    Ok(())
+}
+
+/// Reserves exactly `len` more bytes, or fails with an error.
+fn try_reserve(v: &mut Vec<u8>, len: usize) -> Result<()> {
+    v.try_reserve_exact(len).map_err(|_| out_of_memory(len))
+}
+
+/// Reserves exactly `len` more bytes of text, or fails with an error.
+fn try_reserve_str(s: &mut String, len: usize) -> Result<()> {
+    s.try_reserve_exact(len).map_err(|_| out_of_memory(len))
+}
+
+fn out_of_memory(len: usize) -> ErrorKind {
+    ErrorKind::OutOfMemory(len)
 }
 
 /// Bytes of text a value holds (for charging copies of it).

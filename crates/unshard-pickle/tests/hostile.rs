@@ -270,13 +270,12 @@ fn encoding_a_big_memoised_string_is_charged_each_time() {
         ..Limits::default()
     };
     let start = Instant::now();
-    assert!(matches!(
-        kind_with(&data, &limits),
-        ErrorKind::LimitExceeded {
-            what: "bytes of string and bytes payload",
-            ..
-        }
-    ));
+    // The copy budget (twice the input plus 1 MiB) runs out before the payload bound.
+    let what = match kind_with(&data, &limits) {
+        ErrorKind::LimitExceeded { what, .. } => what,
+        other => panic!("{other:?}"),
+    };
+    assert!(what.starts_with("bytes and items copied"), "{what}");
     assert!(start.elapsed() < QUICK);
 }
 
@@ -539,12 +538,14 @@ fn error_message_names_offset_and_opcode() {
 fn unsupported_opcodes_and_protocols_are_errors() {
     assert_eq!(kind(b"\x80\x06N."), ErrorKind::UnsupportedProtocol(6));
     assert!(parse(b"\x80\x05N.").is_ok());
-    assert_eq!(kind(b"\x82\x01."), ErrorKind::UnsupportedOpcode("EXT1"));
-    assert_eq!(kind(b"\x83\x01\0."), ErrorKind::UnsupportedOpcode("EXT2"));
+    // EXT codes must have been registered by the pickle itself (copyreg.add_extension).
+    assert_eq!(kind(b"\x82\x01."), ErrorKind::UnregisteredExtension(1));
+    assert_eq!(kind(b"\x83\x01\0."), ErrorKind::UnregisteredExtension(1));
     assert_eq!(
         kind(b"\x84\x01\0\0\0."),
-        ErrorKind::UnsupportedOpcode("EXT4")
+        ErrorKind::UnregisteredExtension(1)
     );
+    assert_eq!(kind(b"\x82\x00."), ErrorKind::NegativeArgument(0));
     assert_eq!(kind(b"\x97."), ErrorKind::UnsupportedOpcode("NEXT_BUFFER"));
     assert_eq!(
         kind(b"N\x98."),

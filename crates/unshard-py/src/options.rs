@@ -67,6 +67,7 @@ impl MergeRequest {
                     no_fuse: k.no_fuse,
                 },
                 cancel: Cancel::new(),
+                ..MergeOptions::default()
             },
         })
     }
@@ -146,6 +147,7 @@ pub fn diff(a: &str, b: &str, progress: &dyn Progress, cancel: &Cancel) -> Resul
             b: PathBuf::from(b),
             open: OpenOptions::default(),
             cancel: cancel.clone(),
+            ..DiffOptions::default()
         },
         progress,
     )?;

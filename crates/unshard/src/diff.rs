@@ -186,6 +186,13 @@ fn comparable_names(ckpt: &Checkpoint) -> (Vec<String>, usize) {
 pub fn diff(opts: &DiffOptions, progress: &dyn Progress) -> Result<DiffReport> {
     let a = crate::source::open(&opts.a, &opts.open)?;
     let b = crate::source::open(&opts.b, &opts.open)?;
+    let calls: Vec<_> = a
+        .unsafe_calls
+        .iter()
+        .chain(&b.unsafe_calls)
+        .cloned()
+        .collect();
+    crate::scan::apply_policy(opts.unsafe_pickles, &calls)?;
     compare(&a, &b, progress, &opts.cancel)
 }
 

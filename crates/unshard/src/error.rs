@@ -40,6 +40,16 @@ pub enum Error {
         msg: String,
     },
 
+    /// The input's pickles would run code under `torch.load`, and the caller asked
+    /// to refuse such inputs (`--refuse-unsafe`, `--strict`). Nothing was run.
+    #[error("{}: refusing a file whose pickle would run code under torch.load: {}", path.display(), list_some(calls, 4))]
+    Unsafe {
+        /// The first file holding such a pickle.
+        path: PathBuf,
+        /// The callables, by full name or the chain of calls that makes them.
+        calls: Vec<String>,
+    },
+
     /// A pickle inside a file could not be parsed.
     #[error("{}: cannot parse the pickle in {entry}", path.display())]
     Pickle {
@@ -342,6 +352,10 @@ impl Error {
             Error::Overflow { dtype, .. } => Some(format!(
                 "values beyond the range of {dtype} cannot be represented; choose a wider dtype (bfloat16 or float32), or set `allow_overflow` to write inf"
             )),
+            Error::Unsafe { .. } => Some(
+                "unshard ran none of it, but the file is compromised: do not load it with torch.load(weights_only=False); `unshard scan` lists every call; without `refuse_unsafe` and `strict`, unshard warns and reads the tensors"
+                    .into(),
+            ),
             Error::UnknownTensors { similar, .. } if similar.is_empty() => Some(
                 "check that the base is the model that was trained, or map names with `renames`"
                     .into(),

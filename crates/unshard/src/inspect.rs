@@ -8,6 +8,7 @@ use serde::Serialize;
 
 use crate::json::{display_path, format_id};
 use crate::options::InspectOptions;
+use crate::scan::UnsafeCall;
 use crate::source::{self, Checkpoint, Format};
 use crate::stats::{checkpoint_stats, TensorStats};
 use crate::{DType, Result};
@@ -37,6 +38,10 @@ pub struct InspectReport {
     pub non_tensor: Vec<NonTensor>,
     /// What the reader noticed that the user should know.
     pub notes: Vec<String>,
+    /// What the input's pickles would run under `torch.load` (unshard runs none
+    /// of it; the file is compromised).
+    #[serde(rename = "unsafe")]
+    pub unsafe_calls: Vec<UnsafeCall>,
 }
 
 /// One tensor of an inspected input.
@@ -115,5 +120,6 @@ pub fn report(ckpt: &Checkpoint, stats: Option<Vec<TensorStats>>) -> InspectRepo
             })
             .collect(),
         notes: ckpt.notes.clone(),
+        unsafe_calls: ckpt.unsafe_calls.clone(),
     }
 }

@@ -1,7 +1,7 @@
 //! unshard: turn what distributed training left on disk into a Hugging Face model
 //! directory.
 //!
-//! The library's API is this page: four operations, their options and reports,
+//! The library's API is this page: five operations, their options and reports,
 //! and the types they share.
 //!
 //! - [`merge()`]: a checkpoint (onto a base model) into a model directory, written
@@ -9,7 +9,10 @@
 //!   ([`merge_into`] writes into any [`Sink`]);
 //! - [`inspect()`]: what an input holds;
 //! - [`verify()`]: whether a model directory holds exactly what a merge writes;
-//! - [`diff()`]: two inputs compared tensor by tensor.
+//! - [`diff()`]: two inputs compared tensor by tensor;
+//! - [`scan_paths()`]: what the pickles in files would run under `torch.load`
+//!   (unshard runs none of it; reading operations report the same findings as
+//!   [`Checkpoint::unsafe_calls`](source::Checkpoint::unsafe_calls)).
 //!
 //! Every operation takes a [`Cancel`] token in its options (no process-global
 //! state: operations in one process run and stop separately), reports progress to
@@ -70,6 +73,8 @@ pub mod prepare;
 #[doc(hidden)]
 pub mod report;
 #[doc(hidden)]
+pub mod scan;
+#[doc(hidden)]
 pub mod source;
 #[doc(hidden)]
 pub mod stats;
@@ -85,8 +90,9 @@ pub use error::{Error, Result};
 pub use inspect::{inspect, InspectReport, InspectedTensor, NonTensor};
 pub use lora::input::AdapterOptions;
 pub use merge::{merge, merge_into, parse_size, MergeOutcome};
-pub use options::{DiffOptions, InspectOptions, MergeOptions, VerifyOptions};
+pub use options::{DiffOptions, InspectOptions, MergeOptions, UnsafePolicy, VerifyOptions};
 pub use plan::{DtypeChoice, PlanOptions};
+pub use scan::{scan_paths, FileScan, UnsafeCall};
 pub use source::OpenOptions;
 pub use stats::TensorStats;
 pub use verify::{verify, FirstDiff, Mismatch, Problem, VerifyReport};

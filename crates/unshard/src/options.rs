@@ -7,6 +7,7 @@ use std::path::{Path, PathBuf};
 use crate::cancel::Cancel;
 use crate::lora::AdapterOptions;
 use crate::plan::PlanOptions;
+use crate::scan::UnsafeCall;
 use crate::source::OpenOptions;
 
 /// Everything a merge takes.
@@ -34,6 +35,8 @@ pub struct MergeOptions {
     pub fail_on_nonfinite: bool,
     /// How a LoRA adapter input is fused (ignored for other inputs).
     pub adapter: AdapterOptions,
+    /// What to do about pickles that would run code under `torch.load`.
+    pub unsafe_pickles: UnsafePolicy,
     /// Stops the operation at its next check; what it wrote is removed.
     pub cancel: Cancel,
 }
@@ -55,6 +58,8 @@ pub struct VerifyOptions {
     pub plan: PlanOptions,
     /// How the merge fused a LoRA adapter input.
     pub adapter: AdapterOptions,
+    /// What to do about pickles that would run code under `torch.load`.
+    pub unsafe_pickles: UnsafePolicy,
     /// Stops the check at its next window.
     pub cancel: Cancel,
 }
@@ -69,9 +74,24 @@ impl VerifyOptions {
             open: merge.open.clone(),
             plan: merge.plan.clone(),
             adapter: merge.adapter.clone(),
+            unsafe_pickles: merge.unsafe_pickles,
             cancel: merge.cancel.clone(),
         }
     }
+}
+
+/// What an operation that reads a checkpoint does about pickles that would run code
+/// under `torch.load` (unshard runs none of it, but such a file is compromised).
+/// By default their tensors are read and nothing is said: a front end sets
+/// `report` to tell the user.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct UnsafePolicy {
+    /// Refuse, writing nothing ([`Error::Unsafe`](crate::Error::Unsafe)).
+    pub refuse: bool,
+    /// Told what the pickles read would run, as soon as the inputs are opened
+    /// (before any refusal), so that the user hears of it even if the operation
+    /// then fails.
+    pub report: Option<fn(&[UnsafeCall])>,
 }
 
 /// What `inspect` takes.
@@ -97,6 +117,8 @@ pub struct DiffOptions {
     pub b: PathBuf,
     /// How to find the tensors in each.
     pub open: OpenOptions,
+    /// What to do about pickles that would run code under `torch.load`.
+    pub unsafe_pickles: UnsafePolicy,
     /// Stops the comparison at its next window.
     pub cancel: Cancel,
 }

@@ -10,7 +10,7 @@ use std::sync::Arc;
 
 use crate::cancel::Cancel;
 use crate::lora::{self, AdapterOptions, LoraFuse};
-use crate::options::{MergeOptions, VerifyOptions};
+use crate::options::{MergeOptions, UnsafePolicy, VerifyOptions};
 use crate::plan::{self, BaseView, Origin, Plan, PlanOptions};
 use crate::source::hf_dir::HfDir;
 use crate::source::{self, Blob, Checkpoint, OpenOptions};
@@ -185,6 +185,8 @@ pub struct Sources<'a> {
     pub plan: &'a PlanOptions,
     /// How a LoRA adapter input is fused.
     pub adapter: &'a AdapterOptions,
+    /// What to do about pickles that would run code.
+    pub unsafe_pickles: UnsafePolicy,
     /// Checked once each input is parsed.
     pub cancel: &'a Cancel,
 }
@@ -197,6 +199,7 @@ impl<'a> From<&'a MergeOptions> for Sources<'a> {
             open: &o.open,
             plan: &o.plan,
             adapter: &o.adapter,
+            unsafe_pickles: o.unsafe_pickles,
             cancel: &o.cancel,
         }
     }
@@ -210,6 +213,7 @@ impl<'a> From<&'a VerifyOptions> for Sources<'a> {
             open: &o.open,
             plan: &o.plan,
             adapter: &o.adapter,
+            unsafe_pickles: o.unsafe_pickles,
             cancel: &o.cancel,
         }
     }
@@ -246,6 +250,7 @@ pub fn prepare<'a>(opts: impl Into<Sources<'a>>) -> Result<Prepared> {
             None => Base::own_config(opts.checkpoint)?,
         },
     };
+    check_unsafe(opts.unsafe_pickles, &ckpt, base.as_ref())?;
     opts.cancel.check()?;
     let view = base.as_ref().map(Base::view).unwrap_or_default();
     let adapter = adapter.map(|r| Arc::new(LoraFuse::new(r, opts.adapter.no_fuse)));
@@ -271,4 +276,14 @@ pub fn prepare<'a>(opts: impl Into<Sources<'a>>) -> Result<Prepared> {
         plan,
         adapter,
     })
+}
+
+/// Reports what the checkpoint's and the base's pickles would run under
+/// `torch.load`, and refuses them if asked to.
+fn check_unsafe(policy: UnsafePolicy, ckpt: &Checkpoint, base: Option<&Base>) -> Result<()> {
+    let mut calls = ckpt.unsafe_calls.clone();
+    if let Some(w) = base.and_then(|b| b.weights.as_ref()) {
+        calls.extend(w.unsafe_calls.iter().cloned());
+    }
+    crate::scan::apply_policy(policy, &calls)
 }

@@ -10,6 +10,7 @@ use crate::args::JsonArg;
 use crate::exit::Status;
 use crate::progress::Bar;
 use crate::text::{self, escape};
+use crate::unsafe_report::{self, RefuseArg};
 
 /// Arguments of the command (its help is on `Command` in main.rs).
 #[derive(clap::Args, Debug)]
@@ -23,6 +24,9 @@ pub struct DiffArgs {
     /// List every tensor present on both sides, not only those that differ.
     #[arg(long)]
     all: bool,
+
+    #[command(flatten)]
+    refuse: RefuseArg,
 
     /// No progress output.
     #[arg(long, short)]
@@ -38,11 +42,13 @@ pub fn run(args: DiffArgs) -> anyhow::Result<Status> {
     let opts = DiffOptions {
         a: args.a,
         b: args.b,
+        unsafe_pickles: args.refuse.policy(false),
         cancel: crate::signals::token(),
         ..DiffOptions::default()
     };
     let progress = Bar::new(args.quiet, "compared");
-    let report = unshard::diff(&opts, &progress)?;
+    let report = unshard::diff(&opts, &progress)
+        .inspect_err(|_| unsafe_report::after_error(&[opts.a.as_path(), opts.b.as_path()]))?;
     let mut out = std::io::stdout().lock();
     if args.json.json {
         serde_json::to_writer_pretty(&mut out, &report)?;

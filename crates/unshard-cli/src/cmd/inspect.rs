@@ -32,14 +32,15 @@ pub struct InspectArgs {
 
 pub fn run(args: InspectArgs) -> anyhow::Result<Status> {
     let report = unshard::inspect(&InspectOptions {
-        path: args.path,
+        path: args.path.clone(),
         open: OpenOptions {
             key: args.key.key,
             tag: args.key.tag,
         },
         stats: args.stats,
         cancel: crate::signals::token(),
-    })?;
+    })
+    .inspect_err(|_| crate::unsafe_report::after_error(&[args.path.as_path()]))?;
     let mut out = std::io::stdout().lock();
     if args.json.json {
         // The schema documented in the README.
@@ -151,6 +152,26 @@ fn print_table(w: &mut dyn Write, ckpt: &InspectReport) -> std::io::Result<()> {
     }
     for n in &ckpt.notes {
         writeln!(w, "note: {n}")?;
+    }
+    print_unsafe(w, ckpt)
+}
+
+/// The section listing what the pickles would run under torch.load.
+fn print_unsafe(w: &mut dyn Write, ckpt: &InspectReport) -> std::io::Result<()> {
+    if ckpt.unsafe_calls.is_empty() {
+        return Ok(());
+    }
+    writeln!(
+        w,
+        "would run under torch.load (not run by unshard; the file is compromised):"
+    )?;
+    for c in &ckpt.unsafe_calls {
+        let file = if ckpt.path == c.path {
+            String::new()
+        } else {
+            format!("{}: ", c.path.display())
+        };
+        writeln!(w, "  {file}{}", c.describe())?;
     }
     Ok(())
 }

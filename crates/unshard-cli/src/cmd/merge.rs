@@ -14,6 +14,7 @@ use crate::exit::{Status, UsageError};
 use crate::progress::Bar;
 use crate::signals;
 use crate::text;
+use crate::unsafe_report::{self, RefuseArg};
 
 /// Arguments of the command (its help is on `Command` in main.rs).
 #[derive(clap::Args, Debug)]
@@ -53,7 +54,11 @@ pub struct MergeArgs {
     #[arg(long)]
     fail_on_nonfinite: bool,
 
-    /// No progress output and no summary: errors and warnings only.
+    #[command(flatten)]
+    refuse: RefuseArg,
+
+    /// No progress output and no summary: errors and warnings only (the warning
+    /// about a pickle that would run code included).
     #[arg(long, short)]
     quiet: bool,
 }
@@ -95,11 +100,16 @@ pub fn run(args: MergeArgs) -> anyhow::Result<Status> {
         verify: args.verify,
         fail_on_nonfinite: args.fail_on_nonfinite,
         adapter: args.plan.adapter.options(),
+        unsafe_pickles: args.refuse.policy(args.plan.strict),
         cancel: signals::token(),
     };
     signals::protect_output(&opts.output);
     let progress = Bar::new(args.quiet, "written");
-    let outcome = merge::merge(&opts, &progress)?;
+    let outcome = merge::merge(&opts, &progress).inspect_err(|_| {
+        let base = opts.base.as_deref().into_iter();
+        let paths: Vec<&std::path::Path> = base.chain([opts.checkpoint.as_path()]).collect();
+        unsafe_report::after_error(&paths);
+    })?;
     let mut err = std::io::stderr().lock();
     // --quiet silences what was done, never what may be wrong with the result.
     text::write_escaped(&mut err, |w| match args.quiet {

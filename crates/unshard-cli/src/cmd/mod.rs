@@ -6,4 +6,5 @@ pub mod diff;
 pub mod inspect;
 pub mod man;
 pub mod merge;
+pub mod scan;
 pub mod verify;

@@ -10,6 +10,7 @@ use crate::args::{JsonArg, PlanArgs};
 use crate::exit::{self, Status};
 use crate::progress::Bar;
 use crate::text;
+use crate::unsafe_report::{self, RefuseArg};
 
 /// Arguments of the command (its help is on `Command` in main.rs).
 #[derive(clap::Args, Debug)]
@@ -24,6 +25,9 @@ pub struct VerifyArgs {
     // The options the merge was run with: the same flags, the same parsing.
     #[command(flatten)]
     plan: PlanArgs,
+
+    #[command(flatten)]
+    refuse: RefuseArg,
 
     /// No progress output.
     #[arg(long, short)]
@@ -44,10 +48,12 @@ pub fn run(args: VerifyArgs) -> anyhow::Result<Status> {
         },
         plan: args.plan.plan_options()?,
         adapter: args.plan.adapter.options(),
+        unsafe_pickles: args.refuse.policy(args.plan.strict),
         cancel: crate::signals::token(),
     };
     let progress = Bar::new(args.quiet, "compared");
-    let report = unshard::verify(&opts, &progress)?;
+    let report = unshard::verify(&opts, &progress)
+        .inspect_err(|_| unsafe_report::after_error(&[opts.checkpoint.as_path()]))?;
     let mut out = std::io::stdout().lock();
     if args.json.json {
         serde_json::to_writer_pretty(&mut out, &report)?;

@@ -340,6 +340,7 @@ pub(crate) mod testing {
             tensors,
             extras: Vec::new(),
             notes: Vec::new(),
+            unsafe_calls: Vec::new(),
         }
     }
 

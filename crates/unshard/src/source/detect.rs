@@ -112,6 +112,7 @@ pub fn open_blob(blob: Arc<Blob>, opts: &OpenOptions) -> Result<Checkpoint> {
                 })
                 .collect(),
             notes: Vec::new(),
+            unsafe_calls: Vec::new(),
         });
     }
     Err(unknown(path, &head))
@@ -121,7 +122,7 @@ fn from_payload(
     path: &Path,
     format: Format,
     blob: Arc<Blob>,
-    payload: torch::TorchPayload,
+    mut payload: torch::TorchPayload,
     opts: &OpenOptions,
 ) -> Result<Checkpoint> {
     if opts.key.is_none() && deepspeed::is_optim_states(&payload.pickle) {
@@ -130,6 +131,13 @@ fn from_payload(
             msg: "a DeepSpeed optimizer-state file: one rank's flat partitions of the fp32 weights, which mean nothing without the other ranks' and the model-states file".into(),
             hint: Some("pass the folder that holds it (or the folder holding 'latest') with every rank's files".into()),
         });
+    }
+    // Deflated storage records, inflated in memory, are read as a second file.
+    let mut files = vec![blob];
+    if !payload.inflated.is_empty() {
+        let bytes = std::mem::take(&mut payload.inflated);
+        files.push(Arc::new(Blob::owned(path.to_path_buf(), bytes)));
+        payload.inflated_file = Some(1);
     }
     let found = torch::find_tensors(&payload.pickle, path, opts.key.as_deref())?;
     let tensors = torch::plain_sources(&payload, 0, &found)?;
@@ -153,11 +161,12 @@ fn from_payload(
     Ok(Checkpoint {
         format,
         path: path.to_path_buf(),
-        files: vec![blob],
+        files,
         key: found.key,
         tensors,
         extras: found.extras,
         notes,
+        unsafe_calls: payload.unsafe_calls,
     })
 }
 

@@ -143,6 +143,7 @@ impl HfDir {
         let mut files = Vec::new();
         let mut tensors: Vec<TensorSource> = Vec::new();
         let mut notes = Vec::new();
+        let mut unsafe_calls = Vec::new();
         for (id, f) in self.weight_files.iter().enumerate() {
             let blob = Arc::new(Blob::open(f)?);
             match format {
@@ -151,11 +152,12 @@ impl HfDir {
                     tensors.extend(safetensors::sources(id, &header));
                 }
                 WeightFormat::TorchBin => {
-                    let payload = if legacy::is_legacy(&blob.head(64)?) {
+                    let mut payload = if legacy::is_legacy(&blob.head(64)?) {
                         legacy::read_legacy_payload(&blob)?
                     } else {
                         torch::read_zip_file(&blob)?
                     };
+                    unsafe_calls.append(&mut payload.unsafe_calls);
                     let found = torch::find_tensors(&payload.pickle, f, None)?;
                     tensors.extend(torch::plain_sources(&payload, id, &found)?);
                 }
@@ -182,6 +184,7 @@ impl HfDir {
             tensors,
             extras: Vec::new(),
             notes,
+            unsafe_calls,
         }))
     }
 

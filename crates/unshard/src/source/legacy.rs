@@ -38,6 +38,9 @@ struct Pickles {
     object: Pickle,
     keys: Pickle,
     end: u64,
+    /// How messages name each of the five, in order (`the legacy object pickle at
+    /// byte 120`).
+    entries: Vec<String>,
 }
 
 /// Parses the five pickles from the start of the file, reading more of it while a
@@ -66,12 +69,16 @@ use Stop::{Cut, Failed};
 
 /// Parses the pickles from `data`, the first bytes of the file (`whole`: all of it).
 fn parse_pickles(path: &Path, data: &[u8], whole: bool) -> std::result::Result<Pickles, Stop> {
-    let limits = Limits::default();
+    // One budget for the five pickles: the limits hold per file, not per pickle.
+    let mut limits = Limits::default();
     let mut at = 0usize;
+    let mut entries = Vec::with_capacity(5);
     let mut next = |what: &str| -> std::result::Result<Pickle, Stop> {
         let rest = data.get(at..).unwrap_or(&[]);
         match unshard_pickle::parse_prefix(rest, &limits) {
             Ok((p, used)) => {
+                limits = limits.remaining_after(&p);
+                entries.push(format!("the legacy {what} pickle at byte {at}"));
                 at += used;
                 Ok(p)
             }
@@ -95,9 +102,11 @@ fn parse_pickles(path: &Path, data: &[u8], whole: bool) -> std::result::Result<P
         object: next("object")?,
         keys: next("storage-keys")?,
         end: 0,
+        entries: Vec::new(),
     })
     .map(|mut p| {
         p.end = at as u64;
+        p.entries = entries;
         p
     })
 }
@@ -117,7 +126,16 @@ fn read_legacy_with(blob: &Blob, first: u64) -> Result<TorchPayload> {
         object,
         keys,
         end: at,
+        entries,
     } = read_pickles(blob, first)?;
+    // Each of the five runs under torch.load, not only the object.
+    let mut unsafe_calls = Vec::new();
+    for (p, entry) in [&magic, &version, &sys_info, &object, &keys]
+        .into_iter()
+        .zip(&entries)
+    {
+        unsafe_calls.extend(crate::scan::audit_pickle(path, entry, p).0);
+    }
     match magic.get(magic.root()) {
         Value::BigInt(b) if b[..] == MAGIC => {}
         _ => return Err(Error::corrupt(path, "bad legacy magic number")),
@@ -179,6 +197,7 @@ fn read_legacy_with(blob: &Blob, first: u64) -> Result<TorchPayload> {
             StorageLoc {
                 offset: start,
                 len: bytes,
+                inflated: false,
             },
         );
         pos = end;
@@ -188,6 +207,9 @@ fn read_legacy_with(blob: &Blob, first: u64) -> Result<TorchPayload> {
         pickle: object,
         storages,
         big_endian,
+        unsafe_calls,
+        inflated: Vec::new(),
+        inflated_file: None,
     })
 }
 

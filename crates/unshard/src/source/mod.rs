@@ -175,6 +175,9 @@ pub struct Checkpoint {
     pub extras: Vec<Extra>,
     /// Things the reader noticed and the user should know (skipped optimizer state...).
     pub notes: Vec<String>,
+    /// What the pickles read would run under `torch.load` (see [`crate::scan`]):
+    /// unshard runs none of it, but the file is compromised and the user is told.
+    pub unsafe_calls: Vec<crate::scan::UnsafeCall>,
 }
 
 impl Checkpoint {

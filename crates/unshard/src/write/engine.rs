@@ -434,6 +434,7 @@ mod tests {
             tensors: Vec::new(),
             extras: Vec::new(),
             notes: Vec::new(),
+            unsafe_calls: Vec::new(),
         };
         let planned = |name: &str, dtype: DType, source: TensorSource| PlannedTensor {
             name: name.into(),

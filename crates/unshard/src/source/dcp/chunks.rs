@@ -35,6 +35,8 @@ pub(super) struct Reader<'a> {
     parsed: usize,
     /// Bytes read at each end of a chunk archive before parsing it (see [`ENDS`]).
     ends: u64,
+    /// What the chunk archives' pickles would run under `torch.load`.
+    pub(super) unsafe_calls: Vec<crate::scan::UnsafeCall>,
 }
 
 /// Chunk archives whose ends are asked for ahead of the parse.
@@ -56,6 +58,7 @@ impl<'a> Reader<'a> {
             asked: 0,
             parsed: 0,
             ends,
+            unsafe_calls: Vec::new(),
         }
     }
 
@@ -241,8 +244,9 @@ impl<'a> Reader<'a> {
                     hint: Some("save with the default FileSystemWriter, or convert with torch.distributed.checkpoint.format_utils.dcp_to_torch_save".into()),
                 });
             }
-            let payload = torch::read_zip_payload(&mut archive)?;
+            let mut payload = torch::read_zip_payload(&mut archive)?;
             drop(archive);
+            self.unsafe_calls.append(&mut payload.unsafe_calls);
             if item.transforms.is_empty() {
                 self.parsed += 1;
                 self.prefetch_more();
@@ -327,7 +331,10 @@ impl<'a> Reader<'a> {
         }
         let held = Blob::owned(blob.path.clone(), data);
         match torch::read_zip_payload(&mut Archive::whole(&held)) {
-            Ok(payload) => torch::describe(&payload.pickle, payload.pickle.root()),
+            Ok(mut payload) => {
+                self.unsafe_calls.append(&mut payload.unsafe_calls);
+                torch::describe(&payload.pickle, payload.pickle.root())
+            }
             Err(_) => fallback,
         }
     }

@@ -55,6 +55,8 @@ pub(super) struct Metadata {
     pub(super) entries: Vec<Entry>,
     /// `(fqn, chunk offsets)` → item. Byte entries have no offsets.
     pub(super) items: HashMap<(String, Option<Vec<u64>>), Item>,
+    /// What the `.metadata` pickle would run under `torch.load`.
+    pub(super) unsafe_calls: Vec<crate::scan::UnsafeCall>,
 }
 
 /// Parses `.metadata` (held in `raw`) into entries and item locations.
@@ -120,7 +122,12 @@ pub(super) fn parse_metadata(path: &Path, raw: &[u8]) -> Result<Metadata> {
             .map_err(|m| corrupt(format!("the storage entry of '{fqn}': {m}")))?;
         items.insert((fqn, offsets), item);
     }
-    Ok(Metadata { entries, items })
+    let (unsafe_calls, _) = crate::scan::audit_pickle(path, ".metadata", &p);
+    Ok(Metadata {
+        entries,
+        items,
+        unsafe_calls,
+    })
 }
 
 fn entry_kind(p: &Pickle, id: NodeId) -> std::result::Result<EntryKind, String> {

@@ -88,6 +88,8 @@ fn open_with(dir: &Path, opts: &OpenOptions, ends: u64) -> Result<Checkpoint> {
         }
     }
     extras.extend(selection.extras);
+    let mut unsafe_calls = md.unsafe_calls.clone();
+    unsafe_calls.append(&mut reader.unsafe_calls);
     Ok(Checkpoint {
         format: Format::Dcp,
         path: dir.to_path_buf(),
@@ -96,6 +98,7 @@ fn open_with(dir: &Path, opts: &OpenOptions, ends: u64) -> Result<Checkpoint> {
         tensors,
         extras,
         notes: selection.notes,
+        unsafe_calls,
     })
 }
 

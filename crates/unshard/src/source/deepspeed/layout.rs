@@ -115,8 +115,11 @@ pub fn open(found: &Found) -> Result<Checkpoint> {
         ),
         ));
     }
+    // What every file's pickle would run under torch.load, in file order.
+    let mut unsafe_calls = Vec::new();
     for (f, _) in &optim {
         files.push(f.blob.clone());
+        unsafe_calls.extend(f.payload.unsafe_calls.iter().cloned());
     }
 
     // Model states: rank 0's (ZeRO-1/2's only one) describes the layout.
@@ -160,6 +163,7 @@ pub fn open(found: &Found) -> Result<Checkpoint> {
     let first_model_file = files.len();
     for f in &model_files {
         files.push(f.blob.clone());
+        unsafe_calls.extend(f.payload.unsafe_calls.iter().cloned());
     }
 
     let stage_label = match (stage, zero3) {
@@ -306,6 +310,7 @@ pub fn open(found: &Found) -> Result<Checkpoint> {
         tensors,
         extras,
         notes,
+        unsafe_calls,
     })
 }
 

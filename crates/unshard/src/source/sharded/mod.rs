@@ -52,10 +52,12 @@ pub fn open(set: &RankSet, opts: &OpenOptions) -> Result<Checkpoint> {
     let n = check_complete(set)?;
     let mut files = Vec::with_capacity(n);
     let mut ranks = Vec::with_capacity(n);
+    let mut unsafe_calls = Vec::new();
     for (_, name) in &set.ranks {
         let path = set.dir.join(name);
         let blob = Arc::new(Blob::open(&path)?);
-        let payload = read_payload(&path, &blob)?;
+        let mut payload = read_payload(&path, &blob)?;
+        unsafe_calls.append(&mut payload.unsafe_calls);
         let found = torch::find_tensors(&payload.pickle, &path, opts.key.as_deref())?;
         let by_name = found.tensors.iter().cloned().collect();
         files.push(blob);
@@ -89,6 +91,7 @@ pub fn open(set: &RankSet, opts: &OpenOptions) -> Result<Checkpoint> {
         tensors,
         extras: first.found.extras.clone(),
         notes,
+        unsafe_calls,
     })
 }
 

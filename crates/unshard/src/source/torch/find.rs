@@ -2,6 +2,7 @@
 //! usual wrapper keys, or the only nested dict holding tensors; and the plain tensors
 //! of a single file.
 
+use std::collections::{HashMap, HashSet};
 use std::path::Path;
 
 use unshard_pickle::{NodeId, Pickle, Value};
@@ -44,11 +45,11 @@ pub fn find_tensors(p: &Pickle, path: &Path, key: Option<&str>) -> Result<Found>
             navigate(p, path, root, k, &mut extras)?,
             Some(k.to_string()),
         ),
-        _ => match auto_find(p, root, "", 0, &mut extras)? {
+        _ => match auto_find(p, root, "", 0, &mut extras, &mut Search::default())? {
             Some((d, k)) => (d, k),
             None => {
                 let mut candidates = Vec::new();
-                any_tensor_dicts(p, root, "", 0, &mut candidates);
+                any_tensor_dicts(p, root, "", 0, &mut candidates, &mut Search::default());
                 return Err(match candidates.len() {
                     0 | 1 => Error::NoTensors {
                         path: path.to_path_buf(),
@@ -119,6 +120,46 @@ fn join(prefix: &str, key: &str) -> String {
     }
 }
 
+/// Dict entries a search for the tensor dict may look at in all. Real checkpoints
+/// hold a few thousand entries around their tensors; a hostile nest of shared dicts
+/// stops here instead of running for days.
+const SEARCH_BUDGET: usize = 4_000_000;
+
+/// The state of one search for the tensor dict: the dict nodes already visited (a
+/// node shared through the memo is looked at once, not once per path to it: 16 keys
+/// pointing at the same next layer, 8 layers deep, would be 16^8 paths) and the work
+/// left.
+#[derive(Default)]
+struct Search {
+    visited: HashSet<NodeId>,
+    /// Whether a dict holds tensors, for dicts already looked at (a dict many
+    /// entries point at is scanned once).
+    holds_tensors: HashMap<NodeId, bool>,
+    spent: usize,
+}
+
+impl Search {
+    /// Marks a dict of `len` entries as visited; false if it was already, or if the
+    /// budget is spent.
+    fn visit(&mut self, id: NodeId, len: usize) -> bool {
+        self.spent = self.spent.saturating_add(len);
+        self.spent <= SEARCH_BUDGET && self.visited.insert(id)
+    }
+
+    /// [`dict_has_tensors`], scanned once per dict and charged to the budget.
+    fn has_tensors(&mut self, p: &Pickle, id: NodeId) -> bool {
+        if let Some(&known) = self.holds_tensors.get(&id) {
+            return known;
+        }
+        self.spent = self
+            .spent
+            .saturating_add(dict_of(p, id).map_or(0, <[_]>::len));
+        let known = self.spent <= SEARCH_BUDGET && dict_has_tensors(p, id);
+        self.holds_tensors.insert(id, known);
+        known
+    }
+}
+
 /// Top level, then wrapper keys (recursively), then a unique nested tensor dict.
 fn auto_find(
     p: &Pickle,
@@ -126,11 +167,12 @@ fn auto_find(
     at: &str,
     depth: usize,
     extras: &mut Vec<Extra>,
+    search: &mut Search,
 ) -> Result<Option<(NodeId, Option<String>)>> {
-    if depth > 6 {
+    if depth > 6 || !search.visit(id, dict_of(p, id).map_or(0, <[_]>::len)) {
         return Ok(None);
     }
-    if dict_has_tensors(p, id) {
+    if search.has_tensors(p, id) {
         return Ok(Some((id, (!at.is_empty()).then(|| at.to_string()))));
     }
     let Some(items) = dict_of(p, id) else {
@@ -139,7 +181,8 @@ fn auto_find(
     for wk in WRAPPER_KEYS {
         if let Some(child) = dict_get(p, id, wk) {
             let mut inner = Vec::new();
-            if let Some(found) = auto_find(p, child, &join(at, wk), depth + 1, &mut inner)? {
+            if let Some(found) = auto_find(p, child, &join(at, wk), depth + 1, &mut inner, search)?
+            {
                 push_siblings(p, items, wk, at, extras);
                 extras.extend(inner);
                 return Ok(Some(found));
@@ -147,7 +190,13 @@ fn auto_find(
         }
     }
     let mut candidates = Vec::new();
-    any_tensor_dicts(p, id, at, depth, &mut candidates);
+    // A search of its own: dicts the wrapper-key walk visited may hold tensors.
+    let mut nested = Search {
+        spent: search.spent,
+        ..Search::default()
+    };
+    any_tensor_dicts(p, id, at, depth, &mut candidates, &mut nested);
+    search.spent = nested.spent;
     if candidates.len() == 1 {
         let key = candidates.remove(0);
         let mut node = id;
@@ -187,19 +236,30 @@ fn push_siblings(
     }
 }
 
-/// Dotted paths of every nested dict holding tensors directly.
-fn any_tensor_dicts(p: &Pickle, id: NodeId, at: &str, depth: usize, out: &mut Vec<String>) {
+/// Dotted paths of every nested dict holding tensors directly (each dict node once,
+/// under the first path that reaches it).
+fn any_tensor_dicts(
+    p: &Pickle,
+    id: NodeId,
+    at: &str,
+    depth: usize,
+    out: &mut Vec<String>,
+    search: &mut Search,
+) {
     if depth > 6 || out.len() > 16 {
         return;
     }
     let Some(items) = dict_of(p, id) else { return };
+    if !search.visit(id, items.len()) {
+        return;
+    }
     for (k, v) in items {
         let Some(name) = str_of(p, *k) else { continue };
         let path = join(at, name);
-        if dict_has_tensors(p, *v) {
+        if search.has_tensors(p, *v) {
             out.push(path);
         } else {
-            any_tensor_dicts(p, *v, &path, depth + 1, out);
+            any_tensor_dicts(p, *v, &path, depth + 1, out, search);
         }
     }
 }

@@ -18,10 +18,12 @@
 use std::collections::HashMap;
 use std::path::PathBuf;
 
-use unshard_pickle::Pickle;
+use unshard_pickle::{NodeId, Pickle, Value};
 
 use super::zip::{Archive, ZipIndex, METHOD_STORED};
 use super::{check_view, legacy, Blob, FileId, Piece, StorageId, TensorSource};
+use crate::dtype::DType;
+use crate::scan::UnsafeCall;
 use crate::{Error, Result};
 
 mod find;
@@ -44,7 +46,14 @@ pub struct StorageLoc {
     pub offset: u64,
     /// Its length in bytes.
     pub len: u64,
+    /// The record was deflated: `offset` is into [`TorchPayload::inflated`].
+    pub inflated: bool,
 }
+
+/// Most bytes of deflated storage records inflated into memory for one archive.
+/// torch writes stored records; deflated ones come from archives repacked by a zip
+/// tool, and are read (torch reads them) as long as they fit.
+const MAX_INFLATED_STORAGES: u64 = 2 << 30;
 
 /// A parsed `torch.save` payload: the pickle and where its storages are.
 #[derive(Debug)]
@@ -57,6 +66,13 @@ pub struct TorchPayload {
     pub storages: HashMap<String, StorageLoc>,
     /// Whether storages hold big-endian elements.
     pub big_endian: bool,
+    /// What the file's pickles would run under `torch.load` (never run here).
+    pub unsafe_calls: Vec<UnsafeCall>,
+    /// The deflated storage records, inflated back to back (empty if none).
+    pub inflated: Vec<u8>,
+    /// The file id under which the caller holds `inflated` as a blob; storages in it
+    /// cannot be read until it is set.
+    pub inflated_file: Option<FileId>,
 }
 
 /// Reads the `torch.save` archive `a` (a whole `.pt` file, or a DCP chunk inside its
@@ -108,6 +124,17 @@ fn payload_from_index(a: &Archive<'_>, index: ZipIndex) -> Result<TorchPayload> 
             })
         }
     };
+    // Two records of one name: torch reads the first, other zip readers the last, so
+    // the file does not say which tensor (or which pickle) it holds.
+    if let Some(dup) = index.duplicate() {
+        return Err(Error::corrupt(
+            path,
+            format!(
+                "the archive holds two records named '{}': torch reads one, other zip readers the other, so it is ambiguous which it holds; re-save the file with torch.save",
+                dup.name
+            ),
+        ));
+    }
     let has = |name: &str| index.find(&format!("{prefix}/{name}")).is_some();
     if has("constants.pkl")
         || index.entries.iter().any(|e| {
@@ -156,32 +183,94 @@ fn payload_from_index(a: &Archive<'_>, index: ZipIndex) -> Result<TorchPayload> 
     })?;
     let data_prefix = format!("{prefix}/data/");
     let mut storages = HashMap::new();
+    let mut inflated = Vec::new();
     for e in &index.entries {
-        if let Some(key) = e.name.strip_prefix(&data_prefix) {
-            if e.method != METHOD_STORED {
-                return Err(Error::corrupt(
-                    path,
-                    format!(
-                        "storage record '{}' is compressed; torch writes stored entries only",
-                        e.name
-                    ),
-                ));
+        let Some(key) = e.name.strip_prefix(&data_prefix) else {
+            continue;
+        };
+        let loc = if e.method == METHOD_STORED {
+            StorageLoc {
+                offset: a.base() + e.data_offset,
+                len: e.size,
+                inflated: false,
             }
-            storages.insert(
-                key.to_string(),
-                StorageLoc {
-                    offset: a.base() + e.data_offset,
-                    len: e.size,
-                },
-            );
-        }
+        } else {
+            let total = (inflated.len() as u64).saturating_add(e.size);
+            if total > MAX_INFLATED_STORAGES {
+                return Err(Error::corrupt(path, format!("the archive's compressed storage records hold more than {MAX_INFLATED_STORAGES} bytes, which unshard will not hold in memory; unzip and re-zip it without compression (zip -0), or re-save it with torch.save")));
+            }
+            let bytes = index.inflate(a, e, MAX_INFLATED_STORAGES)?;
+            let loc = StorageLoc {
+                offset: inflated.len() as u64,
+                len: e.size,
+                inflated: true,
+            };
+            inflated.extend_from_slice(&bytes);
+            loc
+        };
+        storages.insert(key.to_string(), loc);
     }
+    check_storage_sizes(&pickle, &storages).map_err(|m| Error::corrupt(path, m))?;
+    // An archive inside a larger file (a DCP chunk) is named by where it starts.
+    let entry = if a.base() > 0 {
+        format!("{pkl_name} of the archive at byte {}", a.base())
+    } else {
+        pkl_name.clone()
+    };
+    let (unsafe_calls, _) = crate::scan::audit_pickle(path, &entry, &pickle);
     Ok(TorchPayload {
         path: path.to_path_buf(),
         pickle,
         storages,
         big_endian,
+        unsafe_calls,
+        inflated,
+        inflated_file: None,
     })
+}
+
+/// Each storage's declared element count (in its persistent id) against the size of
+/// its record: torch refuses a file where they differ, and a reader that trusted
+/// either would read something else than torch.
+fn check_storage_sizes(
+    p: &Pickle,
+    storages: &HashMap<String, StorageLoc>,
+) -> std::result::Result<(), String> {
+    for i in 0..p.len() {
+        let Value::PersistentId(pid) = p.get(NodeId(i as u32)) else {
+            continue;
+        };
+        let Some(t) = seq_of(p, *pid) else { continue };
+        if t.len() < 5 || str_of(p, t[0]) != Some("storage") {
+            continue;
+        }
+        let key = match p.get(t[2]) {
+            Value::Str(s) => s.clone(),
+            Value::Int(i) => i.to_string(),
+            _ => continue,
+        };
+        let class = values::global_of(p, t[1]).map(|g| g.1).unwrap_or("?");
+        let size = if class == "UntypedStorage" {
+            Some(1)
+        } else {
+            DType::from_storage_class(class).map(|d| d.size() as u64)
+        };
+        let (Some(size), Some(numel), Some(loc)) = (
+            size,
+            int_of(p, t[4]).and_then(|n| u64::try_from(n).ok()),
+            storages.get(&key),
+        ) else {
+            continue;
+        };
+        if numel.checked_mul(size) != Some(loc.len) {
+            return Err(format!(
+                "storage '{key}' declares {numel} elements of {class} ({} bytes) but its record holds {} bytes; torch refuses this file too",
+                numel.saturating_mul(size),
+                loc.len
+            ));
+        }
+    }
+    Ok(())
 }
 
 impl TorchPayload {
@@ -220,6 +309,17 @@ impl TorchPayload {
         let elem = t.dtype.size() as u64;
         check_view(&t.shape, &t.strides, elem, t.offset, loc.len)
             .map_err(|m| Error::bad_tensor(&self.path, name, m))?;
+        let file = match (loc.inflated, self.inflated_file) {
+            (false, _) => file,
+            (true, Some(inflated)) => inflated,
+            (true, None) => {
+                return Err(Error::bad_tensor(
+                    &self.path,
+                    name,
+                    format!("its storage record '{}' is compressed, which is read in single torch.save files only; unzip and re-zip the archive without compression (zip -0)", t.key),
+                ))
+            }
+        };
         Ok(Piece {
             file,
             byte_offset: loc.offset + t.offset * elem,

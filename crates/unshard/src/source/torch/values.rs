@@ -129,7 +129,11 @@ pub fn describe(p: &Pickle, id: NodeId) -> String {
         Value::Global(g) => format!("class {}.{}", g.module, g.name),
         Value::Object { callable, .. } => match global_of(p, *callable) {
             Some((m, n)) => format!("object {m}.{n} (not executed)"),
-            None => "object (not executed)".into(),
+            // A callable made by calls: `functools.partial(posix.system)`.
+            None => format!(
+                "object {}(...) (not executed)",
+                unshard_pickle::audit::chain(p, *callable)
+            ),
         },
         Value::PersistentId(_) => "persistent id".into(),
     }

@@ -35,6 +35,14 @@ const LOCAL_SIG: u32 = 0x0403_4b50;
 
 /// Compression method of a stored entry.
 pub const METHOD_STORED: u16 = 0;
+/// Compression method of a deflated entry: torch writes none, but reads them (an
+/// archive repacked by `zip` has them), so they are read too.
+pub const METHOD_DEFLATED: u16 = 8;
+/// Most that deflate can expand: 1032 output bytes per input byte.
+const DEFLATE_MAX_RATIO: u64 = 1032;
+/// Most bytes a deflated record read by [`ZipIndex::stored`] (a pickle, a small
+/// record) may inflate to.
+pub const MAX_INFLATED_RECORD: u64 = 1 << 30;
 
 /// Bytes of the tail read first: torch's archives carry no comment, so their
 /// end-of-central-directory records are in the last 98 bytes, and the central
@@ -173,14 +181,26 @@ impl ZipIndex {
         self.entries.iter().find(|e| e.name == name)
     }
 
-    /// The bytes of a stored entry (a pickle, a small record): borrowed from what the
-    /// archive holds, else read into memory.
+    /// Two entries of one name, if any: torch reads the first, other zip readers
+    /// the last, so the archive does not say which it holds.
+    pub fn duplicate(&self) -> Option<&ZipEntry> {
+        let mut names = std::collections::HashSet::new();
+        self.entries.iter().find(|e| !names.insert(e.name.as_str()))
+    }
+
+    /// The bytes of a record (a pickle, a small record): borrowed from what the
+    /// archive holds, else read into memory; a deflated record is inflated (up to
+    /// [`MAX_INFLATED_RECORD`] bytes, see [`ZipIndex::inflate`]).
     pub fn stored<'a>(&self, a: &'a Archive<'_>, entry: &ZipEntry) -> Result<Cow<'a, [u8]>> {
-        if entry.method != METHOD_STORED {
-            return Err(Error::corrupt(&a.blob.path, format!(
-                "entry '{}' is compressed (zip method {}); torch writes stored entries only, so this archive was repacked by another tool. Unzip and re-zip it with `zip -0`, or load and re-save it with torch.save",
-                entry.name, entry.method
-            )));
+        match entry.method {
+            METHOD_STORED => {}
+            METHOD_DEFLATED => return Ok(Cow::Owned(self.inflate(a, entry, MAX_INFLATED_RECORD)?)),
+            method => {
+                return Err(Error::corrupt(&a.blob.path, format!(
+                    "entry '{}' is compressed with zip method {method}, which torch does not read; torch writes stored entries, so this archive was repacked by another tool. Unzip and re-zip it with `zip -0`, or load and re-save it with torch.save",
+                    entry.name
+                )))
+            }
         }
         if entry
             .data_offset
@@ -197,6 +217,47 @@ impl ZipIndex {
             return Ok(Cow::Borrowed(b));
         }
         Ok(Cow::Owned(a.read_vec(entry.data_offset, entry.size)?))
+    }
+
+    /// Inflates a deflated entry into memory. Its declared size must be at most `max`
+    /// and within what deflate can expand its compressed bytes to (so neither the
+    /// compressed read nor the output is larger than `max` allows); the output may
+    /// not exceed it, and must match the entry's CRC-32.
+    pub fn inflate(&self, a: &Archive<'_>, entry: &ZipEntry, max: u64) -> Result<Vec<u8>> {
+        let name = &entry.name;
+        let bad = |msg: String| Error::corrupt(&a.blob.path, msg);
+        // Deflate never stores more than 5 bytes of framing per 64 KiB block.
+        let most_compressed = max.saturating_add(max / 8192).saturating_add(64);
+        if entry.size > max
+            || entry.compressed_size > most_compressed
+            || entry.size > entry.compressed_size.saturating_mul(DEFLATE_MAX_RATIO)
+        {
+            return Err(bad(format!(
+                "deflated entry '{name}' claims {} bytes from {} compressed bytes (at most {max} are read); re-zip it without compression (zip -0), or re-save it with torch.save",
+                entry.size, entry.compressed_size
+            )));
+        }
+        let raw = match a.held_bytes(entry.data_offset, entry.compressed_size) {
+            Some(b) => Cow::Borrowed(b),
+            None => Cow::Owned(a.read_vec(entry.data_offset, entry.compressed_size)?),
+        };
+        let limit = usize::try_from(entry.size)
+            .map_err(|_| bad(format!("deflated entry '{name}' is too large to inflate")))?;
+        let out = miniz_oxide::inflate::decompress_to_vec_with_limit(&raw, limit)
+            .map_err(|e| bad(format!("deflated entry '{name}' does not inflate: {e}")))?;
+        if out.len() as u64 != entry.size {
+            return Err(bad(format!(
+                "deflated entry '{name}' inflates to {} bytes, not the {} its directory entry declares",
+                out.len(),
+                entry.size
+            )));
+        }
+        if crc32fast::hash(&out) != entry.crc32 {
+            return Err(bad(format!(
+                "deflated entry '{name}' fails its CRC-32 check"
+            )));
+        }
+        Ok(out)
     }
 }
 
