@@ -1,4 +1,4 @@
-//! Shared by the file-level targets: a scratch directory in memory and a bounded
+//! Shared by the directory and file targets: a scratch directory in memory and a bounded
 //! read of every tensor a reader describes.
 
 use std::path::PathBuf;

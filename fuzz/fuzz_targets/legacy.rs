@@ -5,11 +5,12 @@
 use std::path::Path;
 
 use libfuzzer_sys::fuzz_target;
-use unshard::source::{legacy, torch};
+use unshard::source::{legacy, torch, Blob};
 
 fuzz_target!(|data: &[u8]| {
     let path = Path::new("fuzz.pt");
-    if let Ok(payload) = legacy::read_legacy_payload(path, data) {
+    let blob = Blob::owned(path.to_path_buf(), data.to_vec());
+    if let Ok(payload) = legacy::read_legacy_payload(&blob) {
         for loc in payload.storages.values() {
             assert!(loc.offset + loc.len <= data.len() as u64);
         }

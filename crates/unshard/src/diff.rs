@@ -12,7 +12,7 @@ use rayon::prelude::*;
 use crate::plan::{natural_cmp, strip_wrappers};
 use crate::source::{Checkpoint, TensorSource};
 use crate::stats::{decode_f64, CHUNK_ELEMS, WINDOW_ELEMS};
-use crate::write::{read_tensor_range, Progress, INTERRUPTED};
+use crate::write::{read_tensor_range, windows, Progress, INTERRUPTED};
 use crate::{DType, Error, Result};
 
 /// How the values of two same-shaped tensors differ.
@@ -126,13 +126,7 @@ pub fn diff(a: &Checkpoint, b: &Checkpoint, progress: &dyn Progress) -> Result<D
         if ta.shape != tb.shape {
             continue;
         }
-        let n = ta.numel();
-        let mut e0 = 0;
-        while e0 < n {
-            let e1 = (e0 + WINDOW_ELEMS).min(n);
-            items.push((k, e0, e1));
-            e0 = e1;
-        }
+        items.extend(windows(0, ta.numel(), WINDOW_ELEMS).map(|(e0, e1)| (k, e0, e1)));
     }
     let total: u64 = items
         .iter()

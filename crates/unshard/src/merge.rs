@@ -1,30 +1,17 @@
 //! `merge`: open, plan, write, commit. The one entry point the binary calls.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
-use crate::plan::{self, BaseView, Plan, PlanOptions};
-use crate::source::hf_dir::HfDir;
-use crate::source::{self, Checkpoint, OpenOptions};
-use crate::verify::{self, VerifyReport};
-use crate::write::{self, Inputs, Progress, WriteOptions, WriteSummary};
-use crate::{Error, Result};
+pub use crate::options::MergeOptions;
+pub use crate::prepare::{prepare, Base};
 
-/// Everything `unshard merge` takes.
-#[derive(Clone, Debug, Default)]
-pub struct MergeOptions {
-    pub checkpoint: PathBuf,
-    pub base: Option<PathBuf>,
-    pub output: PathBuf,
-    pub open: OpenOptions,
-    pub plan: PlanOptions,
-    pub force: bool,
-    pub allow_overflow: bool,
-    /// Read the written output back and verify it before moving it into place.
-    pub verify: bool,
-    /// NaN or inf in the output is an error instead of a warning.
-    pub fail_on_nonfinite: bool,
-}
+use crate::plan::Plan;
+use crate::prepare::Prepared;
+use crate::source;
+use crate::verify::{self, VerifyReport};
+use crate::write::{self, Progress, WriteOptions, WriteSummary};
+use crate::Result;
 
 /// What a merge did.
 #[derive(Debug)]
@@ -39,73 +26,6 @@ pub struct MergeOutcome {
     /// What `--verify` found (always a pass: a failure is an error).
     pub verified: Option<VerifyReport>,
     pub elapsed: Duration,
-}
-
-/// Reads the base directory (if any): config, weights and extra files.
-pub struct Base {
-    pub dir: HfDir,
-    pub weights: Option<Checkpoint>,
-    pub total_parameters: Option<u64>,
-}
-
-impl Base {
-    pub fn open(path: &Path) -> Result<Base> {
-        if !path.is_dir() {
-            return Err(Error::plan(
-                format!("--base {} is not a directory", path.display()),
-                Some("pass the Hugging Face model directory the training started from (config.json, tokenizer, weights)".into()),
-            ));
-        }
-        let dir = HfDir::open(path)?;
-        let weights = dir.weights()?;
-        let total_parameters = std::fs::read_to_string(path.join("model.safetensors.index.json"))
-            .ok()
-            .and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok())
-            .and_then(|v| v.get("metadata")?.get("total_parameters")?.as_u64());
-        Ok(Base {
-            dir,
-            weights,
-            total_parameters,
-        })
-    }
-
-    pub fn view(&self) -> BaseView<'_> {
-        BaseView {
-            config: self.dir.config.as_ref(),
-            weights: self.weights.as_ref(),
-            total_parameters: self.total_parameters,
-        }
-    }
-}
-
-/// Opens the checkpoint and the base and plans the merge, writing nothing.
-pub fn prepare(opts: &MergeOptions) -> Result<(Checkpoint, Option<Base>, Plan)> {
-    let ckpt = source::open(&opts.checkpoint, &opts.open)?;
-    let local = ckpt.tensors.iter().find(|t| {
-        t.layout
-            .as_deref()
-            .is_some_and(|l| l.contains(source::torch::LOCAL_SHARD))
-    });
-    if let Some(t) = local {
-        return Err(Error::plan(
-            format!(
-                "{} holds one rank's shard of distributed tensors (e.g. '{}', local shape {:?}), not the whole model",
-                opts.checkpoint.display(),
-                t.name,
-                t.shape
-            ),
-            Some("pass the directory that holds every rank's file; unshard reassembles them".into()),
-        ));
-    }
-    let base = match &opts.base {
-        Some(b) => Some(Base::open(b)?),
-        None => source::config_dir_for(&opts.checkpoint)
-            .map(|d| Base::open(&d))
-            .transpose()?,
-    };
-    let view = base.as_ref().map(Base::view).unwrap_or_default();
-    let plan = plan::plan(&ckpt, view, &opts.plan)?;
-    Ok((ckpt, base, plan))
 }
 
 /// Runs a whole merge.
@@ -123,7 +43,11 @@ pub fn merge(opts: &MergeOptions, progress: &dyn Progress) -> Result<MergeOutcom
     let cleaned = write::check_output(&opts.output, &wopts)?;
     // A checkpoint of thousands of ranks takes seconds to open: say what is going on.
     progress.stage(&format!("reading {}", opts.checkpoint.display()));
-    let (ckpt, base, mut plan) = prepare(opts)?;
+    let Prepared {
+        checkpoint: ckpt,
+        base,
+        mut plan,
+    } = prepare(opts)?;
     let wopts = WriteOptions {
         extra_files: base
             .as_ref()
@@ -132,10 +56,7 @@ pub fn merge(opts: &MergeOptions, progress: &dyn Progress) -> Result<MergeOutcom
         ..wopts
     };
     let staging = write::create_staging(&opts.output)?;
-    let inputs = Inputs {
-        checkpoint: &ckpt,
-        base: base.as_ref().and_then(|b| b.weights.as_ref()),
-    };
+    let inputs = Prepared::inputs_of(&ckpt, base.as_ref());
     if let Some(n) = verify::unchanged_from_base(&plan, inputs)? {
         plan.report.warnings.push(format!(
             "all {n} checkpoint tensor(s) equal the base's after conversion: the output is the base model again (an adapter-only export, or a checkpoint saved before training changed anything?)"

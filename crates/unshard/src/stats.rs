@@ -11,7 +11,7 @@ use std::sync::Arc;
 use rayon::prelude::*;
 
 use crate::source::{Blob, Checkpoint, TensorSource};
-use crate::write::{read_tensor_range, INTERRUPTED};
+use crate::write::{read_tensor_range, windows, INTERRUPTED};
 use crate::{DType, Error, Result};
 
 /// Elements read from an input per unit of work.
@@ -204,13 +204,7 @@ impl Moments {
 pub fn checkpoint_stats(ckpt: &Checkpoint) -> Result<Vec<TensorStats>> {
     let mut items: Vec<(usize, u64, u64)> = Vec::new();
     for (i, t) in ckpt.tensors.iter().enumerate() {
-        let n = t.numel();
-        let mut e0 = 0;
-        while e0 < n {
-            let e1 = (e0 + WINDOW_ELEMS).min(n);
-            items.push((i, e0, e1));
-            e0 = e1;
-        }
+        items.extend(windows(0, t.numel(), WINDOW_ELEMS).map(|(e0, e1)| (i, e0, e1)));
     }
     let parts: Vec<(usize, Moments)> = items
         .par_iter()
@@ -238,11 +232,8 @@ pub fn tensor_stats(files: &[Arc<Blob>], t: &TensorSource) -> Result<TensorStats
     let (mut buf, mut vals) = (Vec::new(), Vec::new());
     let mut acc = Moments::default();
     let n = t.numel();
-    let mut e0 = 0;
-    while e0 < n {
-        let e1 = (e0 + WINDOW_ELEMS).min(n);
+    for (e0, e1) in windows(0, n, WINDOW_ELEMS) {
         acc = acc.merge(window_moments(files, t, e0, e1, &mut buf, &mut vals)?);
-        e0 = e1;
     }
     Ok(acc.finish(n))
 }

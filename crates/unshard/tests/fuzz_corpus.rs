@@ -5,8 +5,10 @@
 #![allow(clippy::unwrap_used)]
 
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
-use unshard::source::{self, legacy, safetensors, torch, zip::ZipIndex, OpenOptions};
+use unshard::source::zip::{Archive, ZipIndex};
+use unshard::source::{self, legacy, safetensors, torch, Blob, OpenOptions};
 use unshard::write::read_tensor;
 
 fn fuzz_dir() -> PathBuf {
@@ -42,10 +44,12 @@ fn read_all(c: &source::Checkpoint) {
 fn zip_corpus_replays() {
     let all = inputs("zip");
     assert!(all.len() >= 10);
-    for (_, data) in all {
+    for (p, data) in all {
         if let Ok(index) = ZipIndex::parse(&data) {
+            let blob = Blob::owned(p, data);
+            let archive = Archive::whole(&blob);
             for e in &index.entries {
-                if let Ok(b) = index.stored_bytes(&data, e) {
+                if let Ok(b) = index.stored(&archive, e) {
                     assert_eq!(b.len() as u64, e.size);
                 }
             }
@@ -58,7 +62,8 @@ fn legacy_corpus_replays() {
     let all = inputs("legacy");
     assert!(!all.is_empty());
     for (p, data) in all {
-        if let Ok(payload) = legacy::read_legacy_payload(&p, &data) {
+        let blob = Blob::owned(p.clone(), data.clone());
+        if let Ok(payload) = legacy::read_legacy_payload(&blob) {
             for loc in payload.storages.values() {
                 assert!(loc.offset + loc.len <= data.len() as u64);
             }
@@ -86,8 +91,12 @@ fn safetensors_header_corpus_replays() {
 fn detect_corpus_replays() {
     let all = inputs("detect");
     assert!(all.len() >= 10);
-    for (p, _) in all {
+    for (p, data) in all {
         if let Ok(c) = source::open(&p, &OpenOptions::default()) {
+            read_all(&c);
+        }
+        let blob = Arc::new(Blob::owned(p, data));
+        if let Ok(c) = source::open_blob(blob, &OpenOptions::default()) {
             read_all(&c);
         }
     }

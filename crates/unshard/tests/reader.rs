@@ -9,8 +9,9 @@
 #![allow(clippy::unwrap_used)]
 
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
-use unshard::source::{self, OpenOptions};
+use unshard::source::{self, Blob, OpenOptions};
 use unshard::write::read_tensor;
 
 fn fixtures() -> PathBuf {
@@ -39,9 +40,27 @@ fn every_fixture_reads_as_torch_sees_it() {
         let pt = checkpoint_for(&json_path);
         let expected: serde_json::Value =
             serde_json::from_str(&std::fs::read_to_string(&json_path).unwrap()).unwrap();
-        let ckpt = source::open(&pt, &OpenOptions::default())
+        let local = source::open(&pt, &OpenOptions::default())
             .unwrap_or_else(|e| panic!("{}: {e}", pt.display()));
+        // The same file held in memory goes through the same readers, by the
+        // byte-source seam, and must read the same.
+        let held = Arc::new(Blob::owned(pt.clone(), std::fs::read(&pt).unwrap()));
+        let in_memory = source::open_blob(held, &OpenOptions::default())
+            .unwrap_or_else(|e| panic!("{} in memory: {e}", pt.display()));
+        for ckpt in [local, in_memory] {
+            check_as_torch_sees_it(&ckpt, &expected, &pt, &json_path);
+        }
+    }
+}
 
+/// Checks a checkpoint read from `pt` against what torch saw (`expected`).
+fn check_as_torch_sees_it(
+    ckpt: &source::Checkpoint,
+    expected: &serde_json::Value,
+    pt: &Path,
+    json_path: &Path,
+) {
+    {
         // Where the tensors were found.
         assert_eq!(
             ckpt.key.as_deref(),

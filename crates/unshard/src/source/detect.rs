@@ -65,17 +65,27 @@ pub fn open(path: &Path, opts: &OpenOptions) -> Result<Checkpoint> {
         return open_dir(path, opts);
     }
     let blob = Arc::new(Blob::open(path)?);
-    let data = blob.bytes();
-    if data.starts_with(b"PK\x03\x04") || data.starts_with(b"PK\x05\x06") {
-        let payload = torch::read_zip_file(path, &blob)?;
-        return from_payload(path, super::Format::TorchZip, blob.clone(), payload, opts);
+    open_blob(blob, opts)
+}
+
+/// Bytes detection looks at: enough for every signature, and for telling text apart.
+const HEAD: u64 = 4096;
+
+/// Opens a single-file input from any byte source (a local file, bytes in memory).
+pub fn open_blob(blob: Arc<Blob>, opts: &OpenOptions) -> Result<Checkpoint> {
+    let path = blob.path.clone();
+    let path = path.as_path();
+    let head = blob.head(HEAD)?;
+    if torch::is_zip(&head) {
+        let payload = torch::read_zip_file(&blob)?;
+        return from_payload(path, Format::TorchZip, blob, payload, opts);
     }
-    if legacy::is_legacy(data) {
-        let payload = legacy::read_legacy_payload(path, data)?;
-        return from_payload(path, Format::TorchLegacy, blob.clone(), payload, opts);
+    if legacy::is_legacy(&head) {
+        let payload = legacy::read_legacy_payload(&blob)?;
+        return from_payload(path, Format::TorchLegacy, blob, payload, opts);
     }
-    if safetensors::looks_like_safetensors(data) {
-        let header = safetensors::read_header(path, data)?;
+    if safetensors::looks_like_safetensors(&head, blob.len()) {
+        let header = safetensors::read_header_from(&blob)?;
         let tensors = safetensors::sources(0, &header);
         return Ok(Checkpoint {
             format: Format::Safetensors,
@@ -94,7 +104,7 @@ pub fn open(path: &Path, opts: &OpenOptions) -> Result<Checkpoint> {
             notes: Vec::new(),
         });
     }
-    Err(unknown(path, data))
+    Err(unknown(path, &head))
 }
 
 fn from_payload(
@@ -181,7 +191,7 @@ fn open_dir(path: &Path, opts: &OpenOptions) -> Result<Checkpoint> {
     })
 }
 
-/// Says what an unreadable file looks like.
+/// Says what an unreadable file looks like, from its first bytes.
 fn unknown(path: &Path, data: &[u8]) -> Error {
     if data.len() > 262 && &data[257..262] == b"ustar" {
         return Error::Unsupported {

@@ -8,7 +8,7 @@
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use super::{safetensors, torch, Blob, Checkpoint, Format, TensorSource};
+use super::{legacy, safetensors, torch, Blob, Checkpoint, Format, TensorSource};
 use crate::{Error, Result};
 
 /// Files larger than this are never copied into an output directory as "extras".
@@ -132,17 +132,15 @@ impl HfDir {
             let blob = Arc::new(Blob::open(f)?);
             match format {
                 WeightFormat::Safetensors => {
-                    let header = safetensors::read_header(f, blob.bytes())?;
+                    let header = safetensors::read_header_from(&blob)?;
                     tensors.extend(safetensors::sources(id, &header));
                 }
                 WeightFormat::TorchBin => {
-                    let payload = torch::read_zip_payload(f, blob.bytes(), 0).or_else(|e| {
-                        if super::legacy::is_legacy(blob.bytes()) {
-                            super::legacy::read_legacy_payload(f, blob.bytes())
-                        } else {
-                            Err(e)
-                        }
-                    })?;
+                    let payload = if legacy::is_legacy(&blob.head(64)?) {
+                        legacy::read_legacy_payload(&blob)?
+                    } else {
+                        torch::read_zip_file(&blob)?
+                    };
                     let found = torch::find_tensors(&payload.pickle, f, None)?;
                     tensors.extend(torch::plain_sources(&payload, id, &found)?);
                 }

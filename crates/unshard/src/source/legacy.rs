@@ -2,17 +2,25 @@
 //!
 //! Five pickles follow one another (magic number, protocol version, system info, the
 //! object, the list of storage keys), then each storage in key-list order as an
-//! 8-byte element count and its raw bytes (formats.md §1.10). The element size of a
+//! 8-byte element count and its raw bytes (docs/formats.md). The element size of a
 //! storage comes from its type in the object pickle, so the object is parsed before
 //! the storages can be located.
+//!
+//! The pickles are read into memory from the start of the file, in a buffer that
+//! doubles until they fit (their length is not recorded anywhere); each storage's
+//! count is one 8-byte read, and its bytes are never read here.
 
 use std::collections::HashMap;
 use std::path::Path;
 
-use unshard_pickle::{Limits, Value};
+use unshard_pickle::{ErrorKind, Limits, Pickle, Value};
 
 use super::torch::{dict_get, seq_of, storage_table, str_of, StorageLoc, TorchPayload};
+use super::Blob;
 use crate::{Error, Result};
+
+/// The first read of the pickles; most files' pickles fit in it.
+const FIRST_READ: u64 = 64 << 10;
 
 /// The magic number pickled first, as LONG1 little-endian bytes.
 const MAGIC: [u8; 10] = [0x6c, 0xfc, 0x9c, 0x46, 0xf9, 0x20, 0x6a, 0xa8, 0x50, 0x19];
@@ -22,27 +30,93 @@ pub fn is_legacy(data: &[u8]) -> bool {
     data.len() >= 14 && data[..4] == [0x80, 0x02, 0x8a, 0x0a] && data[4..14] == MAGIC
 }
 
-/// Parses a legacy stream occupying all of `data`.
-pub fn read_legacy_payload(path: &Path, data: &[u8]) -> Result<TorchPayload> {
+/// The five pickles at the start of a legacy stream, and where the storages begin.
+struct Pickles {
+    magic: Pickle,
+    version: Pickle,
+    sys_info: Pickle,
+    object: Pickle,
+    keys: Pickle,
+    end: u64,
+}
+
+/// Parses the five pickles from the start of the file, reading more of it while a
+/// pickle runs past what was read.
+fn read_pickles(blob: &Blob) -> Result<Pickles> {
+    let path = &blob.path;
+    let mut want = FIRST_READ.min(blob.len());
+    loop {
+        let data = blob.read_vec(0, want)?;
+        match parse_pickles(path, &data, want == blob.len()) {
+            Ok(p) => return Ok(p),
+            Err(Cut) => want = want.saturating_mul(2).min(blob.len()),
+            Err(Failed(e)) => return Err(e),
+        }
+    }
+}
+
+/// Why the pickles did not parse from a prefix of the file.
+enum Stop {
+    /// A pickle ran past the bytes read: read more.
+    Cut,
+    /// Anything else: reading more would not help.
+    Failed(Error),
+}
+use Stop::{Cut, Failed};
+
+/// Parses the pickles from `data`, the first bytes of the file (`whole`: all of it).
+fn parse_pickles(path: &Path, data: &[u8], whole: bool) -> std::result::Result<Pickles, Stop> {
     let limits = Limits::default();
     let mut at = 0usize;
-    let mut next = |what: &str| -> Result<unshard_pickle::Pickle> {
+    let mut next = |what: &str| -> std::result::Result<Pickle, Stop> {
         let rest = data.get(at..).unwrap_or(&[]);
-        let (p, used) =
-            unshard_pickle::parse_prefix(rest, &limits).map_err(|source| Error::Pickle {
-                path: path.to_path_buf(),
-                entry: format!("the legacy {what} pickle at byte {at}"),
-                source,
-            })?;
-        at += used;
-        Ok(p)
+        match unshard_pickle::parse_prefix(rest, &limits) {
+            Ok((p, used)) => {
+                at += used;
+                Ok(p)
+            }
+            Err(source) => {
+                let cut = matches!(source.kind, ErrorKind::Truncated | ErrorKind::NoStop);
+                if cut && !whole {
+                    return Err(Cut);
+                }
+                Err(Failed(Error::Pickle {
+                    path: path.to_path_buf(),
+                    entry: format!("the legacy {what} pickle at byte {at}"),
+                    source,
+                }))
+            }
+        }
     };
-    let magic = next("magic-number")?;
+    Ok(Pickles {
+        magic: next("magic-number")?,
+        version: next("protocol-version")?,
+        sys_info: next("system-info")?,
+        object: next("object")?,
+        keys: next("storage-keys")?,
+        end: 0,
+    })
+    .map(|mut p| {
+        p.end = at as u64;
+        p
+    })
+}
+
+/// Parses a legacy stream occupying all of `blob`.
+pub fn read_legacy_payload(blob: &Blob) -> Result<TorchPayload> {
+    let path = blob.path.as_path();
+    let Pickles {
+        magic,
+        version,
+        sys_info,
+        object,
+        keys,
+        end: at,
+    } = read_pickles(blob)?;
     match magic.get(magic.root()) {
         Value::BigInt(b) if b[..] == MAGIC => {}
         _ => return Err(Error::corrupt(path, "bad legacy magic number")),
     }
-    let version = next("protocol-version")?;
     if !matches!(version.get(version.root()), Value::Int(1001)) {
         return Err(Error::Unsupported {
             path: path.to_path_buf(),
@@ -53,12 +127,9 @@ pub fn read_legacy_payload(path: &Path, data: &[u8]) -> Result<TorchPayload> {
             ),
         });
     }
-    let sys_info = next("system-info")?;
     let big_endian = dict_get(&sys_info, sys_info.root(), "little_endian")
         .map(|v| matches!(sys_info.get(v), Value::Bool(false)))
         .unwrap_or(false);
-    let object = next("object")?;
-    let keys = next("storage-keys")?;
     let key_list: Vec<String> = seq_of(&keys, keys.root())
         .ok_or_else(|| Error::corrupt(path, "the legacy storage-key list is not a list"))?
         .iter()
@@ -71,8 +142,8 @@ pub fn read_legacy_payload(path: &Path, data: &[u8]) -> Result<TorchPayload> {
         .map(|(k, d, n)| (k.as_str(), (*d, *n)))
         .collect();
     let mut storages = HashMap::new();
-    let mut pos = at as u64;
-    let len = data.len() as u64;
+    let mut pos = at;
+    let len = blob.len();
     for key in &key_list {
         let (dtype, _) = types.get(key.as_str()).ok_or_else(|| {
             Error::corrupt(
@@ -80,11 +151,11 @@ pub fn read_legacy_payload(path: &Path, data: &[u8]) -> Result<TorchPayload> {
                 format!("storage '{key}' is listed but no tensor uses it"),
             )
         })?;
-        let count_bytes = data
-            .get(pos as usize..pos as usize + 8)
-            .ok_or_else(|| Error::corrupt(path, format!("storage '{key}' at byte {pos} lies past the end of the file ({len} bytes); the file is truncated")))?;
+        if pos.checked_add(8).is_none_or(|e| e > len) {
+            return Err(Error::corrupt(path, format!("storage '{key}' at byte {pos} lies past the end of the file ({len} bytes); the file is truncated")));
+        }
         let mut c = [0u8; 8];
-        c.copy_from_slice(count_bytes);
+        blob.read_at(pos, &mut c)?;
         let count = if big_endian {
             u64::from_be_bytes(c)
         } else {

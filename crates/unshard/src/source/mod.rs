@@ -4,15 +4,43 @@
 //! tensor is a list of [`Piece`]s, each a strided box of elements at a byte offset
 //! of an input file, placed at `global_offset` inside the full tensor. A full-state
 //! `.pt` gives one piece per tensor; a DCP chunk or a DTensor shard gives one piece
-//! each. Readers never copy tensor bytes: the engine (`write`) assembles, converts and
-//! writes. Adding a format means writing a reader that produces a [`Checkpoint`].
+//! each. Readers never read tensor bytes: the engine (`write`) assembles, converts and
+//! writes.
+//!
+//! Inputs are [`Blob`]s over a [`ByteSource`] (`bytes`): readers ask for the byte
+//! ranges they parse (zip records, pickles, headers), never for a whole-file map, so
+//! a reader works the same over a local file, bytes in memory, or a remote object.
+//!
+//! # Adding a format
+//!
+//! 1. **Variant**: add a [`Format`] variant in `detect.rs`, with its `id()` (stable,
+//!    used by `inspect --json`) and its `Display` text.
+//! 2. **Detection**: recognise it in `detect.rs` from its first bytes
+//!    ([`Blob::head`]) for a file, or from the directory's layout in `open_dir`; put
+//!    it before any format it could be mistaken for, and keep `unknown()`'s
+//!    description of unreadable files accurate.
+//! 3. **Reader**: a module here that returns a [`Checkpoint`]: open files with
+//!    [`Blob::open`], read metadata with [`Blob::read_vec`] / [`Blob::read_ranges`]
+//!    (many small records in one request), describe every tensor as [`Piece`]s, check
+//!    views with [`check_view`] and sharded tensors with [`check_coverage`]. Never
+//!    read tensor data, never panic, and name the file (and tensor) in every error,
+//!    with a hint when the user can do something.
+//! 4. **Fuzz target**: `fuzz/fuzz_targets/<format>.rs` feeding arbitrary bytes to the
+//!    reader (through [`MemBytes`] or a scratch file), with a seed corpus from the
+//!    fixtures, listed in `fuzz/Cargo.toml` and `fuzz/README.md`.
+//! 5. **Fixture generator**: a script in `fixtures/` that writes small inputs with the
+//!    real tool, and the expected tensors from the tool itself (never from unshard).
+//! 6. **Docs**: a section of `docs/inputs.md` (what the user has, what to pass, what
+//!    is refused and what to do instead), and the byte layout in `docs/formats.md`.
+//! 7. **Test**: merge the fixture and compare with the tool's own output, byte for
+//!    byte (`crates/unshard-cli/tests/`), plus unit tests of the reader's edge cases.
 
-use std::fs::File;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use crate::{DType, Error, Result};
 
+pub mod bytes;
 pub mod dcp;
 pub mod detect;
 pub mod hf_dir;
@@ -22,164 +50,8 @@ pub mod sharded;
 pub mod torch;
 pub mod zip;
 
-pub use detect::{open, Format, OpenOptions};
-
-/// The bytes of one input file, mapped read-only (or held, for decoded data).
-#[derive(Debug)]
-pub struct Blob {
-    pub path: PathBuf,
-    data: BlobData,
-}
-
-#[derive(Debug)]
-enum BlobData {
-    /// Metadata is parsed from the map; tensor data is read with `pread` from the
-    /// file, so a file that shrinks under us gives a short read (an error), not SIGBUS.
-    Mapped(memmap2::Mmap, File),
-    Owned(Vec<u8>),
-}
-
-impl Blob {
-    /// Maps a file read-only. An empty file gives an empty blob.
-    pub fn open(path: &Path) -> Result<Blob> {
-        let file = File::open(path).map_err(|e| Error::io("open", path, e))?;
-        let len = file
-            .metadata()
-            .map_err(|e| Error::io("read the size of", path, e))?
-            .len();
-        if len == 0 {
-            return Ok(Blob {
-                path: path.to_path_buf(),
-                data: BlobData::Owned(Vec::new()),
-            });
-        }
-        // SAFETY: the map is read-only and used for metadata (headers, pickles), which
-        // is parsed once up front. If another process truncated the file during that
-        // parse, a read past the new end would fault (SIGBUS); tensor data, read for the
-        // whole length of a merge, goes through `read_at` instead.
-        let map = unsafe { memmap2::Mmap::map(&file) }.map_err(|e| Error::io("map", path, e))?;
-        // Readers touch the map here and there (a zip record, a pickle); tensor data is
-        // read with `read_at`. Without this hint every touch of a page not in the cache
-        // reads the whole readahead window around it: for a DCP directory, whose
-        // every chunk is a small archive with records at both ends, that reads most of
-        // the checkpoint before the merge starts, one fault at a time.
-        let _ = map.advise(memmap2::Advice::Random);
-        Ok(Blob {
-            path: path.to_path_buf(),
-            data: BlobData::Mapped(map, file),
-        })
-    }
-
-    /// Wraps bytes decoded in memory (e.g. a decompressed DCP chunk).
-    pub fn owned(path: PathBuf, bytes: Vec<u8>) -> Blob {
-        Blob {
-            path,
-            data: BlobData::Owned(bytes),
-        }
-    }
-
-    pub fn bytes(&self) -> &[u8] {
-        match &self.data {
-            BlobData::Mapped(m, _) => m,
-            BlobData::Owned(v) => v,
-        }
-    }
-
-    /// Fills `buf` with the bytes at `offset`. A short read means the file shrank
-    /// since it was opened (its extent was validated then) and is an error.
-    pub fn read_at(&self, offset: u64, buf: &mut [u8]) -> Result<()> {
-        use std::os::unix::fs::FileExt;
-        let len = buf.len();
-        let changed = || {
-            Error::corrupt(
-                &self.path,
-                format!(
-                    "cannot read {len} bytes at byte {offset}: the file is shorter than when it was opened (it changed while being read)"
-                ),
-            )
-        };
-        match &self.data {
-            BlobData::Mapped(_, f) => f.read_exact_at(buf, offset).map_err(|e| {
-                if e.kind() == std::io::ErrorKind::UnexpectedEof {
-                    changed()
-                } else {
-                    Error::io("read", &self.path, e)
-                }
-            }),
-            BlobData::Owned(v) => {
-                let start = usize::try_from(offset).ok();
-                let src = start.and_then(|s| v.get(s..s.checked_add(buf.len())?));
-                buf.copy_from_slice(src.ok_or_else(changed)?);
-                Ok(())
-            }
-        }
-    }
-
-    /// Whether the bytes come from a mapped file (rather than memory).
-    pub fn is_mapped(&self) -> bool {
-        matches!(self.data, BlobData::Mapped(..))
-    }
-
-    pub fn len(&self) -> u64 {
-        self.bytes().len() as u64
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.bytes().is_empty()
-    }
-
-    /// Asks the kernel to start reading a byte range into the page cache now, so that
-    /// the reads that follow find it there or in flight. A hint: errors are ignored.
-    pub fn will_need(&self, offset: u64, len: u64) {
-        use std::os::fd::AsRawFd;
-        // One request reads at most the device's readahead size (128 KiB by default),
-        // so a long range is asked for in steps.
-        const STEP: u64 = 1 << 20;
-        if let BlobData::Mapped(_, f) = &self.data {
-            let end = offset.saturating_add(len).min(self.len());
-            let mut at = offset;
-            while at < end {
-                let n = STEP.min(end - at);
-                // SAFETY: posix_fadvise only reads its arguments; the descriptor is open.
-                let _ = unsafe {
-                    libc::posix_fadvise(
-                        f.as_raw_fd(),
-                        at as libc::off_t,
-                        n as libc::off_t,
-                        libc::POSIX_FADV_WILLNEED,
-                    )
-                };
-                at += n;
-            }
-        }
-    }
-
-    /// Unmaps every page of the map that parsing touched (see [`Blob::release`]).
-    pub fn release_all(&self) {
-        self.release(0, self.len());
-    }
-
-    /// Tells the kernel that a byte range will not be read again, so its pages stop
-    /// counting toward the resident set. A hint: errors are ignored.
-    pub fn release(&self, offset: u64, len: u64) {
-        if let BlobData::Mapped(m, _) = &self.data {
-            const PAGE: u64 = 4096;
-            let start = offset.div_ceil(PAGE) * PAGE;
-            let end = (offset.saturating_add(len) / PAGE * PAGE).min(m.len() as u64);
-            if end > start {
-                // SAFETY: DONTNEED on a private read-only file mapping only drops
-                // clean pages; later reads fault them back in from the file.
-                let _ = unsafe {
-                    m.unchecked_advise_range(
-                        memmap2::UncheckedAdvice::DontNeed,
-                        start as usize,
-                        (end - start) as usize,
-                    )
-                };
-            }
-        }
-    }
-}
+pub use bytes::{Blob, ByteSource, LocalFile, MemBytes};
+pub use detect::{open, open_blob, Format, OpenOptions};
 
 /// Index of a [`Blob`] in [`Checkpoint::files`].
 pub type FileId = usize;

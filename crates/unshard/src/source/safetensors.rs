@@ -1,27 +1,30 @@
 //! Reading `.safetensors` files (base model weights, or a checkpoint to inspect).
 //!
-//! The header is validated as strictly as the reference reader does (formats.md
-//! §4.2): bounded size, valid JSON, known dtypes, offsets contiguous from 0 with no
-//! gap, no overlap and no trailing bytes, and every extent computed with checked
-//! arithmetic. A violation names the file and the tensor.
+//! A file is an 8-byte little-endian header length `n`, `n` bytes of JSON, then the
+//! tensor data. Only the header is read (8 + `n` bytes). It is validated as strictly
+//! as the reference reader does (docs/formats.md): bounded size, valid JSON, known
+//! dtypes, offsets contiguous from 0 with no gap, no overlap and no trailing bytes,
+//! and every extent computed with checked arithmetic. A violation names the file and
+//! the tensor.
 
 use std::path::Path;
 
-use super::{contiguous_strides, FileId, Piece, StorageId, TensorSource};
+use super::{contiguous_strides, Blob, FileId, Piece, StorageId, TensorSource};
 use crate::{DType, Error, Result};
 
 /// The reference reader's cap on the header size.
 pub const MAX_HEADER: u64 = 100_000_000;
 
-/// Whether `data` plausibly starts a safetensors file.
-pub fn looks_like_safetensors(data: &[u8]) -> bool {
-    if data.len() < 10 {
+/// Whether a file of `file_len` bytes starting with `head` plausibly is a
+/// safetensors file.
+pub fn looks_like_safetensors(head: &[u8], file_len: u64) -> bool {
+    if head.len() < 10 {
         return false;
     }
     let mut n = [0u8; 8];
-    n.copy_from_slice(&data[..8]);
+    n.copy_from_slice(&head[..8]);
     let n = u64::from_le_bytes(n);
-    (2..=MAX_HEADER).contains(&n) && 8 + n <= data.len() as u64 && data[8] == b'{'
+    (2..=MAX_HEADER).contains(&n) && 8 + n <= file_len && head[8] == b'{'
 }
 
 /// One parsed header.
@@ -34,10 +37,38 @@ pub struct Header {
     pub metadata: Vec<(String, String)>,
 }
 
-/// Parses and validates the header of a safetensors file held in `data`.
+/// Parses and validates the header of a safetensors file held whole in `data`.
 pub fn read_header(path: &Path, data: &[u8]) -> Result<Header> {
-    let len = data.len() as u64;
+    parse_header(path, data, data.len() as u64)
+}
+
+/// Reads and validates the header of a safetensors file, reading only the header.
+pub fn read_header_from(blob: &Blob) -> Result<Header> {
+    parse_header(&blob.path, &header_bytes(blob)?, blob.len())
+}
+
+/// The first 8 + `n` bytes of a safetensors file: the length and the JSON header.
+/// A length over [`MAX_HEADER`] or past the end of the file gives what fits, so that
+/// [`parse_header`] reports it.
+pub fn header_bytes(blob: &Blob) -> Result<Vec<u8>> {
+    let len = blob.len();
     if len < 8 {
+        return blob.head(8);
+    }
+    let mut n = [0u8; 8];
+    blob.read_at(0, &mut n)?;
+    let n = u64::from_le_bytes(n);
+    if n > MAX_HEADER || 8 + n > len {
+        return Ok(n.to_le_bytes().to_vec());
+    }
+    blob.read_vec(0, 8 + n)
+}
+
+/// Parses and validates a safetensors header from `prefix`, the first bytes of a
+/// file of `len` bytes (at least the length and the JSON header).
+pub fn parse_header(path: &Path, prefix: &[u8], len: u64) -> Result<Header> {
+    let data = prefix;
+    if len < 8 || data.len() < 8 {
         return Err(Error::corrupt(path, "too short for a safetensors header"));
     }
     let mut n = [0u8; 8];
@@ -49,7 +80,7 @@ pub fn read_header(path: &Path, data: &[u8]) -> Result<Header> {
             format!("safetensors header of {n} bytes exceeds the {MAX_HEADER}-byte limit"),
         ));
     }
-    if 8 + n > len {
+    if 8 + n > len || 8 + n > data.len() as u64 {
         return Err(Error::corrupt(
             path,
             format!(

@@ -1,16 +1,24 @@
-//! A read-only index of a zip archive held in a byte slice.
+//! A read-only index of a zip archive, read through a byte source.
 //!
-//! torch writes its archives with stored (uncompressed) entries aligned to 64 bytes,
-//! always with ZIP64 records (formats.md §1.2). What a checkpoint reader needs from a
-//! zip is the position of each entry's bytes, so that tensors can be read in place;
-//! general-purpose zip crates hide that behind a reader. This index works on any
-//! byte slice, so the same code reads a whole `.pt` file and the archives embedded
-//! inside a DCP `.distcp` file. Sizes and offsets come from the central directory;
-//! the data offset comes from each entry's local header, whose extra field (torch's
-//! alignment padding) differs from the central one. Every offset is checked against
-//! the slice with overflow-safe arithmetic.
+//! torch writes its archives with stored (uncompressed) entries whose data is aligned
+//! to 64 bytes, always with ZIP64 records (docs/formats.md, "torch.save archives").
+//! What a checkpoint reader needs from a zip is the position of each entry's bytes,
+//! so that tensors can be read in place; general-purpose zip crates hide that behind
+//! a reader. An [`Archive`] is a byte range of a [`Blob`], so the same code reads a
+//! whole `.pt` file and the archives embedded inside a DCP `.distcp` file.
+//!
+//! Only records are read, never entry data: the end-of-central-directory records at
+//! the tail, the central directory (streamed in blocks), and each entry's 30-byte
+//! local header (all at once, with [`Blob::read_ranges`]), whose extra field (torch's
+//! alignment padding) gives the data offset. Sizes and offsets come from the central
+//! directory. Every offset is checked against the archive with overflow-safe
+//! arithmetic.
 
 use std::fmt;
+use std::path::PathBuf;
+
+use super::Blob;
+use crate::{Error, Result};
 
 const EOCD_SIG: u32 = 0x0605_4b50;
 const ZIP64_LOCATOR_SIG: u32 = 0x0706_4b50;
@@ -21,27 +29,42 @@ const LOCAL_SIG: u32 = 0x0403_4b50;
 /// Compression method of a stored entry.
 pub const METHOD_STORED: u16 = 0;
 
+/// Bytes of the tail read first: torch's archives carry no comment, so their
+/// end-of-central-directory records are in the last 98 bytes, and the central
+/// directory of a small archive right before them.
+const TAIL: u64 = 4 << 10;
+
+/// The most a comment can push the end-of-central-directory record from the end.
+const MAX_TAIL: u64 = 22 + 0xffff;
+
+/// Blocks in which the central directory is read (it grows with the entry count).
+const CD_BLOCK: u64 = 1 << 20;
+
 /// One entry of the archive.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ZipEntry {
+    /// Its name, e.g. `archive/data.pkl`.
     pub name: String,
-    /// Offset of the entry's data from the start of the slice.
+    /// Offset of the entry's data from the start of the archive.
     pub data_offset: u64,
     /// Bytes of data as stored in the archive.
     pub compressed_size: u64,
     /// Bytes of data once decompressed.
     pub size: u64,
+    /// Compression method ([`METHOD_STORED`] for torch's entries).
     pub method: u16,
+    /// CRC-32 of the data, as recorded.
     pub crc32: u32,
 }
 
 /// The entries of an archive, in central-directory order.
 #[derive(Clone, Debug, Default)]
 pub struct ZipIndex {
+    /// Every entry.
     pub entries: Vec<ZipEntry>,
 }
 
-/// Why a slice is not a readable zip archive.
+/// Why bytes are not a readable zip archive.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ZipError(pub String);
 
@@ -51,172 +74,234 @@ impl fmt::Display for ZipError {
     }
 }
 
-/// Reads the bytes at an offset of the archive into a buffer.
-pub type ReadAt<'a> = &'a dyn Fn(u64, &mut [u8]) -> Result<(), ZipError>;
-
-fn err<T>(msg: impl Into<String>) -> Result<T, ZipError> {
-    Err(ZipError(msg.into()))
+/// How parsing stops: the archive is malformed, or reading it failed.
+enum Fail {
+    Bad(String),
+    Read(Error),
 }
 
-/// Little-endian field reads that fail instead of panicking.
-struct Reader<'a> {
-    data: &'a [u8],
+impl From<Error> for Fail {
+    fn from(e: Error) -> Fail {
+        Fail::Read(e)
+    }
 }
 
-impl<'a> Reader<'a> {
-    fn bytes(&self, at: u64, len: u64, what: &str) -> Result<&'a [u8], ZipError> {
-        let start = usize::try_from(at).ok();
-        let end = at.checked_add(len).and_then(|e| usize::try_from(e).ok());
-        match (start, end) {
-            (Some(s), Some(e)) if e <= self.data.len() => Ok(&self.data[s..e]),
-            _ => err(format!(
-                "{what} at byte {at} (+{len}) lies past the end of the archive ({} bytes); the file is truncated or corrupt",
-                self.data.len()
-            )),
+fn bad<T>(msg: impl Into<String>) -> std::result::Result<T, Fail> {
+    Err(Fail::Bad(msg.into()))
+}
+
+/// An archive occupying `len` bytes at `base` of a blob, with the parts of it
+/// already read (its ends, for a DCP chunk) held so that parsing reads them once.
+#[derive(Debug)]
+pub struct Archive<'a> {
+    blob: &'a Blob,
+    base: u64,
+    len: u64,
+    /// `(offset in the archive, bytes)`.
+    held: Vec<(u64, Vec<u8>)>,
+}
+
+impl<'a> Archive<'a> {
+    /// The archive at `base..base + len` of `blob`; the range must lie inside it.
+    pub fn new(blob: &'a Blob, base: u64, len: u64) -> Result<Archive<'a>> {
+        if base.checked_add(len).is_none_or(|e| e > blob.len()) {
+            return Err(Error::corrupt(
+                &blob.path,
+                format!(
+                    "an archive of {len} bytes at byte {base} lies past the end of the file ({} bytes); it is truncated",
+                    blob.len()
+                ),
+            ));
+        }
+        Ok(Archive {
+            blob,
+            base,
+            len,
+            held: Vec::new(),
+        })
+    }
+
+    /// The archive that is the whole of `blob`.
+    pub fn whole(blob: &'a Blob) -> Archive<'a> {
+        Archive {
+            blob,
+            base: 0,
+            len: blob.len(),
+            held: Vec::new(),
         }
     }
-    fn u16(&self, at: u64, what: &str) -> Result<u16, ZipError> {
-        let b = self.bytes(at, 2, what)?;
-        Ok(u16::from_le_bytes([b[0], b[1]]))
+
+    /// The blob holding the archive.
+    pub fn blob(&self) -> &'a Blob {
+        self.blob
     }
-    fn u32(&self, at: u64, what: &str) -> Result<u32, ZipError> {
-        let b = self.bytes(at, 4, what)?;
-        Ok(u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+
+    /// Where the archive starts in its blob.
+    pub fn base(&self) -> u64 {
+        self.base
     }
-    fn u64(&self, at: u64, what: &str) -> Result<u64, ZipError> {
-        let b = self.bytes(at, 8, what)?;
-        let mut a = [0u8; 8];
-        a.copy_from_slice(b);
-        Ok(u64::from_le_bytes(a))
+
+    /// Its length in bytes.
+    pub fn len(&self) -> u64 {
+        self.len
+    }
+
+    /// Whether it is empty.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Reads the first `head` and the last `tail` bytes in one request (one read when
+    /// they are close) and holds them: an archive whose records and pickle sit at its
+    /// ends, as torch writes them, then parses without further reads.
+    pub fn read_ends(&mut self, head: u64, tail: u64) -> Result<()> {
+        if head.saturating_add(tail) >= self.len {
+            let all = self.blob.read_vec(self.base, self.len)?;
+            self.held.push((0, all));
+            return Ok(());
+        }
+        let mut a = vec![0; head as usize];
+        let mut b = vec![0; tail as usize];
+        let mut ranges = [
+            (self.base, &mut a[..]),
+            (self.base + self.len - tail, &mut b[..]),
+        ];
+        self.blob.read_ranges(&mut ranges)?;
+        self.held.push((0, a));
+        self.held.push((self.len - tail, b));
+        Ok(())
+    }
+
+    /// Fills `buf` with the bytes at `at` of the archive.
+    pub fn read(&self, at: u64, buf: &mut [u8]) -> Result<()> {
+        let len = buf.len() as u64;
+        if at.checked_add(len).is_none_or(|e| e > self.len) {
+            return Err(self.past_end(at, len, "a read"));
+        }
+        if let Some(b) = self.held_bytes(at, len) {
+            buf.copy_from_slice(b);
+            return Ok(());
+        }
+        self.blob.read_at(self.base + at, buf)
+    }
+
+    /// `len` bytes at `at` of the archive, in a new buffer.
+    pub fn read_vec(&self, at: u64, len: u64) -> Result<Vec<u8>> {
+        if at.checked_add(len).is_none_or(|e| e > self.len) {
+            return Err(self.past_end(at, len, "a read"));
+        }
+        let mut buf = vec![0; len as usize];
+        self.read(at, &mut buf)?;
+        Ok(buf)
+    }
+
+    /// Fills every `(offset in the archive, buffer)`: from what is held, the rest with
+    /// one [`Blob::read_ranges`]. Offsets must have been checked against the length.
+    fn read_many(&self, reqs: &mut [(u64, &mut [u8])]) -> Result<()> {
+        let mut rest: Vec<(u64, &mut [u8])> = Vec::new();
+        for (at, buf) in reqs.iter_mut() {
+            match self.held_bytes(*at, buf.len() as u64) {
+                Some(b) => buf.copy_from_slice(b),
+                None => rest.push((self.base + *at, &mut buf[..])),
+            }
+        }
+        self.blob.read_ranges(&mut rest)
+    }
+
+    fn held_bytes(&self, at: u64, len: u64) -> Option<&[u8]> {
+        self.held.iter().find_map(|(start, data)| {
+            let from = usize::try_from(at.checked_sub(*start)?).ok()?;
+            data.get(from..from.checked_add(usize::try_from(len).ok()?)?)
+        })
+    }
+
+    fn past_end(&self, at: u64, len: u64, what: &str) -> Error {
+        Error::corrupt(
+            &self.blob.path,
+            format!(
+                "{what} at byte {at} (+{len}) lies past the end of the archive ({} bytes); the file is truncated or corrupt",
+                self.len
+            ),
+        )
+    }
+
+    /// Reads a record field after checking it lies inside the archive.
+    fn field(&self, at: u64, len: u64, what: &str) -> std::result::Result<Vec<u8>, Fail> {
+        if at.checked_add(len).is_none_or(|e| e > self.len) {
+            return bad(format!(
+                "{what} at byte {at} (+{len}) lies past the end of the archive ({} bytes); the file is truncated or corrupt",
+                self.len
+            ));
+        }
+        Ok(self.read_vec(at, len)?)
+    }
+}
+
+fn le16(b: &[u8], at: usize) -> u16 {
+    u16::from_le_bytes([b[at], b[at + 1]])
+}
+
+fn le32(b: &[u8], at: usize) -> u32 {
+    u32::from_le_bytes([b[at], b[at + 1], b[at + 2], b[at + 3]])
+}
+
+fn le64(b: &[u8], at: usize) -> u64 {
+    let mut a = [0u8; 8];
+    a.copy_from_slice(&b[at..at + 8]);
+    u64::from_le_bytes(a)
+}
+
+/// The central directory, read front to back in blocks of [`CD_BLOCK`].
+struct Cursor {
+    start: u64,
+    buf: Vec<u8>,
+}
+
+impl Cursor {
+    /// `len` bytes at `at` of the archive, refilling the block when they are not in it.
+    fn get(
+        &mut self,
+        a: &Archive<'_>,
+        at: u64,
+        len: u64,
+        what: &str,
+    ) -> std::result::Result<&[u8], Fail> {
+        let inside =
+            at >= self.start && at.saturating_add(len) <= self.start + self.buf.len() as u64;
+        if !inside {
+            if at.checked_add(len).is_none_or(|e| e > a.len) {
+                return bad(format!(
+                    "{what} at byte {at} (+{len}) lies past the end of the archive ({} bytes); the file is truncated or corrupt",
+                    a.len
+                ));
+            }
+            let n = len.max(CD_BLOCK).min(a.len - at);
+            self.buf = a.read_vec(at, n)?;
+            self.start = at;
+        }
+        let from = (at - self.start) as usize;
+        Ok(&self.buf[from..from + len as usize])
     }
 }
 
 impl ZipIndex {
-    /// Indexes the archive occupying all of `data`.
-    pub fn parse(data: &[u8]) -> Result<ZipIndex, ZipError> {
-        let from_data = |at: u64, buf: &mut [u8]| {
-            let b = Reader { data }.bytes(at, buf.len() as u64, "local header")?;
-            buf.copy_from_slice(b);
-            Ok(())
-        };
-        ZipIndex::parse_with(data, &from_data)
+    /// Indexes an archive held in a slice (tests, fuzzing).
+    pub fn parse(data: &[u8]) -> std::result::Result<ZipIndex, ZipError> {
+        let blob = Blob::owned(PathBuf::from("archive"), data.to_vec());
+        let mut a = Archive::whole(&blob);
+        index(&mut a).map_err(|f| match f {
+            Fail::Bad(m) => ZipError(m),
+            Fail::Read(e) => ZipError(e.to_string()),
+        })
     }
 
-    /// Like [`ZipIndex::parse`], but each entry's local header is read by
-    /// `read_local(offset, buf)` instead of from `data`. Readers of a mapped file pass
-    /// a positioned read: touching one header in the map can map the whole page-cache
-    /// folio around it (up to 2 MiB on recent kernels) into the resident set, once per
-    /// tensor, when only the central directory at the end needs to be mapped.
-    pub fn parse_with(data: &[u8], read_local: ReadAt<'_>) -> Result<ZipIndex, ZipError> {
-        let r = Reader { data };
-        let len = data.len() as u64;
-        let eocd = find_eocd(data)?;
-        let mut count = r.u16(eocd + 10, "end of central directory")? as u64;
-        let mut cd_size = r.u32(eocd + 12, "end of central directory")? as u64;
-        let mut cd_offset = r.u32(eocd + 16, "end of central directory")? as u64;
-        if count == 0xffff || cd_size == 0xffff_ffff || cd_offset == 0xffff_ffff {
-            let loc = eocd
-                .checked_sub(20)
-                .filter(|&l| r.u32(l, "zip64 locator").ok() == Some(ZIP64_LOCATOR_SIG));
-            let Some(loc) = loc else {
-                return err("the archive needs ZIP64 records but has no ZIP64 locator");
-            };
-            let rec = r.u64(loc + 8, "zip64 locator")?;
-            if r.u32(rec, "zip64 end of central directory")? != ZIP64_EOCD_SIG {
-                return err(format!(
-                    "no ZIP64 end-of-central-directory record at byte {rec}"
-                ));
-            }
-            count = r.u64(rec + 32, "zip64 end of central directory")?;
-            cd_size = r.u64(rec + 40, "zip64 end of central directory")?;
-            cd_offset = r.u64(rec + 48, "zip64 end of central directory")?;
-        }
-        if cd_offset.checked_add(cd_size).is_none_or(|e| e > len) {
-            return err(format!(
-                "the central directory (byte {cd_offset}, {cd_size} bytes) lies past the end of the archive ({len} bytes); the file is truncated"
-            ));
-        }
-        if count > cd_size / 46 + 1 {
-            return err(format!(
-                "the archive claims {count} entries but its central directory has room for at most {}",
-                cd_size / 46
-            ));
-        }
-        let mut entries = Vec::with_capacity(count as usize);
-        let mut at = cd_offset;
-        for i in 0..count {
-            if r.u32(at, "central directory entry")? != CENTRAL_SIG {
-                return err(format!(
-                    "central directory entry {i} at byte {at} has a bad signature"
-                ));
-            }
-            let method = r.u16(at + 10, "central directory entry")?;
-            let crc32 = r.u32(at + 16, "central directory entry")?;
-            let mut compressed_size = r.u32(at + 20, "central directory entry")? as u64;
-            let mut size = r.u32(at + 24, "central directory entry")? as u64;
-            let name_len = r.u16(at + 28, "central directory entry")? as u64;
-            let extra_len = r.u16(at + 30, "central directory entry")? as u64;
-            let comment_len = r.u16(at + 32, "central directory entry")? as u64;
-            let mut local = r.u32(at + 42, "central directory entry")? as u64;
-            let name_bytes = r.bytes(at + 46, name_len, "entry name")?;
-            let name = String::from_utf8_lossy(name_bytes).into_owned();
-            // ZIP64 extended information: the fields that overflowed, in this order.
-            let extra = r.bytes(at + 46 + name_len, extra_len, "entry extra field")?;
-            let mut x = 0usize;
-            while x + 4 <= extra.len() {
-                let id = u16::from_le_bytes([extra[x], extra[x + 1]]);
-                let n = u16::from_le_bytes([extra[x + 2], extra[x + 3]]) as usize;
-                let body = extra.get(x + 4..x + 4 + n).unwrap_or(&[]);
-                if id == 0x0001 {
-                    let mut fields = body.chunks_exact(8).map(|c| {
-                        let mut a = [0u8; 8];
-                        a.copy_from_slice(c);
-                        u64::from_le_bytes(a)
-                    });
-                    if size == 0xffff_ffff {
-                        size = fields.next().unwrap_or(size);
-                    }
-                    if compressed_size == 0xffff_ffff {
-                        compressed_size = fields.next().unwrap_or(compressed_size);
-                    }
-                    if local == 0xffff_ffff {
-                        local = fields.next().unwrap_or(local);
-                    }
-                }
-                x += 4 + n;
-            }
-            let mut header = [0u8; 30];
-            if local.checked_add(30).is_none_or(|e| e > len) {
-                return err(format!(
-                    "local header of '{name}' at byte {local} (+30) lies past the end of the archive ({len} bytes); the file is truncated or corrupt"
-                ));
-            }
-            read_local(local, &mut header)?;
-            if header[..4] != LOCAL_SIG.to_le_bytes() {
-                return err(format!("entry '{name}': no local header at byte {local}"));
-            }
-            let lname = u16::from_le_bytes([header[26], header[27]]) as u64;
-            let lextra = u16::from_le_bytes([header[28], header[29]]) as u64;
-            let data_offset = local + 30 + lname + lextra;
-            if data_offset
-                .checked_add(compressed_size)
-                .is_none_or(|e| e > len)
-            {
-                return err(format!(
-                    "entry '{name}' ({compressed_size} bytes at byte {data_offset}) lies past the end of the archive ({len} bytes); the file is truncated"
-                ));
-            }
-            entries.push(ZipEntry {
-                name,
-                data_offset,
-                compressed_size,
-                size,
-                method,
-                crc32,
-            });
-            at = at + 46 + name_len + extra_len + comment_len;
-        }
-        Ok(ZipIndex { entries })
+    /// Indexes an archive, reading only its records; errors name the blob's file.
+    pub fn read(a: &mut Archive<'_>) -> Result<ZipIndex> {
+        let path = a.blob.path.clone();
+        index(a).map_err(|f| match f {
+            Fail::Bad(m) => Error::corrupt(&path, m),
+            Fail::Read(e) => e,
+        })
     }
 
     /// The entry with this exact name.
@@ -224,43 +309,190 @@ impl ZipIndex {
         self.entries.iter().find(|e| e.name == name)
     }
 
-    /// The bytes of a stored entry, borrowed from the archive slice.
-    pub fn stored_bytes<'a>(&self, data: &'a [u8], entry: &ZipEntry) -> Result<&'a [u8], ZipError> {
+    /// The bytes of a stored entry (a pickle, a small record), read into memory.
+    pub fn stored(&self, a: &Archive<'_>, entry: &ZipEntry) -> Result<Vec<u8>> {
         if entry.method != METHOD_STORED {
-            return err(format!(
+            return Err(Error::corrupt(&a.blob.path, format!(
                 "entry '{}' is compressed (zip method {}); torch writes stored entries only, so this archive was repacked by another tool. Unzip and re-zip it with `zip -0`, or load and re-save it with torch.save",
                 entry.name, entry.method
+            )));
+        }
+        if entry
+            .data_offset
+            .checked_add(entry.size)
+            .is_none_or(|e| e > a.len)
+        {
+            return Err(a.past_end(
+                entry.data_offset,
+                entry.size,
+                &format!("entry '{}'", entry.name),
             ));
         }
-        Reader { data }.bytes(
-            entry.data_offset,
-            entry.size,
-            &format!("entry '{}'", entry.name),
-        )
+        a.read_vec(entry.data_offset, entry.size)
     }
 }
 
-/// Finds the end-of-central-directory record, scanning back over a possible comment.
-fn find_eocd(data: &[u8]) -> Result<u64, ZipError> {
-    if data.len() < 22 {
-        return err(format!(
-            "{} bytes is too short to be a zip archive",
-            data.len()
-        ));
+/// Finds the end-of-central-directory record in the tail, scanning back over a
+/// possible comment; returns its offset in the archive.
+fn find_eocd(a: &mut Archive<'_>) -> std::result::Result<u64, Fail> {
+    let len = a.len;
+    if len < 22 {
+        return bad(format!("{len} bytes is too short to be a zip archive"));
     }
-    let lowest = data.len().saturating_sub(22 + 0xffff);
-    let mut i = data.len() - 22;
+    let mut tail = TAIL.min(len);
     loop {
-        if data[i..i + 4] == EOCD_SIG.to_le_bytes() {
-            return Ok(i as u64);
+        let start = len - tail;
+        if a.held_bytes(start, tail).is_none() {
+            let data = a.read_vec(start, tail)?;
+            a.held.push((start, data));
         }
-        if i == lowest {
-            return err(
+        let data = a.held_bytes(start, tail).unwrap_or(&[]);
+        // Candidate positions from `len - 22` down to `start`.
+        if let Some(i) = (0..data.len().saturating_sub(21))
+            .rev()
+            .find(|&i| data[i..i + 4] == EOCD_SIG.to_le_bytes())
+        {
+            return Ok(start + i as u64);
+        }
+        if tail >= MAX_TAIL.min(len) {
+            return bad(
                 "no end-of-central-directory record: the archive is truncated or not a zip file",
             );
         }
-        i -= 1;
+        tail = MAX_TAIL.min(len);
     }
+}
+
+fn index(a: &mut Archive<'_>) -> std::result::Result<ZipIndex, Fail> {
+    let len = a.len;
+    let eocd = find_eocd(a)?;
+    let e = a.field(eocd, 22, "end of central directory")?;
+    let mut count = le16(&e, 10) as u64;
+    let mut cd_size = le32(&e, 12) as u64;
+    let mut cd_offset = le32(&e, 16) as u64;
+    if count == 0xffff || cd_size == 0xffff_ffff || cd_offset == 0xffff_ffff {
+        let loc = eocd.checked_sub(20).and_then(|l| {
+            let b = a.field(l, 20, "zip64 locator").ok()?;
+            (le32(&b, 0) == ZIP64_LOCATOR_SIG).then_some(b)
+        });
+        let Some(loc) = loc else {
+            return bad("the archive needs ZIP64 records but has no ZIP64 locator");
+        };
+        let rec = le64(&loc, 8);
+        let r = a.field(rec, 4, "zip64 end of central directory")?;
+        if le32(&r, 0) != ZIP64_EOCD_SIG {
+            return bad(format!(
+                "no ZIP64 end-of-central-directory record at byte {rec}"
+            ));
+        }
+        let r = a.field(rec, 56, "zip64 end of central directory")?;
+        count = le64(&r, 32);
+        cd_size = le64(&r, 40);
+        cd_offset = le64(&r, 48);
+    }
+    if cd_offset.checked_add(cd_size).is_none_or(|e| e > len) {
+        return bad(format!(
+            "the central directory (byte {cd_offset}, {cd_size} bytes) lies past the end of the archive ({len} bytes); the file is truncated"
+        ));
+    }
+    if count > cd_size / 46 + 1 {
+        return bad(format!(
+            "the archive claims {count} entries but its central directory has room for at most {}",
+            cd_size / 46
+        ));
+    }
+    let mut entries = Vec::with_capacity(count as usize);
+    let mut locals = Vec::with_capacity(count as usize);
+    let mut cd = Cursor {
+        start: 0,
+        buf: Vec::new(),
+    };
+    let mut at = cd_offset;
+    for i in 0..count {
+        let h = cd.get(a, at, 46, "central directory entry")?;
+        if le32(h, 0) != CENTRAL_SIG {
+            return bad(format!(
+                "central directory entry {i} at byte {at} has a bad signature"
+            ));
+        }
+        let method = le16(h, 10);
+        let crc32 = le32(h, 16);
+        let mut compressed_size = le32(h, 20) as u64;
+        let mut size = le32(h, 24) as u64;
+        let name_len = le16(h, 28) as u64;
+        let extra_len = le16(h, 30) as u64;
+        let comment_len = le16(h, 32) as u64;
+        let mut local = le32(h, 42) as u64;
+        let name_bytes = cd.get(a, at + 46, name_len, "entry name")?;
+        let name = String::from_utf8_lossy(name_bytes).into_owned();
+        // ZIP64 extended information: the fields that overflowed, in this order.
+        let extra = cd.get(a, at + 46 + name_len, extra_len, "entry extra field")?;
+        let mut x = 0usize;
+        while x + 4 <= extra.len() {
+            let id = le16(extra, x);
+            let n = le16(extra, x + 2) as usize;
+            let body = extra.get(x + 4..x + 4 + n).unwrap_or(&[]);
+            if id == 0x0001 {
+                let mut fields = body.chunks_exact(8).map(|c| le64(c, 0));
+                if size == 0xffff_ffff {
+                    size = fields.next().unwrap_or(size);
+                }
+                if compressed_size == 0xffff_ffff {
+                    compressed_size = fields.next().unwrap_or(compressed_size);
+                }
+                if local == 0xffff_ffff {
+                    local = fields.next().unwrap_or(local);
+                }
+            }
+            x += 4 + n;
+        }
+        if local.checked_add(30).is_none_or(|e| e > len) {
+            return bad(format!(
+                "local header of '{name}' at byte {local} (+30) lies past the end of the archive ({len} bytes); the file is truncated or corrupt"
+            ));
+        }
+        locals.push(local);
+        entries.push(ZipEntry {
+            name,
+            data_offset: 0,
+            compressed_size,
+            size,
+            method,
+            crc32,
+        });
+        at = at + 46 + name_len + extra_len + comment_len;
+    }
+    // Every local header at once: they are spread over the file (one before each
+    // entry's data), so one request lets the source read them together.
+    let mut headers = vec![[0u8; 30]; locals.len()];
+    let mut reqs: Vec<(u64, &mut [u8])> = locals
+        .iter()
+        .zip(headers.iter_mut())
+        .map(|(&l, h)| (l, &mut h[..]))
+        .collect();
+    a.read_many(&mut reqs)?;
+    for ((entry, &local), header) in entries.iter_mut().zip(&locals).zip(&headers) {
+        if le32(header, 0) != LOCAL_SIG {
+            return bad(format!(
+                "entry '{}': no local header at byte {local}",
+                entry.name
+            ));
+        }
+        let lname = le16(header, 26) as u64;
+        let lextra = le16(header, 28) as u64;
+        let data_offset = local + 30 + lname + lextra;
+        if data_offset
+            .checked_add(entry.compressed_size)
+            .is_none_or(|e| e > len)
+        {
+            return bad(format!(
+                "entry '{}' ({} bytes at byte {data_offset}) lies past the end of the archive ({len} bytes); the file is truncated",
+                entry.name, entry.compressed_size
+            ));
+        }
+        entry.data_offset = data_offset;
+    }
+    Ok(ZipIndex { entries })
 }
 
 #[cfg(test)]
@@ -304,7 +536,9 @@ mod tests {
         let a = archive("x/data.pkl", b"hello");
         let idx = ZipIndex::parse(&a).expect("valid archive");
         let e = idx.find("x/data.pkl").expect("entry");
-        assert_eq!(idx.stored_bytes(&a, e).expect("bytes"), b"hello");
+        let blob = Blob::owned(PathBuf::from("a.zip"), a.clone());
+        let archive = Archive::whole(&blob);
+        assert_eq!(idx.stored(&archive, e).expect("bytes"), b"hello");
     }
 
     #[test]
@@ -316,6 +550,55 @@ mod tests {
                 "prefix of {n} bytes parsed"
             );
         }
+    }
+
+    /// Counts the positioned reads made on a file, and the bytes they read.
+    #[derive(Debug)]
+    struct Counting(
+        super::super::LocalFile,
+        std::sync::atomic::AtomicUsize,
+        std::sync::atomic::AtomicUsize,
+    );
+
+    impl super::super::ByteSource for Counting {
+        fn name(&self) -> &std::path::Path {
+            self.0.name()
+        }
+        fn len(&self) -> u64 {
+            self.0.len()
+        }
+        fn read_at(&self, offset: u64, buf: &mut [u8]) -> crate::Result<()> {
+            self.1.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            self.2
+                .fetch_add(buf.len(), std::sync::atomic::Ordering::Relaxed);
+            self.0.read_at(offset, buf)
+        }
+    }
+
+    #[test]
+    fn a_torch_archive_is_indexed_in_a_few_reads_that_skip_the_data() {
+        use super::super::ByteSource;
+        use std::sync::atomic::Ordering::Relaxed;
+        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../../fixtures/ckpt/llama_policy.pt");
+        let file = super::super::LocalFile::open(&path).expect("fixture");
+        let len = file.len();
+        let counting = std::sync::Arc::new(Counting(file, Default::default(), Default::default()));
+        let blob = Blob::new(counting.clone());
+        let idx = ZipIndex::read(&mut Archive::whole(&blob)).expect("index");
+        let (reads, bytes) = (counting.1.load(Relaxed), counting.2.load(Relaxed));
+        // The tail, then the local headers in one request: fewer reads than entries,
+        // and a small part of the file (the tensors between the headers are skipped).
+        assert!(idx.entries.len() > 20, "{}", idx.entries.len());
+        assert!(
+            reads < idx.entries.len() / 2,
+            "{reads} reads for {} entries",
+            idx.entries.len()
+        );
+        assert!((bytes as u64) < len / 4, "{bytes} of {len} bytes read");
+        // The same index as from the whole file in memory.
+        let data = std::fs::read(&path).expect("fixture");
+        assert_eq!(idx.entries, ZipIndex::parse(&data).expect("index").entries);
     }
 
     #[test]

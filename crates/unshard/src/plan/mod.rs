@@ -1,0 +1,312 @@
+//! The merge plan: what to write, and why.
+//!
+//! Planning is pure. It takes descriptions (the checkpoint's tensors, the base's
+//! config and tensors) and options, and returns a [`Plan`] — every output tensor
+//! with its source and output dtype, the shard layout, the new config — plus a
+//! [`Report`] of every renamed, dropped, base-filled, cast or tied tensor. Or it
+//! returns an error naming the offending tensors. Nothing is written before a plan
+//! is complete and valid, so bad input costs no disk and leaves nothing behind.
+//!
+//! [`plan`] runs one function per step, each in the file named after its job and
+//! each unit-tested on checkpoints built in memory:
+//! 1. [`names`]: strip the wrapper components FSDP, activation checkpointing,
+//!    torch.compile and DDP insert; apply the user's renames; align a constant
+//!    prefix difference with the base's names; refuse two tensors with one name.
+//! 2. [`keep`]: drop known non-persistent buffers (recomputed by transformers) and
+//!    a tied output head (written once, as transformers does).
+//! 3. [`overlay`]: the checkpoint's tensors over the base's tensor set; a name the
+//!    base lacks or a shape that differs is an error, a base tensor the checkpoint
+//!    lacks is copied from the base (an error with `strict`).
+//! 4. [`cast`]: the output dtype of each floating tensor (fixed, or the base's),
+//!    and the config with its dtype key updated.
+//! 5. [`shard`]: split into shard files as huggingface_hub does and lay out each
+//!    file's header; the index when there is more than one shard.
+
+use std::collections::{HashMap, HashSet};
+
+use regex::Regex;
+use serde_json::{Map, Value};
+
+use crate::source::{Checkpoint, TensorSource};
+use crate::{DType, Result};
+
+pub mod cast;
+pub mod keep;
+pub mod names;
+pub mod overlay;
+pub mod shard;
+
+pub use cast::config_dtype_of;
+pub use keep::is_nonpersistent_buffer;
+pub use names::{natural_cmp, strip_wrappers};
+pub use shard::shard;
+
+/// The dtype the user asked for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum DtypeChoice {
+    /// The base config's dtype, else the base weights', else the checkpoint's.
+    #[default]
+    Auto,
+    Fixed(DType),
+}
+
+/// Options that shape a plan.
+#[derive(Clone, Debug)]
+pub struct PlanOptions {
+    pub dtype: DtypeChoice,
+    /// Base-only tensors are an error instead of a note.
+    pub strict: bool,
+    /// `--rename REGEX=REPLACEMENT`, applied in order after prefix stripping.
+    pub renames: Vec<(Regex, String)>,
+    /// Largest shard, in bytes.
+    pub max_shard_size: u64,
+}
+
+impl Default for PlanOptions {
+    fn default() -> Self {
+        PlanOptions {
+            dtype: DtypeChoice::Auto,
+            strict: false,
+            renames: Vec::new(),
+            max_shard_size: 5_000_000_000,
+        }
+    }
+}
+
+/// The base model as planning sees it.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct BaseView<'a> {
+    pub config: Option<&'a Map<String, Value>>,
+    pub weights: Option<&'a Checkpoint>,
+    /// `metadata.total_parameters` of the base's index, if it has one.
+    pub total_parameters: Option<u64>,
+}
+
+/// Which input a planned tensor comes from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Origin {
+    Checkpoint,
+    Base,
+}
+
+/// One tensor to write.
+#[derive(Clone, Debug)]
+pub struct PlannedTensor {
+    /// Output name.
+    pub name: String,
+    pub origin: Origin,
+    pub source: TensorSource,
+    pub dtype: DType,
+}
+
+impl PlannedTensor {
+    pub fn nbytes(&self) -> u64 {
+        self.source.numel() * self.dtype.size() as u64
+    }
+}
+
+/// One output file: which tensors, where.
+#[derive(Clone, Debug)]
+pub struct ShardPlan {
+    pub file_name: String,
+    /// The serialized header including the 8-byte length prefix and padding.
+    pub header: Vec<u8>,
+    /// `(tensor index into Plan::tensors, byte offset of its data in the file)`,
+    /// in header (file) order.
+    pub entries: Vec<(usize, u64)>,
+    /// Total file size.
+    pub file_size: u64,
+}
+
+/// What planning decided, for the user.
+#[derive(Clone, Debug, Default)]
+pub struct Report {
+    /// `(old name, new name)`.
+    pub renamed: Vec<(String, String)>,
+    /// `(name, reason)`.
+    pub dropped: Vec<(String, String)>,
+    /// Base tensors the checkpoint does not have.
+    pub from_base: Vec<String>,
+    /// Tensors whose dtype changes: `(from, to, count)`.
+    pub casts: Vec<(DType, DType, usize)>,
+    pub notes: Vec<String>,
+    pub warnings: Vec<String>,
+}
+
+/// Everything the writer needs.
+#[derive(Clone, Debug)]
+pub struct Plan {
+    pub tensors: Vec<PlannedTensor>,
+    pub shards: Vec<ShardPlan>,
+    /// The dtype written into config.json (the first floating tensor's).
+    pub dtype: Option<DType>,
+    /// The config to write, dtype updated; `None` when there is no config at all.
+    pub config: Option<Map<String, Value>>,
+    /// `model.safetensors.index.json`, when there is more than one shard.
+    pub index: Option<String>,
+    pub total_size: u64,
+    pub report: Report,
+}
+
+/// Builds the plan for merging `ckpt` onto `base`.
+pub fn plan(ckpt: &Checkpoint, base: BaseView<'_>, opts: &PlanOptions) -> Result<Plan> {
+    let mut report = Report::default();
+    let base_names: Option<HashSet<&str>> = base
+        .weights
+        .map(|w| w.tensors.iter().map(|t| t.name.as_str()).collect());
+    let base_map: Option<HashMap<&str, &TensorSource>> = base
+        .weights
+        .map(|w| w.tensors.iter().map(|t| (t.name.as_str(), t)).collect());
+
+    let mut names = names::initial_names(ckpt, &opts.renames);
+    if let Some(bn) = &base_names {
+        names::align_with_base(&mut names, bn, &mut report);
+    }
+    names::record_renames(ckpt, &names, &mut report);
+    names::check_duplicates(ckpt, &names)?;
+
+    let mut keep = keep::drop_buffers(&names, base_map.as_ref(), &mut report);
+    keep::drop_tied_head(
+        ckpt,
+        &names,
+        base_map.as_ref(),
+        base.config,
+        &mut keep,
+        &mut report,
+    );
+
+    let mut tensors = overlay::overlay(
+        ckpt,
+        &names,
+        &keep,
+        base.weights.zip(base_map.as_ref()),
+        opts.strict,
+        &mut report,
+    )?;
+
+    cast::apply_dtype_policy(&mut tensors, base, opts.dtype)?;
+    report.casts = cast::count_casts(&tensors);
+    let out_dtype = tensors.iter().find(|t| t.dtype.is_float()).map(|t| t.dtype);
+    let config = cast::output_config(base.config, out_dtype, &mut report);
+
+    // transformers (v5) sorts the state dict by natural key before splitting it, so
+    // shards group tensors as its output does.
+    tensors.sort_by(|a, b| natural_cmp(&a.name, &b.name));
+    let (shards, total_size) = shard::shard(&tensors, opts.max_shard_size);
+    let index = (shards.len() > 1).then(|| {
+        let params = shard::total_parameters(&tensors, base, base_names.as_ref());
+        shard::index_json(&tensors, &shards, total_size, params)
+    });
+    Ok(Plan {
+        tensors,
+        shards,
+        dtype: out_dtype,
+        config,
+        index,
+        total_size,
+        report,
+    })
+}
+
+/// Checkpoints built in memory for the steps' tests: tensors with names, dtypes
+/// and shapes, and no files.
+#[cfg(test)]
+pub(crate) mod testing {
+    use std::path::PathBuf;
+
+    use crate::source::{Checkpoint, Format, StorageId, TensorSource};
+    use crate::DType;
+
+    /// A described tensor with no pieces.
+    pub fn tensor(name: &str, dtype: DType, shape: &[u64]) -> TensorSource {
+        TensorSource {
+            name: name.into(),
+            dtype,
+            shape: shape.to_vec(),
+            pieces: Vec::new(),
+            storage: None,
+            layout: None,
+        }
+    }
+
+    /// The same tensor, viewing storage `key` (for tie detection).
+    pub fn sharing(mut t: TensorSource, key: &str) -> TensorSource {
+        t.storage = Some(StorageId {
+            file: 0,
+            key: key.into(),
+        });
+        t
+    }
+
+    /// A checkpoint of `tensors`.
+    pub fn checkpoint(path: &str, tensors: Vec<TensorSource>) -> Checkpoint {
+        Checkpoint {
+            format: Format::TorchZip,
+            path: PathBuf::from(path),
+            files: Vec::new(),
+            key: None,
+            tensors,
+            extras: Vec::new(),
+            notes: Vec::new(),
+        }
+    }
+
+    /// float32 tensors of the given names and shapes.
+    pub fn f32s(named: &[(&str, &[u64])]) -> Vec<TensorSource> {
+        named
+            .iter()
+            .map(|(n, s)| tensor(n, DType::F32, s))
+            .collect()
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::testing::*;
+    use super::*;
+
+    fn config(json: &str) -> Map<String, Value> {
+        serde_json::from_str(json).unwrap()
+    }
+
+    #[test]
+    fn a_checkpoint_alone_keeps_its_names_dtypes_and_warns_of_no_config() {
+        let ckpt = checkpoint(
+            "c",
+            f32s(&[("_orig_mod.b.weight", &[2]), ("a.weight", &[3, 2])]),
+        );
+        let p = plan(&ckpt, BaseView::default(), &PlanOptions::default()).unwrap();
+        let names: Vec<&str> = p.tensors.iter().map(|t| t.name.as_str()).collect();
+        assert_eq!(names, ["a.weight", "b.weight"]);
+        assert_eq!(p.dtype, Some(DType::F32));
+        assert!(p.config.is_none() && p.report.warnings.len() == 1);
+        assert_eq!(p.shards.len(), 1);
+        assert_eq!(p.total_size, 4 * 8);
+    }
+
+    #[test]
+    fn a_base_gives_names_dtype_config_and_missing_tensors() {
+        let ckpt = checkpoint("c", f32s(&[("layers.0.w", &[4])]));
+        let base_w = checkpoint(
+            "b",
+            vec![
+                testing::tensor("model.layers.0.w", DType::BF16, &[4]),
+                testing::tensor("model.norm.w", DType::BF16, &[4]),
+            ],
+        );
+        let cfg = config(r#"{"torch_dtype": "float32", "text_config": {"dtype": "float32"}}"#);
+        let base = BaseView {
+            config: Some(&cfg),
+            weights: Some(&base_w),
+            total_parameters: None,
+        };
+        let p = plan(&ckpt, base, &PlanOptions::default()).unwrap();
+        assert_eq!(p.report.from_base, ["model.norm.w"]);
+        assert_eq!(p.report.casts, [(DType::F32, DType::BF16, 1)]);
+        let c = p.config.unwrap();
+        assert_eq!(c["torch_dtype"], "bfloat16");
+        assert_eq!(c["text_config"]["dtype"], "bfloat16");
+        assert!(!c.contains_key("dtype"));
+    }
+}

@@ -1,0 +1,292 @@
+//! Step 1 of planning: output names. Wrapper components are stripped, the user's
+//! renames applied, a constant prefix difference with the base aligned, and two
+//! tensors that end up with one name refused.
+
+use std::collections::{HashMap, HashSet};
+
+use regex::Regex;
+
+use super::Report;
+use crate::source::Checkpoint;
+use crate::{Error, Result};
+
+/// Wrapper components that FSDP, activation checkpointing and torch.compile insert.
+const WRAPPER_PARTS: &[&str] = &[
+    "_fsdp_wrapped_module",
+    "_checkpoint_wrapped_module",
+    "_orig_mod",
+];
+
+/// Strips wrapper components anywhere and a leading `module.` (DDP, DeepSpeed).
+pub fn strip_wrappers(name: &str) -> String {
+    let parts: Vec<&str> = name
+        .split('.')
+        .filter(|p| !WRAPPER_PARTS.contains(p))
+        .collect();
+    let parts = match parts.first() {
+        Some(&"module") if parts.len() > 1 => &parts[1..],
+        _ => &parts[..],
+    };
+    parts.join(".")
+}
+
+/// Each checkpoint tensor's name without wrappers, then with the user's renames
+/// applied in order.
+pub(crate) fn initial_names(ckpt: &Checkpoint, renames: &[(Regex, String)]) -> Vec<String> {
+    ckpt.tensors
+        .iter()
+        .map(|t| {
+            let mut n = strip_wrappers(&t.name);
+            for (re, rep) in renames {
+                n = re.replace_all(&n, rep.as_str()).into_owned();
+            }
+            n
+        })
+        .collect()
+}
+
+/// Replaces a constant leading difference between the names and the base's (a
+/// `model.` too many or too few), and says so in the report.
+pub(crate) fn align_with_base(names: &mut [String], base: &HashSet<&str>, report: &mut Report) {
+    let Some((strip, add)) = align_prefix(names, base) else {
+        return;
+    };
+    for n in names.iter_mut() {
+        if let Some(rest) = n.strip_prefix(strip.as_str()) {
+            *n = format!("{add}{rest}");
+        } else if strip.is_empty() {
+            *n = format!("{add}{n}");
+        }
+    }
+    report.notes.push(match (strip.is_empty(), add.is_empty()) {
+        (false, true) => format!("stripped the prefix '{strip}' to match the base's names"),
+        (true, false) => format!("added the prefix '{add}' to match the base's names"),
+        _ => format!("replaced the prefix '{strip}' with '{add}' to match the base's names"),
+    });
+}
+
+/// Lists every tensor whose output name differs from its checkpoint name.
+pub(crate) fn record_renames(ckpt: &Checkpoint, names: &[String], report: &mut Report) {
+    for (t, n) in ckpt.tensors.iter().zip(names) {
+        if &t.name != n {
+            report.renamed.push((t.name.clone(), n.clone()));
+        }
+    }
+}
+
+/// Two checkpoint tensors that end up with one output name are an error naming both.
+pub(crate) fn check_duplicates(ckpt: &Checkpoint, names: &[String]) -> Result<()> {
+    let mut first_of: HashMap<&str, usize> = HashMap::new();
+    for (i, n) in names.iter().enumerate() {
+        if let Some(&j) = first_of.get(n.as_str()) {
+            return Err(Error::plan(
+                format!(
+                    "checkpoint tensors '{}' and '{}' both become '{n}' after renaming",
+                    ckpt.tensors[j].name, ckpt.tensors[i].name
+                ),
+                Some("use --rename to keep them apart, or --key to pick one state dict".into()),
+            ));
+        }
+        first_of.insert(n, i);
+    }
+    Ok(())
+}
+
+/// Finds `(strip, add)` such that replacing a leading `strip` with `add` makes more
+/// checkpoint names match the base, or `None` if names already match best.
+fn align_prefix(names: &[String], base: &HashSet<&str>) -> Option<(String, String)> {
+    let matched = |strip: &str, add: &str| -> usize {
+        names
+            .iter()
+            .filter(|n| match n.strip_prefix(strip) {
+                Some(rest) => base.contains(format!("{add}{rest}").as_str()),
+                None => false,
+            })
+            .count()
+    };
+    let now = names.iter().filter(|n| base.contains(n.as_str())).count();
+    if now == names.len() {
+        return None;
+    }
+    let mut candidates: Vec<(String, String)> = Vec::new();
+    for n in names.iter().filter(|n| !base.contains(n.as_str())).take(4) {
+        // Strip leading components of the checkpoint name.
+        let mut at = 0;
+        while let Some(dot) = n[at..].find('.') {
+            at += dot + 1;
+            if base.contains(&n[at..]) {
+                candidates.push((n[..at].to_string(), String::new()));
+            }
+        }
+        // Add leading components from a base name that ends with this name.
+        for b in base.iter() {
+            if let Some(p) = b.strip_suffix(n.as_str()) {
+                if p.ends_with('.') {
+                    candidates.push((String::new(), p.to_string()));
+                }
+            }
+        }
+    }
+    let mut best: Option<((String, String), usize)> = None;
+    for (s, a) in candidates {
+        let m = matched(&s, &a);
+        if m > now && best.as_ref().is_none_or(|(_, bm)| m > *bm) {
+            best = Some(((s, a), m));
+        }
+    }
+    best.map(|(c, _)| c)
+}
+
+/// transformers' `dot_natural_key` order: components split on `.`; all-digit
+/// components sort first and numerically; others by text, then by trailing number.
+pub fn natural_cmp(a: &str, b: &str) -> std::cmp::Ordering {
+    use std::cmp::Ordering;
+    fn num_cmp(x: &str, y: &str) -> Ordering {
+        let (x, y) = (x.trim_start_matches('0'), y.trim_start_matches('0'));
+        x.len().cmp(&y.len()).then_with(|| x.cmp(y))
+    }
+    fn is_num(s: &str) -> bool {
+        !s.is_empty() && s.bytes().all(|c| c.is_ascii_digit())
+    }
+    let mut xa = a.split('.');
+    let mut xb = b.split('.');
+    loop {
+        let (pa, pb) = match (xa.next(), xb.next()) {
+            (None, None) => return Ordering::Equal,
+            (None, Some(_)) => return Ordering::Less,
+            (Some(_), None) => return Ordering::Greater,
+            (Some(pa), Some(pb)) => (pa, pb),
+        };
+        let ord = match (is_num(pa), is_num(pb)) {
+            (true, true) => num_cmp(pa, pb),
+            (true, false) => Ordering::Less,
+            (false, true) => Ordering::Greater,
+            (false, false) => {
+                let ta = pa.trim_end_matches(|c: char| c.is_ascii_digit());
+                let tb = pb.trim_end_matches(|c: char| c.is_ascii_digit());
+                let (da, db) = (&pa[ta.len()..], &pb[tb.len()..]);
+                ta.cmp(tb)
+                    .then_with(|| match (da.is_empty(), db.is_empty()) {
+                        (true, true) => Ordering::Equal,
+                        (true, false) => Ordering::Less,
+                        (false, true) => Ordering::Greater,
+                        (false, false) => num_cmp(da, db),
+                    })
+            }
+        };
+        if ord != Ordering::Equal {
+            return ord;
+        }
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+    use crate::plan::testing::{checkpoint, f32s};
+
+    #[test]
+    fn strips_fsdp_compile_and_ddp_wrappers() {
+        assert_eq!(
+            strip_wrappers(
+                "module._fsdp_wrapped_module.model.layers.0._checkpoint_wrapped_module.mlp.weight"
+            ),
+            "model.layers.0.mlp.weight"
+        );
+        assert_eq!(strip_wrappers("_orig_mod.lm_head.weight"), "lm_head.weight");
+        // Only a leading `module.` is a wrapper; inner ones are real module names.
+        assert_eq!(strip_wrappers("model.module.weight"), "model.module.weight");
+    }
+
+    #[test]
+    fn natural_order_compares_numbers_numerically() {
+        let mut v = vec![
+            "model.layers.10.w",
+            "model.layers.2.w",
+            "lm_head.weight",
+            "model.norm.weight",
+            "model.embed_tokens.weight",
+            "a.shard_11",
+            "a.shard_2",
+            "a.shard",
+        ];
+        v.sort_by(|a, b| natural_cmp(a, b));
+        assert_eq!(
+            v,
+            vec![
+                "a.shard",
+                "a.shard_2",
+                "a.shard_11",
+                "lm_head.weight",
+                "model.embed_tokens.weight",
+                "model.layers.2.w",
+                "model.layers.10.w",
+                "model.norm.weight"
+            ]
+        );
+    }
+
+    #[test]
+    fn aligns_a_constant_prefix_both_ways() {
+        let base: HashSet<&str> = ["model.x.weight", "lm_head.weight"].into_iter().collect();
+        let names = vec![
+            "model.model.x.weight".to_string(),
+            "model.lm_head.weight".to_string(),
+        ];
+        assert_eq!(
+            align_prefix(&names, &base),
+            Some(("model.".into(), String::new()))
+        );
+        let base: HashSet<&str> = ["model.x.weight", "model.y.weight"].into_iter().collect();
+        let names = vec!["x.weight".to_string(), "y.weight".to_string()];
+        assert_eq!(
+            align_prefix(&names, &base),
+            Some((String::new(), "model.".into()))
+        );
+    }
+
+    #[test]
+    fn renames_apply_in_order_after_wrappers_are_stripped() {
+        let ckpt = checkpoint("c", f32s(&[("module.layers.0.attn.w", &[1])]));
+        let renames = vec![
+            (
+                Regex::new(r"^layers\.").unwrap(),
+                "model.layers.".to_string(),
+            ),
+            (Regex::new(r"\.attn\.").unwrap(), ".self_attn.".to_string()),
+        ];
+        assert_eq!(
+            initial_names(&ckpt, &renames),
+            ["model.layers.0.self_attn.w"]
+        );
+    }
+
+    #[test]
+    fn aligning_rewrites_every_name_and_notes_it() {
+        let base: HashSet<&str> = ["model.a", "model.b"].into_iter().collect();
+        let mut names = vec!["a".to_string(), "b".to_string()];
+        let mut report = Report::default();
+        align_with_base(&mut names, &base, &mut report);
+        assert_eq!(names, ["model.a", "model.b"]);
+        assert_eq!(
+            report.notes,
+            ["added the prefix 'model.' to match the base's names"]
+        );
+        // Names that already match are left alone, without a note.
+        let mut report = Report::default();
+        align_with_base(&mut names, &base, &mut report);
+        assert!(report.notes.is_empty());
+    }
+
+    #[test]
+    fn two_tensors_with_one_output_name_are_refused_by_name() {
+        let ckpt = checkpoint("c", f32s(&[("module.w", &[1]), ("w", &[1])]));
+        let names = initial_names(&ckpt, &[]);
+        let e = check_duplicates(&ckpt, &names).unwrap_err().to_string();
+        assert!(e.contains("'module.w' and 'w' both become 'w'"), "{e}");
+        let mut report = Report::default();
+        record_renames(&ckpt, &names, &mut report);
+        assert_eq!(report.renamed, [("module.w".to_string(), "w".to_string())]);
+    }
+}

@@ -1,0 +1,219 @@
+//! Step 3 of planning: the checkpoint's tensors over the base's tensor set. With a
+//! base, every kept checkpoint tensor must be one of the base's, with its shape;
+//! base tensors the checkpoint lacks are copied from the base (or refused with
+//! `strict`). Without a base, the checkpoint's tensors are the output.
+
+use std::collections::{HashMap, HashSet};
+
+use super::{Origin, PlannedTensor, Report};
+use crate::report::list_some;
+use crate::source::{Checkpoint, TensorSource};
+use crate::{Error, Result};
+
+/// The tensors to write, before dtype policy: the kept checkpoint tensors under
+/// their output names, then the base tensors they do not replace.
+pub(crate) fn overlay(
+    ckpt: &Checkpoint,
+    names: &[String],
+    keep: &[bool],
+    base: Option<(&Checkpoint, &HashMap<&str, &TensorSource>)>,
+    strict: bool,
+    report: &mut Report,
+) -> Result<Vec<PlannedTensor>> {
+    let mut tensors: Vec<PlannedTensor> = names
+        .iter()
+        .zip(&ckpt.tensors)
+        .zip(keep)
+        .filter(|(_, k)| **k)
+        .map(|((n, t), _)| PlannedTensor {
+            name: n.clone(),
+            origin: Origin::Checkpoint,
+            source: t.clone(),
+            dtype: t.dtype,
+        })
+        .collect();
+    if let Some((bw, bmap)) = base {
+        check_against_base(ckpt, names, keep, bw, bmap)?;
+        let have: HashSet<&str> = names.iter().map(String::as_str).collect();
+        for b in &bw.tensors {
+            if have.contains(b.name.as_str()) {
+                continue;
+            }
+            report.from_base.push(b.name.clone());
+            tensors.push(PlannedTensor {
+                name: b.name.clone(),
+                origin: Origin::Base,
+                source: b.clone(),
+                dtype: b.dtype,
+            });
+        }
+        if strict && !report.from_base.is_empty() {
+            return Err(Error::plan(
+                format!(
+                    "--strict: {} base tensor(s) are missing from the checkpoint: {}",
+                    report.from_base.len(),
+                    list_some(&report.from_base, 8)
+                ),
+                Some("without --strict they are copied from the base".into()),
+            ));
+        }
+    }
+    if tensors.is_empty() {
+        return Err(Error::plan(
+            "nothing to write: no tensors left after dropping buffers",
+            None,
+        ));
+    }
+    Ok(tensors)
+}
+
+/// Every kept checkpoint tensor is in the base with the same shape; the error
+/// lists the ones that are not, with the base's closest names as a hint.
+fn check_against_base(
+    ckpt: &Checkpoint,
+    names: &[String],
+    keep: &[bool],
+    bw: &Checkpoint,
+    bmap: &HashMap<&str, &TensorSource>,
+) -> Result<()> {
+    let mut unknown = Vec::new();
+    let mut mismatched = Vec::new();
+    for (i, n) in names.iter().enumerate() {
+        if !keep[i] {
+            continue;
+        }
+        match bmap.get(n.as_str()) {
+            None => unknown.push(n.clone()),
+            Some(b) if b.shape != ckpt.tensors[i].shape => mismatched.push(format!(
+                "'{n}': checkpoint {:?}, base {:?}",
+                ckpt.tensors[i].shape, b.shape
+            )),
+            Some(_) => {}
+        }
+    }
+    if !unknown.is_empty() {
+        let near: Vec<String> = unknown
+            .iter()
+            .take(3)
+            .filter_map(|u| closest(u, bw.tensors.iter().map(|t| t.name.as_str())))
+            .collect();
+        return Err(Error::plan(
+            format!(
+                "{} checkpoint tensor(s) are not in the base model {}: {}",
+                unknown.len(),
+                bw.path.display(),
+                list_some(&unknown, 8)
+            ),
+            Some(if near.is_empty() {
+                "check that --base is the model that was trained, or map names with --rename REGEX=REPLACEMENT".into()
+            } else {
+                format!(
+                    "the base has similar names ({}); map them with --rename REGEX=REPLACEMENT, or check that --base is the model that was trained",
+                    near.join(", ")
+                )
+            }),
+        ));
+    }
+    if !mismatched.is_empty() {
+        return Err(Error::plan(
+            format!(
+                "{} tensor(s) have a different shape in the checkpoint and the base: {}",
+                mismatched.len(),
+                list_some(&mismatched, 6)
+            ),
+            Some(
+                "the checkpoint was trained from a different architecture or size than --base"
+                    .into(),
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// The base name closest to `name` by shared trailing components.
+fn closest<'a>(name: &str, base: impl Iterator<Item = &'a str>) -> Option<String> {
+    let tail: Vec<&str> = name.rsplit('.').collect();
+    let mut best: Option<(&str, usize)> = None;
+    for b in base {
+        let common = b
+            .rsplit('.')
+            .zip(&tail)
+            .take_while(|(x, y)| x == *y)
+            .count();
+        if common >= 2 && best.is_none_or(|(_, c)| common > c) {
+            best = Some((b, common));
+        }
+    }
+    best.map(|(b, _)| format!("'{b}'"))
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+    use crate::plan::testing::{checkpoint, f32s};
+    use crate::Error;
+
+    fn run(
+        ckpt: &Checkpoint,
+        base: Option<&Checkpoint>,
+        strict: bool,
+    ) -> (Result<Vec<PlannedTensor>>, Report) {
+        let names: Vec<String> = ckpt.tensors.iter().map(|t| t.name.clone()).collect();
+        let keep = vec![true; names.len()];
+        let map: Option<HashMap<&str, &TensorSource>> =
+            base.map(|b| b.tensors.iter().map(|t| (t.name.as_str(), t)).collect());
+        let mut report = Report::default();
+        let r = overlay(
+            ckpt,
+            &names,
+            &keep,
+            base.zip(map.as_ref()),
+            strict,
+            &mut report,
+        );
+        (r, report)
+    }
+
+    #[test]
+    fn base_tensors_the_checkpoint_lacks_come_from_the_base() {
+        let ckpt = checkpoint("c", f32s(&[("a", &[2])]));
+        let base = checkpoint("b", f32s(&[("a", &[2]), ("b", &[3])]));
+        let (r, report) = run(&ckpt, Some(&base), false);
+        let t = r.unwrap();
+        let got: Vec<(&str, Origin)> = t.iter().map(|t| (t.name.as_str(), t.origin)).collect();
+        assert_eq!(got, [("a", Origin::Checkpoint), ("b", Origin::Base)]);
+        assert_eq!(report.from_base, ["b"]);
+        let (r, _) = run(&ckpt, Some(&base), true);
+        let e = r.unwrap_err().to_string();
+        assert!(
+            e.contains("--strict: 1 base tensor(s)") && e.contains('b'),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn unknown_names_and_other_shapes_are_refused_with_the_closest_base_name() {
+        let base = checkpoint("b", f32s(&[("model.layers.0.mlp.w", &[2])]));
+        let ckpt = checkpoint("c", f32s(&[("layers.0.mlp.w", &[2])]));
+        let e = run(&ckpt, Some(&base), false).0.unwrap_err();
+        assert!(
+            e.to_string()
+                .contains("not in the base model b: layers.0.mlp.w"),
+            "{e}"
+        );
+        assert!(e.hint().unwrap().contains("'model.layers.0.mlp.w'"));
+        let ckpt = checkpoint("c", f32s(&[("model.layers.0.mlp.w", &[3])]));
+        let e = run(&ckpt, Some(&base), false).0.unwrap_err();
+        assert!(matches!(e, Error::Plan { .. }));
+        assert!(e.to_string().contains("checkpoint [3], base [2]"), "{e}");
+    }
+
+    #[test]
+    fn nothing_left_is_an_error() {
+        let ckpt = checkpoint("c", f32s(&[("a", &[2])]));
+        let mut report = Report::default();
+        let e = overlay(&ckpt, &["a".into()], &[false], None, false, &mut report).unwrap_err();
+        assert!(e.to_string().starts_with("nothing to write"), "{e}");
+    }
+}

@@ -1,0 +1,131 @@
+//! Preparing an operation: open the checkpoint and the base, and plan the merge,
+//! writing nothing. `merge` writes the plan; `verify` checks a directory against
+//! it; both start here, so neither imports the other.
+//!
+//! [`Inputs`] is what a plan's tensors point into: every opened input, by
+//! [`Origin`].
+
+use std::path::Path;
+use std::sync::Arc;
+
+use crate::options::MergeOptions;
+use crate::plan::{self, BaseView, Origin, Plan};
+use crate::source::hf_dir::HfDir;
+use crate::source::{self, Blob, Checkpoint};
+use crate::{Error, Result};
+
+/// The opened inputs and the plan, ready to write or to verify against.
+pub struct Prepared {
+    pub checkpoint: Checkpoint,
+    pub base: Option<Base>,
+    pub plan: Plan,
+}
+
+impl Prepared {
+    /// What the plan's tensors point into.
+    pub fn inputs(&self) -> Inputs<'_> {
+        Prepared::inputs_of(&self.checkpoint, self.base.as_ref())
+    }
+
+    /// [`Prepared::inputs`] from the parts, for a caller that took the struct apart.
+    pub fn inputs_of<'a>(checkpoint: &'a Checkpoint, base: Option<&'a Base>) -> Inputs<'a> {
+        Inputs {
+            checkpoint,
+            base: base.and_then(|b| b.weights.as_ref()),
+        }
+    }
+}
+
+/// The inputs a plan's tensors point into.
+#[derive(Clone, Copy)]
+pub struct Inputs<'a> {
+    pub checkpoint: &'a Checkpoint,
+    pub base: Option<&'a Checkpoint>,
+}
+
+impl<'a> Inputs<'a> {
+    /// The files of the input a tensor comes from.
+    pub fn files(&self, origin: Origin) -> &'a [Arc<Blob>] {
+        match (origin, self.base) {
+            (Origin::Checkpoint, _) => &self.checkpoint.files,
+            (Origin::Base, Some(b)) => &b.files,
+            (Origin::Base, None) => &[],
+        }
+    }
+
+    /// Every opened input.
+    pub fn all(&self) -> impl Iterator<Item = &'a Checkpoint> {
+        std::iter::once(self.checkpoint).chain(self.base)
+    }
+}
+
+/// Reads the base directory (if any): config, weights and extra files.
+pub struct Base {
+    pub dir: HfDir,
+    pub weights: Option<Checkpoint>,
+    pub total_parameters: Option<u64>,
+}
+
+impl Base {
+    pub fn open(path: &Path) -> Result<Base> {
+        if !path.is_dir() {
+            return Err(Error::plan(
+                format!("--base {} is not a directory", path.display()),
+                Some("pass the Hugging Face model directory the training started from (config.json, tokenizer, weights)".into()),
+            ));
+        }
+        let dir = HfDir::open(path)?;
+        let weights = dir.weights()?;
+        let total_parameters = std::fs::read_to_string(path.join("model.safetensors.index.json"))
+            .ok()
+            .and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok())
+            .and_then(|v| v.get("metadata")?.get("total_parameters")?.as_u64());
+        Ok(Base {
+            dir,
+            weights,
+            total_parameters,
+        })
+    }
+
+    pub fn view(&self) -> BaseView<'_> {
+        BaseView {
+            config: self.dir.config.as_ref(),
+            weights: self.weights.as_ref(),
+            total_parameters: self.total_parameters,
+        }
+    }
+}
+
+/// Opens the checkpoint and the base and plans the merge, writing nothing.
+pub fn prepare(opts: &MergeOptions) -> Result<Prepared> {
+    let ckpt = source::open(&opts.checkpoint, &opts.open)?;
+    let local = ckpt.tensors.iter().find(|t| {
+        t.layout
+            .as_deref()
+            .is_some_and(|l| l.contains(source::torch::LOCAL_SHARD))
+    });
+    if let Some(t) = local {
+        return Err(Error::plan(
+            format!(
+                "{} holds one rank's shard of distributed tensors (e.g. '{}', local shape {:?}), not the whole model",
+                opts.checkpoint.display(),
+                t.name,
+                t.shape
+            ),
+            Some("pass the directory that holds every rank's file; unshard reassembles them".into()),
+        ));
+    }
+    let base = match &opts.base {
+        Some(b) => Some(Base::open(b)?),
+        None => source::config_dir_for(&opts.checkpoint)
+            .map(|d| Base::open(&d))
+            .transpose()?,
+    };
+    let view = base.as_ref().map(Base::view).unwrap_or_default();
+    let plan = plan::plan(&ckpt, view, &opts.plan)?;
+    Ok(Prepared {
+        checkpoint: ckpt,
+        base,
+        plan,
+    })
+}

@@ -1,0 +1,257 @@
+//! Where input bytes come from: the [`ByteSource`] seam and the [`Blob`] readers hold.
+//!
+//! Readers and the engine ask a source for byte ranges; nothing assumes a whole-file
+//! map. Metadata (pickles, zip records, safetensors headers) is read into small
+//! buffers; tensor data is read by the engine, window by window. A local file
+//! ([`LocalFile`]) answers with positioned reads; decoded bytes and tests use memory
+//! ([`MemBytes`]); an object store would answer with ranged GETs, and
+//! [`ByteSource::read_ranges`] is where it would keep many of them in flight.
+//!
+//! Every source is `Send + Sync` (the engine reads from many threads) and usable as
+//! `dyn ByteSource`, so a [`Blob`] holds any of them behind one type.
+
+use std::fmt;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, OnceLock};
+
+use crate::{Error, Result};
+
+mod coalesce;
+mod local;
+mod memory;
+#[cfg(test)]
+mod tests;
+
+pub use coalesce::{coalesce, read_runs, Run};
+pub use local::LocalFile;
+pub use memory::MemBytes;
+
+/// Random-access bytes of one input: a local file, bytes in memory, or (later) an
+/// object in a bucket.
+///
+/// Reads are positioned and take `&self`, so one source serves many threads at once.
+/// A read that would end past [`len`](ByteSource::len) is an error naming the source
+/// (the length is fixed when the source is opened: a file that shrinks afterwards
+/// gives a short read, which is reported as such, never a crash).
+pub trait ByteSource: Send + Sync + fmt::Debug {
+    /// What error messages call this source: a file's path, or an object's URL.
+    fn name(&self) -> &Path;
+
+    /// Its length in bytes, as of when it was opened.
+    fn len(&self) -> u64;
+
+    /// Whether it holds no bytes.
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Fills `buf` with the bytes at `offset`, all of them or an error.
+    fn read_at(&self, offset: u64, buf: &mut [u8]) -> Result<()>;
+
+    /// Fills every `(offset, buffer)` pair, in any order. Ranges may be unsorted,
+    /// adjacent or overlapping; nearby ones are served by one read (see [`coalesce`]),
+    /// so a caller asks for all the small records it needs at once rather than one
+    /// read each. Sources with a high cost per request (an object store) override it
+    /// to issue the coalesced runs concurrently.
+    fn read_ranges(&self, ranges: &mut [(u64, &mut [u8])]) -> Result<()> {
+        let runs = coalesce(&spans(self.name(), ranges)?, GAP, MAX_RUN);
+        read_runs(self, ranges, &runs)
+    }
+
+    /// A hint: `len` bytes at `offset` will be read soon, so start fetching them. The
+    /// default does nothing.
+    fn will_need(&self, offset: u64, len: u64) {
+        let _ = (offset, len);
+    }
+
+    /// A hint: `len` bytes at `offset` will not be read again, so any copy the source
+    /// keeps of them (a cache, a map) can go. The default does nothing.
+    fn release(&self, offset: u64, len: u64) {
+        let _ = (offset, len);
+    }
+
+    /// All the bytes, when the source already holds them in memory (no copy needed).
+    fn as_bytes(&self) -> Option<&[u8]> {
+        None
+    }
+}
+
+/// Holes up to this size between two requested ranges are read rather than skipped
+/// by the default [`ByteSource::read_ranges`]: one larger read costs less than two.
+pub const GAP: u64 = 32 << 10;
+
+/// The longest read the default [`ByteSource::read_ranges`] makes to serve several
+/// ranges at once (a single range longer than this is still read in one piece).
+pub const MAX_RUN: u64 = 8 << 20;
+
+/// The `(offset, len)` of each range, after checking that none overflows.
+pub fn spans(name: &Path, ranges: &[(u64, &mut [u8])]) -> Result<Vec<(u64, u64)>> {
+    ranges
+        .iter()
+        .map(|(offset, buf)| {
+            let len = buf.len() as u64;
+            match offset.checked_add(len) {
+                Some(_) => Ok((*offset, len)),
+                None => Err(Error::corrupt(
+                    name,
+                    format!("a read of {len} bytes at byte {offset} overflows"),
+                )),
+            }
+        })
+        .collect()
+}
+
+/// The error for a read that ends past the end of a source.
+pub fn short_read(name: &Path, offset: u64, len: u64) -> Error {
+    Error::corrupt(
+        name,
+        format!(
+            "cannot read {len} bytes at byte {offset}: the file is shorter than when it was opened (it changed while being read)"
+        ),
+    )
+}
+
+/// One input as readers and the engine hold it: a [`ByteSource`] and the path that
+/// names it in messages. Cheap to share (`Arc<Blob>` in [`Checkpoint::files`](super::Checkpoint::files)).
+pub struct Blob {
+    /// The path (or URL) error messages name.
+    pub path: PathBuf,
+    source: Arc<dyn ByteSource>,
+    /// A read-only map made on the first call of [`Blob::bytes`], for the engine's
+    /// strided gathers until they read through the source too.
+    map: OnceLock<Option<memmap2::Mmap>>,
+}
+
+impl fmt::Debug for Blob {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Blob")
+            .field("path", &self.path)
+            .field("source", &self.source)
+            .finish()
+    }
+}
+
+impl Blob {
+    /// Wraps any byte source; messages name it by [`ByteSource::name`].
+    pub fn new(source: Arc<dyn ByteSource>) -> Blob {
+        Blob {
+            path: source.name().to_path_buf(),
+            source,
+            map: OnceLock::new(),
+        }
+    }
+
+    /// Opens a local file for positioned reads.
+    pub fn open(path: &Path) -> Result<Blob> {
+        Ok(Blob::new(Arc::new(LocalFile::open(path)?)))
+    }
+
+    /// Wraps bytes held in memory (a decompressed DCP item, a test input), named `path`.
+    pub fn owned(path: PathBuf, bytes: Vec<u8>) -> Blob {
+        Blob::new(Arc::new(MemBytes::new(path, bytes)))
+    }
+
+    /// The source behind this blob.
+    pub fn source(&self) -> &Arc<dyn ByteSource> {
+        &self.source
+    }
+
+    /// Its length in bytes, as of when it was opened.
+    pub fn len(&self) -> u64 {
+        self.source.len()
+    }
+
+    /// Whether it holds no bytes.
+    pub fn is_empty(&self) -> bool {
+        self.source.is_empty()
+    }
+
+    /// Fills `buf` with the bytes at `offset`. A short read means the file shrank
+    /// since it was opened (readers validated extents then) and is an error.
+    pub fn read_at(&self, offset: u64, buf: &mut [u8]) -> Result<()> {
+        self.source.read_at(offset, buf)
+    }
+
+    /// Fills every `(offset, buffer)` pair, coalescing nearby ranges (see
+    /// [`ByteSource::read_ranges`]).
+    pub fn read_ranges(&self, ranges: &mut [(u64, &mut [u8])]) -> Result<()> {
+        self.source.read_ranges(ranges)
+    }
+
+    /// `len` bytes at `offset`, read into a new buffer: for metadata (a pickle, a
+    /// header), never for tensor data. The range must lie inside the source.
+    pub fn read_vec(&self, offset: u64, len: u64) -> Result<Vec<u8>> {
+        if offset.checked_add(len).is_none_or(|end| end > self.len()) {
+            return Err(Error::corrupt(
+                &self.path,
+                format!(
+                    "{len} bytes at byte {offset} lie past the end of the file ({} bytes); it is truncated",
+                    self.len()
+                ),
+            ));
+        }
+        let n = usize::try_from(len).map_err(|_| short_read(&self.path, offset, len))?;
+        let mut buf = vec![0; n];
+        self.read_at(offset, &mut buf)?;
+        Ok(buf)
+    }
+
+    /// The first `max` bytes (fewer for a shorter file): what format detection looks at.
+    pub fn head(&self, max: u64) -> Result<Vec<u8>> {
+        self.read_vec(0, max.min(self.len()))
+    }
+
+    /// A hint that a byte range will be read soon (see [`ByteSource::will_need`]).
+    pub fn will_need(&self, offset: u64, len: u64) {
+        self.source.will_need(offset, len);
+    }
+
+    /// A hint that a byte range will not be read again (see [`ByteSource::release`]).
+    pub fn release(&self, offset: u64, len: u64) {
+        self.source.release(offset, len);
+        if let Some(Some(m)) = self.map.get() {
+            release_map(m, offset, len);
+        }
+    }
+
+    /// [`Blob::release`] of the whole source.
+    pub fn release_all(&self) {
+        self.release(0, self.len());
+    }
+
+    /// All the bytes as one slice: in-memory sources directly, local files through a
+    /// read-only map made on first use (an empty slice if it cannot be made).
+    /// Transitional: only the engine's strided gathers and `verify` still use it.
+    pub fn bytes(&self) -> &[u8] {
+        if let Some(b) = self.source.as_bytes() {
+            return b;
+        }
+        let map = self.map.get_or_init(|| {
+            let file = std::fs::File::open(&self.path).ok()?;
+            // SAFETY: read-only map of a file opened read-only; the engine reads tensor
+            // data through `read_at`, and this map only serves rare strided views.
+            let map = unsafe { memmap2::Mmap::map(&file) }.ok()?;
+            let _ = map.advise(memmap2::Advice::Random);
+            Some(map)
+        });
+        map.as_deref().unwrap_or(&[])
+    }
+}
+
+/// Unmaps the whole pages of a map inside a byte range.
+fn release_map(m: &memmap2::Mmap, offset: u64, len: u64) {
+    const PAGE: u64 = 4096;
+    let start = offset.div_ceil(PAGE) * PAGE;
+    let end = (offset.saturating_add(len) / PAGE * PAGE).min(m.len() as u64);
+    if end > start {
+        // SAFETY: DONTNEED on a private read-only file mapping only drops clean
+        // pages; later reads fault them back in from the file.
+        let _ = unsafe {
+            m.unchecked_advise_range(
+                memmap2::UncheckedAdvice::DontNeed,
+                start as usize,
+                (end - start) as usize,
+            )
+        };
+    }
+}

@@ -1,0 +1,212 @@
+#![allow(clippy::unwrap_used)]
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+
+use super::*;
+
+/// Deterministic bytes: byte `i` is a hash of `i`, so a misplaced copy shows.
+fn pattern(n: usize) -> Vec<u8> {
+    (0..n)
+        .map(|i| (i as u32).wrapping_mul(2_654_435_761).rotate_right(13) as u8)
+        .collect()
+}
+
+/// An in-memory source that counts the reads made on it (the default
+/// `read_ranges`, so coalescing is what is measured).
+#[derive(Debug)]
+struct Counting {
+    inner: MemBytes,
+    reads: AtomicUsize,
+}
+
+impl Counting {
+    fn new(data: Vec<u8>) -> Counting {
+        Counting {
+            inner: MemBytes::new(PathBuf::from("counted.bin"), data),
+            reads: AtomicUsize::new(0),
+        }
+    }
+}
+
+impl ByteSource for Counting {
+    fn name(&self) -> &Path {
+        self.inner.name()
+    }
+    fn len(&self) -> u64 {
+        self.inner.len()
+    }
+    fn read_at(&self, offset: u64, buf: &mut [u8]) -> Result<()> {
+        self.reads.fetch_add(1, Ordering::Relaxed);
+        self.inner.read_at(offset, buf)
+    }
+}
+
+/// Reads `(offset, len)` ranges through `read_ranges` and checks each against `data`.
+fn check_ranges(src: &dyn ByteSource, data: &[u8], spans: &[(u64, usize)]) {
+    let mut bufs: Vec<Vec<u8>> = spans.iter().map(|&(_, n)| vec![0xAA; n]).collect();
+    let mut ranges: Vec<(u64, &mut [u8])> = spans
+        .iter()
+        .zip(bufs.iter_mut())
+        .map(|(&(o, _), b)| (o, &mut b[..]))
+        .collect();
+    src.read_ranges(&mut ranges).unwrap();
+    for (&(o, n), b) in spans.iter().zip(&bufs) {
+        assert_eq!(&b[..], &data[o as usize..o as usize + n], "range {o}+{n}");
+    }
+}
+
+#[test]
+fn coalesce_groups_near_ranges_and_keeps_far_ones_apart() {
+    // Unsorted; 0..10 and 5..15 overlap, 15..20 touches, 100..110 is 80 bytes away,
+    // 10_000.. is far; the empty request joins nothing.
+    let req = [(100, 10), (0, 10), (10_000, 4), (5, 10), (15, 5), (50, 0)];
+    let runs = coalesce(&req, 100, 1 << 20);
+    assert_eq!(
+        runs,
+        vec![
+            Run {
+                start: 0,
+                end: 110,
+                members: vec![1, 3, 4, 0],
+            },
+            Run {
+                start: 10_000,
+                end: 10_004,
+                members: vec![2],
+            },
+        ]
+    );
+    // With no gap allowed, only overlapping and touching ranges share a read.
+    let runs = coalesce(&req, 0, 1 << 20);
+    let spans: Vec<(u64, u64)> = runs.iter().map(|r| (r.start, r.end)).collect();
+    assert_eq!(spans, [(0, 20), (100, 110), (10_000, 10_004)]);
+    // A run stops growing at the size cap (a lone long range is still one run).
+    let runs = coalesce(&[(0, 10), (10, 10), (20, 10), (30, 100)], 0, 20);
+    let spans: Vec<(u64, u64)> = runs.iter().map(|r| (r.start, r.end)).collect();
+    assert_eq!(spans, [(0, 20), (20, 30), (30, 130)]);
+}
+
+#[test]
+fn every_request_lands_in_exactly_one_run_that_covers_it() {
+    let mut seed = 7u64;
+    let mut next = |m: u64| {
+        seed = seed.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1);
+        (seed >> 33) % m
+    };
+    for _ in 0..200 {
+        let n = 1 + next(20) as usize;
+        let req: Vec<(u64, u64)> = (0..n).map(|_| (next(5000), next(300))).collect();
+        let runs = coalesce(&req, next(200), 64 + next(2000));
+        let mut seen = vec![0; n];
+        for r in &runs {
+            for &m in &r.members {
+                seen[m] += 1;
+                let (o, l) = req[m];
+                assert!(r.start <= o && o + l <= r.end, "{req:?} -> {runs:?}");
+            }
+        }
+        for (i, &(_, l)) in req.iter().enumerate() {
+            assert_eq!(seen[i], usize::from(l > 0), "{req:?} -> {runs:?}");
+        }
+        assert!(runs.windows(2).all(|w| w[0].start <= w[1].start));
+    }
+}
+
+#[test]
+fn read_ranges_serves_unsorted_overlapping_and_adjacent_ranges() {
+    let data = pattern(200_000);
+    let src = MemBytes::new(PathBuf::from("mem.bin"), data.clone());
+    check_ranges(
+        &src,
+        &data,
+        &[
+            (150_000, 100),
+            (0, 30),
+            (10, 30),
+            (40, 1),
+            (41, 0),
+            (41, 7),
+            (100_000, 50_000),
+            (199_990, 10),
+            (120, 64),
+        ],
+    );
+    // Many random ranges, compared byte for byte.
+    let mut seed = 11u64;
+    let mut next = |m: u64| {
+        seed = seed.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1);
+        (seed >> 33) % m
+    };
+    for _ in 0..50 {
+        let spans: Vec<(u64, usize)> = (0..1 + next(40))
+            .map(|_| {
+                let o = next(199_000);
+                (o, next(1000) as usize)
+            })
+            .collect();
+        check_ranges(&src, &data, &spans);
+    }
+}
+
+#[test]
+fn nearby_ranges_take_one_read_and_far_ones_their_own() {
+    let data = pattern(1 << 20);
+    let src = Counting::new(data.clone());
+    // Thirty headers 1 KiB apart: one read.
+    let spans: Vec<(u64, usize)> = (0..30).rev().map(|i| (i * 1024, 30)).collect();
+    check_ranges(&src, &data, &spans);
+    assert_eq!(src.reads.swap(0, Ordering::Relaxed), 1);
+    // Three ranges far apart: three reads.
+    check_ranges(&src, &data, &[(0, 8), (500_000, 8), (1_000_000, 8)]);
+    assert_eq!(src.reads.swap(0, Ordering::Relaxed), 3);
+}
+
+#[test]
+fn a_range_past_the_end_is_an_error_naming_the_source() {
+    let data = pattern(1000);
+    let src = MemBytes::new(PathBuf::from("short.bin"), data.clone());
+    let mut a = [0u8; 10];
+    let mut b = [0u8; 10];
+    let mut ranges = [(0u64, &mut a[..]), (995u64, &mut b[..])];
+    let e = src.read_ranges(&mut ranges).unwrap_err().to_string();
+    assert!(e.contains("short.bin") && e.contains("at byte 995"), "{e}");
+    let mut c = [0u8; 4];
+    let mut over = [(u64::MAX - 1, &mut c[..])];
+    assert!(src.read_ranges(&mut over).is_err());
+}
+
+#[test]
+fn a_local_file_reads_like_memory_and_reports_truncation() {
+    let data = pattern(300_000);
+    let mut f = tempfile::NamedTempFile::new().unwrap();
+    f.write_all(&data).unwrap();
+    let local = LocalFile::open(f.path()).unwrap();
+    assert_eq!(local.len(), data.len() as u64);
+    let spans: Vec<(u64, usize)> = (0..64).map(|i| (i * 4099 % 290_000, 700)).collect();
+    check_ranges(&local, &data, &spans);
+    local.will_need(0, 1 << 30);
+    // The file shrinks after it was opened: a read past the new end is an error that
+    // names the file, not a crash and not stale bytes.
+    f.as_file().set_len(1000).unwrap();
+    let mut buf = [0u8; 100];
+    let e = local.read_at(2000, &mut buf).unwrap_err().to_string();
+    assert!(e.contains(&f.path().display().to_string()), "{e}");
+    assert!(e.contains("shorter than when it was opened"), "{e}");
+    let mut ranges = [(10u64, &mut buf[..])];
+    local.read_ranges(&mut ranges).unwrap();
+    assert_eq!(&buf[..], &data[10..110]);
+}
+
+#[test]
+fn sources_are_shareable_trait_objects() {
+    fn shareable<T: Send + Sync + ?Sized>() {}
+    shareable::<dyn ByteSource>();
+    let blob = Blob::new(Arc::new(MemBytes::new(PathBuf::from("m"), pattern(10))));
+    assert_eq!(blob.path, Path::new("m"));
+    assert_eq!(blob.read_vec(2, 3).unwrap(), pattern(10)[2..5]);
+    assert_eq!(blob.head(100).unwrap().len(), 10);
+    assert!(blob.read_vec(8, 3).is_err());
+}

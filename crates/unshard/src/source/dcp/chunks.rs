@@ -1,0 +1,351 @@
+//! Chunk archives: each chunk listed in `.metadata` is a complete `torch.save` archive
+//! of one tensor at a byte range of a `.distcp` file. This module opens the files,
+//! checks each range lies inside its file, decodes `stream.zstd/1` items, reads each
+//! archive's records (both ends, in one request) and turns the chunk into a piece.
+//!
+//! A checkpoint of many ranks has hundreds of thousands of chunks, so reading their
+//! records one wait at a time would take longer than merging: the ends of the next
+//! thousand archives are asked for ahead of the parse.
+
+use std::collections::{HashMap, HashSet};
+use std::io::Read;
+use std::path::Path;
+use std::sync::Arc;
+
+use super::super::torch::{self, Leaf};
+use super::super::zip::Archive;
+use super::super::{check_coverage, Blob, FileId, TensorSource};
+use super::metadata::{Entry, EntryKind, Item, Metadata};
+use crate::{Error, Result};
+
+/// The transform DCP's `ZStandard` extension records on each item it compressed.
+const ZSTD: &str = "stream.zstd/1";
+
+/// Opens `.distcp` files once each and turns chunks into pieces.
+pub(super) struct Reader<'a> {
+    dir: &'a Path,
+    /// The files opened so far, then in-memory files of decompressed items.
+    pub(super) files: Vec<Arc<Blob>>,
+    by_name: HashMap<String, FileId>,
+    /// Every chunk archive to be parsed, in parsing order: file, offset, length.
+    ahead: Vec<(FileId, u64, u64)>,
+    /// How many of `ahead` have been asked for.
+    asked: usize,
+    /// How many of `ahead` have been parsed.
+    parsed: usize,
+    /// Bytes read at each end of a chunk archive before parsing it (see [`ENDS`]).
+    ends: u64,
+}
+
+/// Chunk archives whose ends are asked for ahead of the parse.
+const PREFETCH_CHUNKS: usize = 1024;
+
+/// Bytes asked for, then read, at each end of a chunk archive: its zip records and
+/// pickle take about 2 KiB at the start and 1 KiB at the end, so that one request
+/// (one read for an archive under 40 KiB) holds everything parsing needs.
+pub(super) const ENDS: u64 = 4 << 10;
+
+impl<'a> Reader<'a> {
+    /// A reader of the chunks of the DCP directory `dir`.
+    pub(super) fn new(dir: &'a Path, ends: u64) -> Reader<'a> {
+        Reader {
+            dir,
+            files: Vec::new(),
+            by_name: HashMap::new(),
+            ahead: Vec::new(),
+            asked: 0,
+            parsed: 0,
+            ends,
+        }
+    }
+
+    /// Lists the chunk archives that are about to be parsed, in the order they will
+    /// be, and asks for the first [`PREFETCH_CHUNKS`] of them. Parsing touches each
+    /// archive's two ends one after the other; from a cold cache each touch would wait
+    /// for its own disk read, which for a checkpoint of many ranks (hundreds of
+    /// thousands of chunks) takes longer than reading the weights. Asking the kernel
+    /// for the ends of the next thousand archives keeps the disk busy with many small
+    /// reads at once, and no more than a few MB of them ahead of the parse. Files that
+    /// do not open are left for the parse to report.
+    pub(super) fn plan_prefetch(&mut self, md: &Metadata, tensors: &[(String, &Entry)]) {
+        for (_, entry) in tensors {
+            let EntryKind::Tensor { chunks, .. } = &entry.kind else {
+                continue;
+            };
+            for chunk in chunks {
+                let key = (entry.fqn.clone(), Some(chunk.offsets.clone()));
+                let Some(item) = md.items.get(&key) else {
+                    continue;
+                };
+                if chunk.sizes.contains(&0) || !item.transforms.is_empty() {
+                    continue;
+                }
+                if let Ok(id) = self.file(&item.file, &entry.fqn) {
+                    self.ahead.push((id, item.offset, item.length));
+                }
+            }
+        }
+        self.prefetch_more();
+    }
+
+    /// Notes that one more chunk archive has been parsed and asks for the next.
+    fn prefetch_more(&mut self) {
+        let until = (self.parsed + PREFETCH_CHUNKS).min(self.ahead.len());
+        while self.asked < until {
+            let (id, offset, length) = self.ahead[self.asked];
+            let blob = &self.files[id];
+            let end = self.ends.max(1);
+            if length <= end.saturating_mul(2) {
+                blob.will_need(offset, length);
+            } else {
+                blob.will_need(offset, end);
+                blob.will_need(offset.saturating_add(length - end), end);
+            }
+            self.asked += 1;
+        }
+    }
+
+    fn file(&mut self, name: &str, tensor: &str) -> Result<FileId> {
+        if let Some(&id) = self.by_name.get(name) {
+            return Ok(id);
+        }
+        let plain = !name.is_empty()
+            && name != "."
+            && name != ".."
+            && !name.contains('/')
+            && !name.contains('\\');
+        if !plain {
+            return Err(Error::corrupt(
+                self.dir.join(".metadata"),
+                format!("tensor '{tensor}' is stored in '{name}', which is not a file of the checkpoint directory"),
+            ));
+        }
+        let path = self.dir.join(name);
+        let blob = Blob::open(&path)?;
+        let id = self.files.len();
+        self.files.push(Arc::new(blob));
+        self.by_name.insert(name.to_string(), id);
+        Ok(id)
+    }
+
+    /// The bytes of an item as stored: `(file, offset, length)` after checking the
+    /// range lies inside its file.
+    fn locate(&mut self, item: &Item, what: &str) -> Result<(FileId, u64, u64)> {
+        let id = self.file(&item.file, what)?;
+        let blob = &self.files[id];
+        let end = item.offset.checked_add(item.length);
+        match end {
+            Some(end) if end <= blob.len() => Ok((id, item.offset, item.length)),
+            _ => Err(Error::corrupt(
+                &blob.path,
+                format!(
+                    "{what} is stored at bytes {}..{} but the file has {} bytes; it is truncated or incomplete",
+                    item.offset,
+                    item.offset.saturating_add(item.length),
+                    blob.len()
+                ),
+            )),
+        }
+    }
+
+    /// The item's bytes as a torch.save archive: the range of its file, or a
+    /// decompressed copy (then a new in-memory file). Returns the file holding them,
+    /// the archive's offset in it and its length.
+    fn archive(&mut self, item: &Item, what: &str, max_decoded: u64) -> Result<(FileId, u64, u64)> {
+        let (id, offset, length) = self.locate(item, what)?;
+        if item.transforms.is_empty() {
+            return Ok((id, offset, length));
+        }
+        let path = self.files[id].path.clone();
+        if let Some(t) = item.transforms.iter().find(|t| t.as_str() != ZSTD) {
+            return Err(Error::Unsupported {
+                path,
+                what: format!("{what}: the DCP stream transform '{t}'"),
+                hint: Some(format!(
+                    "unshard decodes only '{ZSTD}' (torch's ZStandard extension); load the checkpoint in Python and save it again without the extension"
+                )),
+            });
+        }
+        let mut data = self.files[id].read_vec(offset, length)?;
+        for _ in &item.transforms {
+            data = unzstd(&data, max_decoded)
+                .map_err(|m| Error::corrupt(&path, format!("{what}: {m}")))?;
+        }
+        let len = data.len() as u64;
+        let new = self.files.len();
+        self.files.push(Arc::new(Blob::owned(path, data)));
+        Ok((new, 0, len))
+    }
+
+    pub(super) fn tensor(
+        &mut self,
+        md: &Metadata,
+        name: &str,
+        entry: &Entry,
+    ) -> Result<TensorSource> {
+        let EntryKind::Tensor {
+            dtype,
+            shape,
+            chunks,
+        } = &entry.kind
+        else {
+            return Err(Error::bad_tensor(self.dir, name, "not a tensor entry"));
+        };
+        let mut pieces = Vec::with_capacity(chunks.len());
+        let mut files_used = HashSet::new();
+        let mut compressed = false;
+        let elem = dtype.size() as u64;
+        for chunk in chunks {
+            let numel = chunk
+                .sizes
+                .iter()
+                .try_fold(1u64, |a, &n| a.checked_mul(n))
+                .and_then(|n| n.checked_mul(elem))
+                .ok_or_else(|| {
+                    Error::bad_tensor(
+                        self.dir,
+                        name,
+                        format!("chunk sizes {:?} overflow", chunk.sizes),
+                    )
+                })?;
+            if numel == 0 {
+                continue;
+            }
+            let what = format!("tensor '{}' chunk at {:?}", entry.fqn, chunk.offsets);
+            let item = md
+                .items
+                .get(&(entry.fqn.clone(), Some(chunk.offsets.clone())))
+                .ok_or_else(|| {
+                    Error::corrupt(
+                        self.dir.join(".metadata"),
+                        format!("{what} has no storage entry"),
+                    )
+                })?
+                .clone();
+            // A chunk archive is the tensor's bytes plus a small pickle and zip records.
+            let max_decoded = numel.saturating_add(16 << 20);
+            let (file, offset, length) = self.archive(&item, &what, max_decoded)?;
+            files_used.insert(item.file.clone());
+            compressed |= !item.transforms.is_empty();
+            let blob = self.files[file].clone();
+            // Both ends of the archive in one request: they hold the zip records and
+            // the pickle, so the parse that follows reads nothing more (tensor bytes,
+            // in the middle, are left for the engine).
+            let mut archive = Archive::new(&blob, offset, length)?;
+            archive.read_ends(self.ends, self.ends)?;
+            let mut magic = [0u8; 2];
+            if length < 2 || archive.read(0, &mut magic).is_err() || &magic != b"PK" {
+                return Err(Error::Unsupported {
+                    path: blob.path.clone(),
+                    what: format!("{what}: a DCP item that is not a torch.save archive (safetensors-format DCP)"),
+                    hint: Some("save with the default FileSystemWriter, or convert with torch.distributed.checkpoint.format_utils.dcp_to_torch_save".into()),
+                });
+            }
+            let payload = torch::read_zip_payload(&mut archive)?;
+            drop(archive);
+            if item.transforms.is_empty() {
+                self.parsed += 1;
+                self.prefetch_more();
+            }
+            let t = match torch::leaf(&payload.pickle, payload.pickle.root()) {
+                Ok(Some(Leaf::Tensor(t))) => t,
+                Ok(_) => {
+                    return Err(Error::corrupt(
+                        &blob.path,
+                        format!("{what}: the archive does not hold a plain tensor"),
+                    ))
+                }
+                Err(m) => return Err(Error::bad_tensor(&blob.path, name, m)),
+            };
+            if t.shape != chunk.sizes || t.dtype != *dtype {
+                return Err(Error::bad_tensor(
+                    &blob.path,
+                    name,
+                    format!(
+                        "the chunk at {:?} holds a {} {:?} tensor where the metadata says {} {:?}",
+                        chunk.offsets,
+                        t.dtype.safetensors_name(),
+                        t.shape,
+                        dtype.safetensors_name(),
+                        chunk.sizes
+                    ),
+                ));
+            }
+            pieces.push(payload.piece(file, name, &t, chunk.offsets.clone())?);
+        }
+        let split: Vec<String> = (0..shape.len())
+            .filter(|&d| chunks.iter().any(|c| c.sizes.get(d) != shape.get(d)))
+            .map(|d| d.to_string())
+            .collect();
+        let kind = if compressed { "DCP (zstd)" } else { "DCP" };
+        let layout = match (pieces.len(), split.is_empty()) {
+            (1, true) => format!("{kind}, 1 chunk"),
+            (n, _) => format!(
+                "{kind}, {n} chunks{} in {} file(s)",
+                if split.is_empty() {
+                    String::new()
+                } else {
+                    format!(" split on dim {}", split.join(" and "))
+                },
+                files_used.len()
+            ),
+        };
+        let source = TensorSource {
+            name: name.to_string(),
+            dtype: *dtype,
+            shape: shape.clone(),
+            pieces,
+            storage: None,
+            layout: Some(layout),
+        };
+        check_coverage(self.dir, &source)?;
+        Ok(source)
+    }
+
+    /// What a byte entry holds, for `inspect`: small items are unpickled (inertly);
+    /// anything unreadable is just described by its size.
+    pub(super) fn describe_bytes(&mut self, md: &Metadata, fqn: &str) -> String {
+        let Some(item) = md.items.get(&(fqn.to_string(), None)).cloned() else {
+            return "non-tensor entry (no storage entry)".into();
+        };
+        let fallback = format!("non-tensor entry ({} bytes)", item.length);
+        if item.length > 1 << 20 {
+            return fallback;
+        }
+        let Ok((file, offset, length)) = self.locate(&item, fqn) else {
+            return fallback;
+        };
+        let blob = self.files[file].clone();
+        let Ok(mut data) = blob.read_vec(offset, length) else {
+            return fallback;
+        };
+        for t in &item.transforms {
+            match (t.as_str(), unzstd(&data, 1 << 20)) {
+                (ZSTD, Ok(d)) => data = d,
+                _ => return fallback,
+            }
+        }
+        let held = Blob::owned(blob.path.clone(), data);
+        match torch::read_zip_payload(&mut Archive::whole(&held)) {
+            Ok(payload) => torch::describe(&payload.pickle, payload.pickle.root()),
+            Err(_) => fallback,
+        }
+    }
+}
+
+/// Decompresses a zstd stream, refusing to produce more than `limit` bytes.
+fn unzstd(data: &[u8], limit: u64) -> std::result::Result<Vec<u8>, String> {
+    let decoder = zstd::stream::read::Decoder::new(data)
+        .map_err(|e| format!("cannot start zstd decompression: {e}"))?;
+    let mut out = Vec::new();
+    decoder
+        .take(limit.saturating_add(1))
+        .read_to_end(&mut out)
+        .map_err(|e| format!("the zstd stream is corrupt: {e}"))?;
+    if out.len() as u64 > limit {
+        return Err(format!(
+            "the zstd stream decompresses to more than the {limit} bytes the chunk can hold"
+        ));
+    }
+    Ok(out)
+}

@@ -1,0 +1,312 @@
+//! torch.distributed.checkpoint directories: `.metadata` + `__R_I.distcp`.
+//!
+//! FSDP `SHARDED_STATE_DICT`, FSDP2, accelerate's `pytorch_model_fsdp_0/` and
+//! torchtitan all save this way (docs/formats.md). `.metadata` is a plain pickle
+//! (protocol 4 or 5) of dataclasses, read here as opaque objects: for every entry
+//! of the flattened state dict it gives the global shape and dtype and the chunks
+//! (offset and size boxes) it was saved in; `storage_data` maps each chunk
+//! (`MetadataIndex(fqn, offsets)`) to a byte range of a `.distcp` file. Each range
+//! is a complete `torch.save` archive of one tensor, so a chunk becomes one
+//! [`Piece`](super::Piece) pointing into the `.distcp` file, placed at the chunk's
+//! offsets. Ranges that went through the `stream.zstd/1` transform are decompressed
+//! into memory first; that is the only copy of tensor bytes a reader makes.
+//!
+//! Nested state dicts are flattened by DCP (`{"model": sd}` gives `model.<fqn>`);
+//! `planner_data` keeps the original path, which tells where the model is and which
+//! entries are optimizer state (skipped, with a note). Byte entries (step counters,
+//! param groups, anything not a tensor) are listed as extras and never read as weights.
+//!
+//! By job: `metadata` interprets `.metadata`; this file picks the model's entries;
+//! `chunks` locates each chunk's archive in its `.distcp` file and reads the
+//! archive's records, ahead of need.
+
+use std::collections::{HashMap, HashSet};
+use std::path::{Path, PathBuf};
+
+use super::torch;
+use super::{Checkpoint, Extra, Format, OpenOptions};
+use crate::{Error, Result};
+
+mod chunks;
+mod metadata;
+
+use chunks::Reader;
+use metadata::{parse_metadata, Entry, EntryKind, Metadata};
+
+/// Top-level state-dict keys under which trainers put optimizer state.
+const OPTIMIZER_KEYS: &[&str] = &[
+    "optim",
+    "optimizer",
+    "optimizers",
+    "optim_state",
+    "optimizer_state_dict",
+];
+
+/// Whether a directory is a DCP checkpoint.
+pub fn is_dcp_dir(path: &Path) -> bool {
+    path.join(".metadata").is_file()
+}
+
+/// Hands memory freed by the allocator back to the system. The `.metadata` of a
+/// checkpoint of many ranks is parsed into millions of small allocations; once they are
+/// freed, glibc keeps most of them for reuse, and the merge that follows (minutes, for
+/// a big model) would hold hundreds of MB it no longer needs.
+fn release_freed_memory() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    // SAFETY: malloc_trim only returns free heap memory to the system.
+    unsafe {
+        libc::malloc_trim(0);
+    }
+}
+
+/// Opens a DCP directory and describes the model tensors in it.
+pub fn open(dir: &Path, opts: &OpenOptions) -> Result<Checkpoint> {
+    open_with(dir, opts, chunks::ENDS)
+}
+
+/// [`open`], reading `ends` bytes at each end of every chunk archive up front.
+fn open_with(dir: &Path, opts: &OpenOptions, ends: u64) -> Result<Checkpoint> {
+    let meta_path = dir.join(".metadata");
+    let raw = std::fs::read(&meta_path).map_err(|e| Error::io("read", &meta_path, e))?;
+    let md = parse_metadata(&meta_path, &raw)?;
+    drop(raw);
+    release_freed_memory();
+    let selection = select(dir, &md, opts.key.as_deref())?;
+    let mut reader = Reader::new(dir, ends);
+    reader.plan_prefetch(&md, &selection.tensors);
+    let mut tensors = Vec::with_capacity(selection.tensors.len());
+    for (name, entry) in &selection.tensors {
+        tensors.push(reader.tensor(&md, name, entry)?);
+    }
+    let mut extras = Vec::new();
+    for e in &md.entries {
+        if matches!(e.kind, EntryKind::Bytes) {
+            extras.push(Extra {
+                name: e.fqn.clone(),
+                kind: reader.describe_bytes(&md, &e.fqn),
+            });
+        }
+    }
+    extras.extend(selection.extras);
+    Ok(Checkpoint {
+        format: Format::Dcp,
+        path: dir.to_path_buf(),
+        files: reader.files,
+        key: selection.key,
+        tensors,
+        extras,
+        notes: selection.notes,
+    })
+}
+
+/// Finds the one DCP directory inside `dir` that holds a model, as in a HF Trainer
+/// or accelerate `checkpoint-N/` (`pytorch_model_fsdp_0/` beside `optimizer_0/`).
+/// Optimizer-only directories are passed over; when nothing else is there, the
+/// optimizer directory is returned so that opening it explains what it holds.
+pub fn find_model_subdir(dir: &Path) -> Result<Option<(PathBuf, Vec<String>)>> {
+    let mut models = Vec::new();
+    let mut optimizers = Vec::new();
+    let rd = std::fs::read_dir(dir).map_err(|e| Error::io("list", dir, e))?;
+    for entry in rd.flatten() {
+        let p = entry.path();
+        if !p.is_dir() || !is_dcp_dir(&p) {
+            continue;
+        }
+        let name = entry.file_name().to_string_lossy().into_owned();
+        if name.starts_with("optim") {
+            optimizers.push(name);
+        } else {
+            models.push(name);
+        }
+    }
+    models.sort();
+    optimizers.sort();
+    match models.len() {
+        0 => Ok(optimizers.first().map(|o| (dir.join(o), Vec::new()))),
+        1 => Ok(Some((dir.join(&models[0]), optimizers))),
+        _ => Err(Error::Unsupported {
+            path: dir.to_path_buf(),
+            what: format!(
+                "a directory holding several torch.distributed.checkpoint directories ({})",
+                models.join(", ")
+            ),
+            hint: Some(format!(
+                "pass the one to merge, e.g. {}",
+                dir.join(&models[0]).display()
+            )),
+        }),
+    }
+}
+
+/// What to merge: the tensor entries of the model, with their names in it.
+struct Selection<'a> {
+    key: Option<String>,
+    tensors: Vec<(String, &'a Entry)>,
+    extras: Vec<Extra>,
+    notes: Vec<String>,
+}
+
+/// The top-level key an entry was saved under, if the state dict was nested.
+fn group_of(e: &Entry) -> Option<&str> {
+    match e.path.as_slice() {
+        [first, _, ..] => Some(first),
+        _ => None,
+    }
+}
+
+fn is_optimizer_group(g: &str) -> bool {
+    OPTIMIZER_KEYS.contains(&g)
+}
+
+/// Picks the model's tensors: under `--key` when given, else the top level, else
+/// the one non-optimizer group holding tensors (or the first of the usual wrapper keys).
+fn select<'a>(dir: &Path, md: &'a Metadata, key: Option<&str>) -> Result<Selection<'a>> {
+    let is_tensor = |e: &Entry| matches!(e.kind, EntryKind::Tensor { .. });
+    let mut groups: Vec<Option<&str>> = Vec::new();
+    for e in md.entries.iter().filter(|e| is_tensor(e)) {
+        let g = group_of(e);
+        if !groups.contains(&g) {
+            groups.push(g);
+        }
+    }
+    let chosen = match key {
+        Some(k) if !k.is_empty() => {
+            let prefix = format!("{k}.");
+            if !md
+                .entries
+                .iter()
+                .any(|e| is_tensor(e) && e.fqn.starts_with(&prefix))
+            {
+                return Err(Error::KeyNotFound {
+                    path: dir.to_path_buf(),
+                    key: k.to_string(),
+                    available: groups.iter().flatten().map(|g| g.to_string()).collect(),
+                });
+            }
+            Some(k)
+        }
+        _ => model_group(dir, &groups)?,
+    };
+    let prefix = chosen.map(|k| format!("{k}.")).unwrap_or_default();
+    let mut tensors = Vec::new();
+    let mut extras = Vec::new();
+    let mut skipped: HashMap<&str, usize> = HashMap::new();
+    for e in md.entries.iter().filter(|e| is_tensor(e)) {
+        let mine = match chosen {
+            Some(_) => e.fqn.strip_prefix(&prefix),
+            None => group_of(e).is_none().then_some(e.fqn.as_str()),
+        };
+        match (mine, group_of(e)) {
+            (Some(name), _) => tensors.push((name.to_string(), e)),
+            (None, Some(g)) if is_optimizer_group(g) => *skipped.entry(g).or_insert(0) += 1,
+            (None, _) => {
+                if let EntryKind::Tensor { dtype, shape, .. } = &e.kind {
+                    extras.push(Extra {
+                        name: e.fqn.clone(),
+                        kind: format!(
+                            "tensor {} {shape:?} (not merged; select it with --key)",
+                            dtype.safetensors_name()
+                        ),
+                    });
+                }
+            }
+        }
+    }
+    let mut notes = Vec::new();
+    let mut skipped: Vec<_> = skipped.into_iter().collect();
+    skipped.sort();
+    for (g, n) in skipped {
+        notes.push(format!(
+            "skipped optimizer state under '{g}' ({n} tensor entries); only model weights are merged"
+        ));
+    }
+    let mut seen = HashSet::new();
+    for (name, _) in &tensors {
+        if !seen.insert(name.as_str()) {
+            return Err(Error::corrupt(
+                dir.join(".metadata"),
+                format!("tensor '{name}' appears twice"),
+            ));
+        }
+    }
+    Ok(Selection {
+        key: chosen.map(str::to_string),
+        tensors,
+        extras,
+        notes,
+    })
+}
+
+/// The group the model was saved under (`None` = the top level), among the groups
+/// holding tensors: optimizer state never, the top level first, else the only
+/// remaining group, else the first usual wrapper key.
+fn model_group<'g>(dir: &Path, groups: &[Option<&'g str>]) -> Result<Option<&'g str>> {
+    let model: Vec<Option<&str>> = groups
+        .iter()
+        .copied()
+        .filter(|g| !g.is_some_and(is_optimizer_group))
+        .collect();
+    if model.contains(&None) {
+        return Ok(None);
+    }
+    if let [only] = model.as_slice() {
+        return Ok(*only);
+    }
+    if let Some(w) = torch::WRAPPER_KEYS
+        .iter()
+        .find(|w| model.contains(&Some(**w)))
+    {
+        return Ok(Some(*w));
+    }
+    if !model.is_empty() {
+        return Err(Error::AmbiguousTensors {
+            path: dir.to_path_buf(),
+            candidates: model.iter().flatten().map(|g| g.to_string()).collect(),
+        });
+    }
+    let what = if groups.is_empty() {
+        "no tensors at all".to_string()
+    } else {
+        let names: Vec<&str> = groups.iter().flatten().copied().collect();
+        format!("only optimizer state under '{}'", names.join("', '"))
+    };
+    Err(Error::NoTensors {
+        path: dir.to_path_buf(),
+        at: None,
+        hint: Some(format!(
+            "no model tensors: the checkpoint holds {what}; the model weights are saved in a sibling directory (accelerate: pytorch_model_fsdp_0)"
+        )),
+    })
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+    use crate::write::read_tensor;
+
+    /// Every chunk archive of a real DCP directory gives the same tensors, byte for
+    /// byte, whether it is read whole up front, read record by record from the file,
+    /// or with the ends `open` reads.
+    #[test]
+    fn archives_read_whole_or_record_by_record_give_the_same_tensors() {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/sharded/llama_w3_dcp");
+        let opts = OpenOptions::default();
+        let in_memory = open_with(&dir, &opts, u64::MAX).unwrap();
+        let in_map = open_with(&dir, &opts, 0).unwrap();
+        let default = open(&dir, &opts).unwrap();
+        assert_eq!(default.tensors.len(), in_map.tensors.len());
+        for (a, b) in default.tensors.iter().zip(&in_map.tensors) {
+            assert_eq!(a.pieces, b.pieces, "{}", a.name);
+        }
+        assert_eq!(in_memory.tensors.len(), in_map.tensors.len());
+        assert!(in_map.tensors.iter().any(|t| t.pieces.len() == 3));
+        for (a, b) in in_memory.tensors.iter().zip(&in_map.tensors) {
+            assert_eq!(a.name, b.name);
+            assert_eq!(a.pieces.len(), b.pieces.len());
+            let (x, _) = read_tensor(&in_memory.files, a, a.dtype).unwrap();
+            let (y, _) = read_tensor(&in_map.files, b, b.dtype).unwrap();
+            assert_eq!(x, y, "{}", a.name);
+        }
+    }
+}

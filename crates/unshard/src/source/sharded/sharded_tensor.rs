@@ -1,0 +1,126 @@
+//! ShardedTensors (FSDP1 `SHARDED_STATE_DICT` saved per rank): each rank lists its
+//! local shards with their offsets and sizes; the metadata says which rank holds
+//! which shard.
+
+use std::collections::HashSet;
+
+use unshard_pickle::{NodeId, Pickle};
+
+use super::super::torch::{self, dims_of, field_of, int_of, seq_of, Leaf, SubclassRef};
+use super::super::{Piece, TensorSource};
+use super::{check_ranks_present, RankFile, RankSet};
+use crate::{Error, Result};
+
+/// ShardedTensors: each rank lists its local shards with their offsets.
+pub(super) fn sharded_tensor(
+    set: &RankSet,
+    ranks: &[RankFile],
+    name: &str,
+    leaves: &[Leaf],
+) -> Result<TensorSource> {
+    let mut pieces: Vec<Piece> = Vec::new();
+    let mut boxes: HashSet<(Vec<u64>, Vec<u64>)> = HashSet::new();
+    let mut global: Option<&SubclassRef> = None;
+    for (r, (rank, leaf)) in ranks.iter().zip(leaves).enumerate() {
+        let p = &rank.payload.pickle;
+        let bad = |m: String| Error::bad_tensor(&rank.path, name, m);
+        let s = match leaf {
+            Leaf::Subclass(s) if s.class == "ShardedTensor" => s,
+            _ => {
+                return Err(bad(
+                    "not a ShardedTensor here, but a ShardedTensor in rank 0's file".into(),
+                ))
+            }
+        };
+        match global {
+            None => global = Some(s),
+            Some(g) if g.shape != s.shape || g.dtype != s.dtype => {
+                return Err(bad(format!(
+                    "global shape {:?} here but {:?} in rank 0's file",
+                    s.shape, g.shape
+                )))
+            }
+            Some(_) => {}
+        }
+        let parts = s
+            .state
+            .and_then(|st| seq_of(p, st))
+            .ok_or_else(|| bad("the ShardedTensor has no state".into()))?;
+        // Shards the metadata places on ranks whose file is absent.
+        if let Some(meta) = parts.get(1) {
+            check_ranks_present(set, ranks.len(), &shard_owners(p, *meta))?;
+        }
+        let locals = parts
+            .first()
+            .and_then(|&l| seq_of(p, l))
+            .ok_or_else(|| bad("the ShardedTensor has no local shard list".into()))?;
+        for &shard in locals {
+            let t = match field_of(p, shard, "tensor").map(|t| torch::leaf(p, t)) {
+                Some(Ok(Some(Leaf::Tensor(t)))) => t,
+                Some(Err(m)) => return Err(bad(m)),
+                _ => return Err(bad("a local shard without a tensor".into())),
+            };
+            let md = field_of(p, shard, "metadata");
+            let offsets = md
+                .and_then(|m| field_of(p, m, "shard_offsets"))
+                .and_then(|o| dims_of(p, o));
+            let sizes = md
+                .and_then(|m| field_of(p, m, "shard_sizes"))
+                .and_then(|o| dims_of(p, o));
+            let (Some(offsets), Some(sizes)) = (offsets, sizes) else {
+                return Err(bad("a local shard without offsets and sizes".into()));
+            };
+            if sizes != t.shape {
+                return Err(bad(format!(
+                    "a local shard is {:?} but its metadata says {sizes:?}",
+                    t.shape
+                )));
+            }
+            if sizes.contains(&0) || !boxes.insert((offsets.clone(), sizes)) {
+                continue;
+            }
+            pieces.push(rank.payload.piece(r, name, &t, offsets)?);
+        }
+    }
+    let g = global.ok_or_else(|| Error::bad_tensor(&set.dir, name, "no rank holds it"))?;
+    let dtype = g
+        .dtype
+        .ok_or_else(|| Error::bad_tensor(&set.dir, name, "the ShardedTensor has no dtype"))?;
+    if let Some(p) = pieces.iter().find(|p| p.dtype != dtype) {
+        return Err(Error::bad_tensor(
+            &set.dir,
+            name,
+            format!(
+                "a shard is {} but the tensor is {}",
+                p.dtype.safetensors_name(),
+                dtype.safetensors_name()
+            ),
+        ));
+    }
+    Ok(TensorSource {
+        name: name.to_string(),
+        dtype,
+        shape: g.shape.clone(),
+        layout: Some(format!(
+            "ShardedTensor: {} rank(s), {} shard(s)",
+            ranks.len(),
+            pieces.len()
+        )),
+        pieces,
+        storage: None,
+    })
+}
+
+/// The ranks `ShardedTensorMetadata.shards_metadata` places shards on.
+fn shard_owners(p: &Pickle, meta: NodeId) -> Vec<u64> {
+    field_of(p, meta, "shards_metadata")
+        .and_then(|s| seq_of(p, s))
+        .unwrap_or(&[])
+        .iter()
+        .filter_map(|&sm| {
+            let placement = field_of(p, sm, "placement")?;
+            let r = field_of(p, placement, "_rank")?;
+            u64::try_from(int_of(p, r)?).ok()
+        })
+        .collect()
+}

@@ -1,0 +1,143 @@
+//! The cheaper content checks a merge runs: whether the checkpoint equals the base
+//! (nothing was trained), `fail_on_nonfinite`, and dropping the cached output
+//! before a read-back verification.
+
+use std::collections::HashMap;
+use std::path::Path;
+
+use rayon::prelude::*;
+
+use super::compare::same_values;
+use crate::dtype::{self, ConvertStats};
+use crate::plan::{Origin, Plan, PlannedTensor};
+use crate::prepare::Inputs;
+use crate::report::list_some;
+use crate::source::TensorSource;
+use crate::write::{read_tensor_range, windows, WINDOW_BYTES};
+use crate::{Error, Result};
+
+/// Whether every checkpoint tensor equals the base's after conversion to the output
+/// dtype, i.e. the merge would write the base again (an adapter-only export, a
+/// checkpoint saved before the first step). Returns how many tensors were compared
+/// when they all match.
+///
+/// Cheap when training changed something: the first window of each tensor is
+/// compared first, and the rest is read only if all of those match.
+pub fn unchanged_from_base(plan: &Plan, inputs: Inputs<'_>) -> Result<Option<usize>> {
+    const FIRST_BYTES: u64 = 64 << 10;
+    let Some(base) = inputs.base else {
+        return Ok(None);
+    };
+    let by_name: HashMap<&str, &TensorSource> =
+        base.tensors.iter().map(|t| (t.name.as_str(), t)).collect();
+    let mut pairs: Vec<(&PlannedTensor, &TensorSource)> = Vec::new();
+    for t in plan
+        .tensors
+        .iter()
+        .filter(|t| t.origin == Origin::Checkpoint)
+    {
+        match by_name.get(t.name.as_str()) {
+            Some(b) if b.shape == t.source.shape && dtype::can_convert(b.dtype, t.dtype) => {
+                pairs.push((t, b))
+            }
+            _ => return Ok(None),
+        }
+    }
+    if pairs.is_empty() {
+        return Ok(None);
+    }
+    let window_equal = |t: &PlannedTensor,
+                        b: &TensorSource,
+                        e0: u64,
+                        e1: u64,
+                        bufs: &mut (Vec<u8>, Vec<u8>)|
+     -> Result<bool> {
+        let len = ((e1 - e0) * t.dtype.size() as u64) as usize;
+        bufs.0.resize(len, 0);
+        bufs.1.resize(len, 0);
+        read_tensor_range(
+            &inputs.checkpoint.files,
+            &t.source,
+            t.dtype,
+            e0,
+            e1,
+            &mut bufs.0,
+        )?;
+        read_tensor_range(&base.files, b, t.dtype, e0, e1, &mut bufs.1)?;
+        Ok(same_values(&bufs.0, &bufs.1, t.dtype))
+    };
+    let mut bufs = (Vec::new(), Vec::new());
+    let mut rest: Vec<(usize, u64, u64)> = Vec::new();
+    for (i, (t, b)) in pairs.iter().enumerate() {
+        let n = t.source.numel();
+        let head = (FIRST_BYTES / t.dtype.size() as u64)
+            .clamp(1, n.max(1))
+            .min(n);
+        if !window_equal(t, b, 0, head, &mut bufs)? {
+            return Ok(None);
+        }
+        let per = WINDOW_BYTES / t.dtype.size() as u64;
+        rest.extend(windows(head, n, per).map(|(e0, e1)| (i, e0, e1)));
+    }
+    let differs = rest
+        .par_iter()
+        .map_init(
+            || (Vec::new(), Vec::new()),
+            |bufs, &(i, e0, e1)| window_equal(pairs[i].0, pairs[i].1, e0, e1, bufs),
+        )
+        .find_any(|r| !matches!(r, Ok(true)));
+    match differs {
+        Some(Err(e)) => Err(e),
+        Some(_) => Ok(None),
+        None => Ok(Some(pairs.len())),
+    }
+}
+
+/// `--fail-on-nonfinite`: an error naming every tensor that holds NaN or inf in
+/// the checkpoint or that overflowed to inf in the cast.
+pub fn check_finite(plan: &Plan, stats: &[ConvertStats]) -> Result<()> {
+    let bad: Vec<String> = plan
+        .tensors
+        .iter()
+        .zip(stats)
+        .filter(|(_, s)| s.nan + s.inf + s.overflow > 0)
+        .map(|(t, s)| {
+            let mut what = format!("'{}' ({} NaN, {} inf", t.name, s.nan, s.inf);
+            if s.overflow > 0 {
+                what.push_str(&format!(
+                    ", {} overflowed to inf in {}",
+                    s.overflow, t.dtype
+                ));
+            }
+            what.push(')');
+            what
+        })
+        .collect();
+    if bad.is_empty() {
+        return Ok(());
+    }
+    Err(Error::Check {
+        msg: format!(
+            "{} tensor(s) hold non-finite values: {}",
+            bad.len(),
+            list_some(&bad, 6)
+        ),
+        hint: Some(
+            "the output was not written; the run may have diverged. Drop --fail-on-nonfinite to write it anyway"
+                .into(),
+        ),
+    })
+}
+
+/// Asks the kernel to drop the cached pages of the planned shard files (fsynced, so
+/// clean), so that a verification right after writing reads them back from the disk
+/// rather than from memory. A hint: failures are ignored.
+pub fn drop_cached(dir: &Path, plan: &Plan) {
+    use std::os::fd::AsRawFd;
+    for s in &plan.shards {
+        if let Ok(f) = std::fs::File::open(dir.join(&s.file_name)) {
+            // SAFETY: fadvise only reads the descriptor, which is open for the call.
+            let _ = unsafe { libc::posix_fadvise(f.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED) };
+        }
+    }
+}

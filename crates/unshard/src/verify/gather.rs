@@ -1,0 +1,359 @@
+//! The expected values of a tensor, gathered with a deliberately plain algorithm
+//! (output row by output row, asking each piece for the columns it holds) rather
+//! than with the writer's run merging, so that a placement bug in the engine shows
+//! up as a mismatch instead of being reproduced.
+
+use std::path::Path;
+use std::sync::Arc;
+
+use crate::dtype;
+use crate::source::{Blob, TensorSource};
+use crate::write::WINDOW_BYTES;
+use crate::{DType, Error, Result};
+
+/// A piece seen with at least one dimension, so that a 0-d tensor is a single row
+/// of one column.
+pub(crate) struct PieceBox<'a> {
+    pub(crate) blob: &'a Blob,
+    pub(crate) byte_offset: u64,
+    pub(crate) dtype: DType,
+    pub(crate) big_endian: bool,
+    pub(crate) shape: Vec<u64>,
+    pub(crate) strides: Vec<u64>,
+    pub(crate) offset: Vec<u64>,
+}
+
+/// Fills `out` with elements `[e0, e1)` (C order) of `t`, converted to `to`.
+///
+/// Walks the output rows (the last dimension) that the window touches; for each,
+/// every piece whose box contains the row's leading index contributes the columns
+/// it holds. Each element is placed by its own coordinates, independently of the
+/// writer's run merging. An element no piece holds is an error.
+pub(crate) fn gather(
+    t: &TensorSource,
+    files: &[Arc<Blob>],
+    to: DType,
+    e0: u64,
+    e1: u64,
+    out: &mut [u8],
+    bufs: &mut GatherBufs,
+) -> Result<()> {
+    if e0 >= e1 {
+        return Ok(());
+    }
+    let one = [1u64];
+    let shape: &[u64] = if t.shape.is_empty() { &one } else { &t.shape };
+    let nd = shape.len();
+    let cols = shape[nd - 1];
+    let lead = &shape[..nd - 1];
+    let bad = |path: &Path, msg: String| Error::bad_tensor(path, &t.name, msg);
+    let mut boxes = Vec::with_capacity(t.pieces.len());
+    for p in &t.pieces {
+        let blob = files
+            .get(p.file)
+            .ok_or_else(|| bad(Path::new("?"), "a piece refers to a missing file".into()))?;
+        let (pshape, pstrides, poff) = if p.shape.is_empty() && t.shape.is_empty() {
+            (vec![1], vec![1], vec![0])
+        } else {
+            (p.shape.clone(), p.strides.clone(), p.global_offset.clone())
+        };
+        if pshape.len() != nd || pstrides.len() != nd || poff.len() != nd {
+            return Err(bad(
+                &blob.path,
+                format!(
+                    "a piece of shape {:?} at {:?} does not fit a tensor of shape {:?}",
+                    p.shape, p.global_offset, t.shape
+                ),
+            ));
+        }
+        if pshape.contains(&0) {
+            continue;
+        }
+        boxes.push(PieceBox {
+            blob,
+            byte_offset: p.byte_offset,
+            dtype: p.dtype,
+            big_endian: p.big_endian,
+            shape: pshape,
+            strides: pstrides,
+            offset: poff,
+        });
+    }
+    // Read ahead a share of a window per piece: few reads, bounded memory.
+    bufs.ahead.resize_with(boxes.len(), ReadAhead::default);
+    let chunk = (2 * WINDOW_BYTES / boxes.len().max(1) as u64).clamp(64 << 10, 4 << 20);
+    let osize = to.size() as u64;
+    let first_row = e0 / cols;
+    let last_row = (e1 - 1) / cols;
+    // Leading index of the first row, then counted up row by row.
+    let mut idx = vec![0u64; lead.len()];
+    let mut r = first_row;
+    for d in (0..lead.len()).rev() {
+        idx[d] = r % lead[d].max(1);
+        r /= lead[d].max(1);
+    }
+    let mut covered = 0u64;
+    for row in first_row..=last_row {
+        let row_start = row * cols;
+        let c0 = e0.max(row_start) - row_start;
+        let c1 = e1.min(row_start + cols) - row_start;
+        for (bi, b) in boxes.iter().enumerate() {
+            let holds_row =
+                (0..nd - 1).all(|d| idx[d] >= b.offset[d] && idx[d] - b.offset[d] < b.shape[d]);
+            if !holds_row {
+                continue;
+            }
+            let (lo, hi) = (
+                b.offset[nd - 1],
+                b.offset[nd - 1].saturating_add(b.shape[nd - 1]),
+            );
+            let (a, z) = (c0.max(lo), c1.min(hi));
+            if a >= z {
+                continue;
+            }
+            // `idx` has the leading dimensions only; zip stops there.
+            let src = (a - lo) * b.strides[nd - 1]
+                + idx
+                    .iter()
+                    .zip(&b.offset)
+                    .zip(&b.strides)
+                    .map(|((i, o), s)| (i - o) * s)
+                    .sum::<u64>();
+            let count = z - a;
+            let dst_at = (row_start + a - e0) * osize;
+            let dst = &mut out[dst_at as usize..(dst_at + count * osize) as usize];
+            let bytes = source_bytes(
+                b,
+                src,
+                b.strides[nd - 1],
+                count,
+                chunk,
+                &mut bufs.ahead[bi],
+                &mut bufs.scratch,
+            )
+            .map_err(|msg| bad(&b.blob.path, msg))?;
+            dtype::convert(bytes, b.dtype, dst, to);
+            covered += count;
+        }
+        for d in (0..lead.len()).rev() {
+            idx[d] += 1;
+            if idx[d] < lead[d] {
+                break;
+            }
+            idx[d] = 0;
+        }
+    }
+    if covered < e1 - e0 {
+        return Err(Error::bad_tensor(
+            t.pieces
+                .first()
+                .and_then(|p| files.get(p.file))
+                .map(|b| b.path.clone())
+                .unwrap_or_default(),
+            &t.name,
+            format!(
+                "its pieces leave {} of elements [{e0}, {e1}) uncovered",
+                e1 - e0 - covered
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// Source bytes read ahead for one piece, so that gathering row by row costs one
+/// positioned read per chunk rather than one per row.
+#[derive(Default)]
+pub(crate) struct ReadAhead {
+    /// Which file the bytes are from (the blob's address; 0 = nothing yet).
+    pub(crate) blob: usize,
+    pub(crate) start: u64,
+    pub(crate) data: Vec<u8>,
+}
+
+/// Buffers reused across the windows a thread gathers.
+#[derive(Default)]
+pub(crate) struct GatherBufs {
+    pub(crate) scratch: Vec<u8>,
+    pub(crate) ahead: Vec<ReadAhead>,
+}
+
+/// The little-endian bytes of `count` elements of a piece, `stride` apart,
+/// starting `first` elements in: a slice of the read-ahead buffer when they are
+/// contiguous, else gathered into `scratch`.
+pub(crate) fn source_bytes<'a>(
+    b: &PieceBox<'_>,
+    first: u64,
+    stride: u64,
+    count: u64,
+    chunk: u64,
+    ahead: &'a mut ReadAhead,
+    scratch: &'a mut Vec<u8>,
+) -> std::result::Result<&'a [u8], String> {
+    let size = b.dtype.size() as u64;
+    let past_end = || "its data lies past the end of the file".to_string();
+    let start = first
+        .checked_mul(size)
+        .and_then(|x| x.checked_add(b.byte_offset))
+        .ok_or_else(past_end)?;
+    let len = count.checked_mul(size).ok_or_else(past_end)?;
+    let end = start.checked_add(len).ok_or_else(past_end)?;
+    if stride == 1 && !b.big_endian {
+        let key = b.blob as *const Blob as usize;
+        let held = ahead.blob == key
+            && start >= ahead.start
+            && end <= ahead.start + ahead.data.len() as u64;
+        if !held {
+            let until = start
+                .saturating_add(chunk.max(len))
+                .min(b.blob.len())
+                .max(end);
+            let n = usize::try_from(until - start).map_err(|_| past_end())?;
+            ahead.blob = 0;
+            ahead.data.resize(n, 0);
+            b.blob
+                .read_at(start, &mut ahead.data)
+                .map_err(|e| e.to_string())?;
+            (ahead.blob, ahead.start) = (key, start);
+        }
+        let at = (start - ahead.start) as usize;
+        return Ok(&ahead.data[at..at + len as usize]);
+    }
+    scratch.resize(usize::try_from(len).map_err(|_| past_end())?, 0);
+    if stride == 1 {
+        b.blob.read_at(start, scratch).map_err(|e| e.to_string())?;
+    } else {
+        let data = b.blob.bytes();
+        for (j, dst) in scratch.chunks_exact_mut(size as usize).enumerate() {
+            let at = (j as u64)
+                .checked_mul(stride * size)
+                .and_then(|x| x.checked_add(start))
+                .and_then(|x| usize::try_from(x).ok())
+                .ok_or_else(past_end)?;
+            let src = data.get(at..at + size as usize).ok_or_else(past_end)?;
+            dst.copy_from_slice(src);
+        }
+    }
+    if b.big_endian {
+        dtype::byteswap(scratch, size as usize);
+    }
+    Ok(scratch)
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+    use crate::source::Piece;
+    use std::path::PathBuf;
+
+    pub(crate) fn f32_blob(values: &[f32]) -> Arc<Blob> {
+        let bytes: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+        Arc::new(Blob::owned(PathBuf::from("mem"), bytes))
+    }
+
+    pub(crate) fn piece(shape: &[u64], strides: &[u64], off: &[u64], byte_offset: u64) -> Piece {
+        Piece {
+            file: 0,
+            byte_offset,
+            dtype: DType::F32,
+            shape: shape.to_vec(),
+            strides: strides.to_vec(),
+            global_offset: off.to_vec(),
+            big_endian: false,
+        }
+    }
+
+    pub(crate) fn tensor(shape: &[u64], pieces: Vec<Piece>) -> TensorSource {
+        TensorSource {
+            name: "t".into(),
+            dtype: DType::F32,
+            shape: shape.to_vec(),
+            pieces,
+            storage: None,
+            layout: None,
+        }
+    }
+
+    pub(crate) fn gathered(
+        t: &TensorSource,
+        files: &[Arc<Blob>],
+        e0: u64,
+        e1: u64,
+    ) -> Result<Vec<f32>> {
+        let mut out = vec![0u8; ((e1 - e0) * 4) as usize];
+        gather(
+            t,
+            files,
+            DType::F32,
+            e0,
+            e1,
+            &mut out,
+            &mut GatherBufs::default(),
+        )?;
+        Ok(out
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect())
+    }
+
+    #[test]
+    pub(crate) fn gathers_column_shards_and_transposed_views_by_coordinates() {
+        // A 2x3 tensor [[0,1,2],[3,4,5]] as two column shards: cols 0..1 and 1..3,
+        // the second stored transposed (3x... strides (1, 2)).
+        let files = vec![f32_blob(&[0.0, 3.0, 1.0, 4.0, 2.0, 5.0])];
+        let t = tensor(
+            &[2, 3],
+            vec![
+                piece(&[2, 1], &[1, 1], &[0, 0], 0),
+                piece(&[2, 2], &[1, 2], &[0, 1], 8),
+            ],
+        );
+        assert_eq!(
+            gathered(&t, &files, 0, 6).unwrap(),
+            [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]
+        );
+        // A window that starts and ends mid-row.
+        assert_eq!(gathered(&t, &files, 2, 5).unwrap(), [2.0, 3.0, 4.0]);
+    }
+
+    #[test]
+    pub(crate) fn an_element_no_piece_holds_is_an_error_naming_the_tensor() {
+        let files = vec![f32_blob(&[0.0, 1.0])];
+        let t = tensor(&[4], vec![piece(&[2], &[1], &[0], 0)]);
+        let e = gathered(&t, &files, 0, 4).unwrap_err().to_string();
+        assert!(e.contains("'t'") && e.contains("uncovered"), "{e}");
+    }
+
+    #[test]
+    pub(crate) fn narrow_rows_share_one_read_and_big_endian_pieces_are_swapped() {
+        // [1000, 3], rows 0..600 in one piece, rows 600..1000 in another stored
+        // big-endian; read as windows that cut rows.
+        let values: Vec<f32> = (0..3000).map(|i| i as f32).collect();
+        let mut bytes: Vec<u8> = values[..1800]
+            .iter()
+            .flat_map(|v| v.to_le_bytes())
+            .collect();
+        bytes.extend(values[1800..].iter().flat_map(|v| v.to_be_bytes()));
+        let files = vec![Arc::new(Blob::owned(PathBuf::from("mem"), bytes))];
+        let mut big = piece(&[400, 3], &[3, 1], &[600, 0], 1800 * 4);
+        big.big_endian = true;
+        let t = tensor(&[1000, 3], vec![piece(&[600, 3], &[3, 1], &[0, 0], 0), big]);
+        let mut bufs = GatherBufs::default();
+        for (e0, e1) in [(0, 1000), (1000, 2001), (2001, 3000)] {
+            let mut out = vec![0u8; ((e1 - e0) * 4) as usize];
+            gather(&t, &files, DType::F32, e0, e1, &mut out, &mut bufs).unwrap();
+            let got: Vec<f32> = out
+                .chunks_exact(4)
+                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                .collect();
+            assert_eq!(got, values[e0 as usize..e1 as usize]);
+        }
+    }
+
+    #[test]
+    pub(crate) fn a_scalar_is_one_element() {
+        let files = vec![f32_blob(&[7.0])];
+        let t = tensor(&[], vec![piece(&[], &[], &[], 0)]);
+        assert_eq!(gathered(&t, &files, 0, 1).unwrap(), [7.0]);
+    }
+}

@@ -1,0 +1,501 @@
+//! The block engine: fills aligned blocks of output files from the pieces of the
+//! tensors they overlap, reading with positioned reads, byte-swapping and
+//! converting on the way, and writes each block with one positioned write.
+
+use std::path::Path;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+
+use rayon::prelude::*;
+
+use super::direct::{BufferPool, OutFile};
+use super::geometry::PieceRuns;
+#[cfg(test)]
+use super::NoProgress;
+use super::{Inputs, Progress, INTERRUPTED};
+use crate::dtype::{self, ConvertStats};
+use crate::plan::{Origin, Plan, PlannedTensor};
+use crate::source::{Blob, FileId, Piece};
+use crate::{DType, Error, Result};
+
+/// Fills and writes every block of every shard, in parallel; returns what conversion
+/// saw per planned tensor. `block_bytes` is a multiple of [`DIRECT_ALIGN`].
+pub(crate) fn write_blocks(
+    plan: &Plan,
+    inputs: Inputs<'_>,
+    files: &[OutFile],
+    block_bytes: u64,
+    progress: &dyn Progress,
+) -> Result<Vec<ConvertStats>> {
+    let mut blocks = Vec::new();
+    for (shard, s) in plan.shards.iter().enumerate() {
+        let mut start = 0;
+        while start < s.file_size {
+            let len = block_bytes.min(s.file_size - start);
+            blocks.push(Block { shard, start, len });
+            start += len;
+        }
+    }
+    // Pages the readers touched while parsing are not needed again.
+    for blob in inputs.all().flat_map(|c| &c.files) {
+        blob.release_all();
+    }
+    // Blocks are written in any order, so take them in the order their input lies
+    // on the disk: the threads then read a few streams front to back instead of
+    // jumping about (a DCP file holds its chunks largest first, not by name).
+    blocks.sort_by_cached_key(|b| input_position(plan, b));
+    let pool = BufferPool::new(block_bytes as usize);
+    let run = || {
+        blocks
+            .par_iter()
+            .map(|b| {
+                if INTERRUPTED.load(Ordering::Relaxed) {
+                    return Err(Error::Interrupted);
+                }
+                let mut bufs = pool.take();
+                let out = bufs.block.slice_mut(b.len as usize);
+                let (stats, tensor_bytes) = fill_block(plan, inputs, b, out, &mut bufs.scratch)?;
+                files[b.shard].write_block(out, b.start)?;
+                pool.give(bufs);
+                progress.advance(tensor_bytes);
+                Ok(stats)
+            })
+            .collect::<Result<Vec<Vec<(usize, ConvertStats)>>>>()
+    };
+    let workers = rayon::ThreadPoolBuilder::new()
+        .num_threads(worker_threads())
+        .thread_name(|i| format!("unshard-write-{i}"))
+        .build();
+    let per_block = match workers {
+        Ok(workers) => workers.install(run)?,
+        // No threads to spare: the global pool does the work.
+        Err(_) => run()?,
+    };
+    let mut stats = vec![ConvertStats::default(); plan.tensors.len()];
+    for (ti, s) in per_block.into_iter().flatten() {
+        stats[ti].add(s);
+    }
+    Ok(stats)
+}
+
+/// Where a block starts reading: the input (checkpoint before base), file and byte
+/// offset of the first element of the first tensor it holds. `None` (sorted first)
+/// for a block of header only.
+pub(crate) fn input_position(plan: &Plan, b: &Block) -> Option<(bool, FileId, u64)> {
+    let shard = &plan.shards[b.shard];
+    let first = shard
+        .entries
+        .partition_point(|&(ti, off)| off + plan.tensors[ti].nbytes() <= b.start);
+    let &(ti, off) = shard.entries[first..]
+        .iter()
+        .find(|&&(ti, _)| plan.tensors[ti].nbytes() > 0)?;
+    let t = &plan.tensors[ti];
+    let e = (b.start.max(off) - off) / t.dtype.size() as u64;
+    t.source.pieces.iter().find_map(|p| {
+        let runs = PieceRuns::new(p, &t.source.shape);
+        let j = runs.first_ending_after(e);
+        if j >= runs.count {
+            return None;
+        }
+        let r = runs.run(j);
+        (r.out <= e).then(|| {
+            let src = r.src + (e - r.out) * runs.stride;
+            (
+                t.origin == Origin::Base,
+                p.file,
+                p.byte_offset + src * p.dtype.size() as u64,
+            )
+        })
+    })
+}
+
+/// Threads that fill and write blocks. One per core keeps the cores busy while data
+/// is in the page cache; twice that keeps them busy while some threads wait for the
+/// disk (a direct write returns when the data is on the device). Each holds a block
+/// and a chunk (9 MiB); 16 of them convert far faster than any disk delivers, so more
+/// would only add memory.
+pub(crate) fn worker_threads() -> usize {
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    (2 * cores).min(16)
+}
+
+/// One unit of work: bytes `[start, start + len)` of shard `shard`'s file.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Block {
+    shard: usize,
+    start: u64,
+    len: u64,
+}
+
+/// Input bytes read and converted at a time: small enough to stay in a core's cache
+/// between the read and the conversion.
+pub(crate) const CHUNK_BYTES: usize = 1 << 20;
+
+/// Fills `out` with the bytes of `block`: the header and the tensors it overlaps.
+/// Returns what conversion saw, per tensor, and how many tensor bytes were filled.
+pub(crate) fn fill_block(
+    plan: &Plan,
+    inputs: Inputs<'_>,
+    block: &Block,
+    out: &mut [u8],
+    scratch: &mut Vec<u8>,
+) -> Result<(Vec<(usize, ConvertStats)>, u64)> {
+    let shard = &plan.shards[block.shard];
+    let (b0, b1) = (block.start, block.start + block.len);
+    let header = shard.header.len() as u64;
+    // Bytes of `out` filled so far; gaps (a plan leaves none) are zeroed.
+    let mut filled = 0u64;
+    if b0 < header {
+        let n = header.min(b1) - b0;
+        out[..n as usize].copy_from_slice(&shard.header[b0 as usize..(b0 + n) as usize]);
+        filled = n;
+    }
+    let mut stats = Vec::new();
+    let first = shard
+        .entries
+        .partition_point(|&(ti, off)| off + plan.tensors[ti].nbytes() <= b0);
+    for &(ti, off) in &shard.entries[first..] {
+        if off >= b1 {
+            break;
+        }
+        let t = &plan.tensors[ti];
+        let (lo, hi) = (off.max(b0), (off + t.nbytes()).min(b1));
+        if lo >= hi {
+            continue;
+        }
+        if lo - b0 > filled {
+            out[filled as usize..(lo - b0) as usize].fill(0);
+        }
+        let dst = &mut out[(lo - b0) as usize..(hi - b0) as usize];
+        let s = fill_bytes(t, inputs.files(t.origin), lo - off, hi - off, dst, scratch)?;
+        stats.push((ti, s));
+        filled = hi - b0;
+    }
+    out[filled as usize..].fill(0);
+    Ok((stats, block.len - header.saturating_sub(b0).min(block.len)))
+}
+
+/// Fills `out` with bytes `[byte0, byte1)` of tensor `t`'s output data. An element
+/// cut by the range's edges (possible only if a tensor's offset in its file were not
+/// a multiple of its element size, which the canonical layout never produces) is
+/// converted whole and the part inside copied; it is counted in the stats of the
+/// range that holds its last byte.
+pub(crate) fn fill_bytes(
+    t: &PlannedTensor,
+    files: &[Arc<Blob>],
+    byte0: u64,
+    byte1: u64,
+    out: &mut [u8],
+    scratch: &mut Vec<u8>,
+) -> Result<ConvertStats> {
+    let size = t.dtype.size() as u64;
+    let (e0, e1) = (byte0.div_ceil(size), byte1 / size);
+    let mut stats = ConvertStats::default();
+    if e0 < e1 {
+        let dst = &mut out[(e0 * size - byte0) as usize..(e1 * size - byte0) as usize];
+        stats = fill_window(t, files, e0, e1, dst, scratch)?;
+    }
+    let mut cut = |e: u64| -> Result<()> {
+        let mut elem = [0u8; 8];
+        let elem = &mut elem[..size as usize];
+        let s = fill_window(t, files, e, e + 1, elem, scratch)?;
+        let (from, to) = (byte0.max(e * size), byte1.min((e + 1) * size));
+        out[(from - byte0) as usize..(to - byte0) as usize]
+            .copy_from_slice(&elem[(from - e * size) as usize..(to - e * size) as usize]);
+        if (e + 1) * size <= byte1 {
+            stats.add(s);
+        }
+        Ok(())
+    };
+    let head_cut = byte0 % size != 0;
+    if head_cut {
+        cut(byte0 / size)?;
+    }
+    // The last element, unless the range lies inside the one just done.
+    if byte1 % size != 0 && !(head_cut && byte1 / size == byte0 / size) {
+        cut(byte1 / size)?;
+    }
+    Ok(stats)
+}
+
+/// Fills output elements `[e0, e1)` of tensor `t` into `out`, reading the inputs
+/// with positioned reads: straight into `out` when no conversion is needed, else a
+/// chunk of `scratch` at a time.
+pub(crate) fn fill_window(
+    t: &PlannedTensor,
+    files: &[Arc<Blob>],
+    e0: u64,
+    e1: u64,
+    out: &mut [u8],
+    scratch: &mut Vec<u8>,
+) -> Result<ConvertStats> {
+    if scratch.len() < CHUNK_BYTES {
+        scratch.resize(CHUNK_BYTES, 0);
+    }
+    let mut stats = ConvertStats::default();
+    let osz = t.dtype.size() as u64;
+    for p in &t.source.pieces {
+        let blob = files.get(p.file).ok_or_else(|| {
+            Error::bad_tensor(Path::new("?"), &t.name, "piece refers to a missing file")
+        })?;
+        let isz = p.dtype.size() as u64;
+        let chunk = CHUNK_BYTES as u64 / isz;
+        let runs = PieceRuns::new(p, &t.source.shape);
+        let stride = runs.stride;
+        prefetch(blob, p, &runs, e0, e1);
+        // Bytes of the map a strided gather touched, released when the piece is done.
+        let mut touched: Option<(u64, u64)> = None;
+        for j in runs.first_ending_after(e0)..runs.count {
+            let r = runs.run(j);
+            if r.out >= e1 {
+                break;
+            }
+            let (a, b) = (r.out.max(e0), (r.out + r.len).min(e1));
+            if a >= b {
+                continue;
+            }
+            let first_src = r.src + (a - r.out) * stride;
+            let start = p.byte_offset + first_src * isz;
+            let dst = &mut out[((a - e0) * osz) as usize..((b - e0) * osz) as usize];
+            if stride == 1 && p.dtype == t.dtype && !p.big_endian {
+                // Stored as written: one positioned read straight into the output.
+                blob.read_at(start, dst)?;
+                if t.dtype.is_float() {
+                    stats.add(dtype::scan(dst, t.dtype));
+                }
+                continue;
+            }
+            let mut done = 0;
+            while done < b - a {
+                let n = chunk.min(b - a - done);
+                let src = &mut scratch[..(n * isz) as usize];
+                let at = start + done * stride * isz;
+                if stride == 1 {
+                    blob.read_at(at, src)?;
+                } else {
+                    // Strided (a transposed or expanded view, rare in checkpoints):
+                    // gathered element by element from the map.
+                    let data = blob.bytes();
+                    for (i, e) in src.chunks_exact_mut(isz as usize).enumerate() {
+                        let from = (at + i as u64 * stride * isz) as usize;
+                        e.copy_from_slice(data.get(from..from + isz as usize).ok_or_else(
+                            || {
+                                Error::bad_tensor(
+                                    &blob.path,
+                                    &t.name,
+                                    "data lies past the end of the file",
+                                )
+                            },
+                        )?);
+                    }
+                    let end = at + ((n - 1) * stride + 1) * isz;
+                    touched = Some(touched.map_or((at, end), |(lo, hi)| (lo.min(at), hi.max(end))));
+                }
+                if p.big_endian {
+                    dtype::byteswap(src, isz as usize);
+                }
+                let d = &mut dst[(done * osz) as usize..((done + n) * osz) as usize];
+                stats.add(convert_run(src, p.dtype, d, t.dtype));
+                done += n;
+            }
+        }
+        if let Some((lo, hi)) = touched {
+            blob.release(lo, hi - lo);
+        }
+    }
+    Ok(stats)
+}
+
+/// Starts reading the bytes of piece `p` that elements `[e0, e1)` need, all at once,
+/// so that the chunked reads that follow do not wait for the disk one after the other
+/// (several threads reading different places of one file confuse the kernel's own
+/// readahead). Only for contiguous runs whose span is not mostly gaps.
+pub(crate) fn prefetch(blob: &Blob, p: &Piece, runs: &PieceRuns<'_>, e0: u64, e1: u64) {
+    let isz = p.dtype.size() as u64;
+    let j0 = runs.first_ending_after(e0);
+    if runs.stride != 1 || j0 >= runs.count || e1 == 0 {
+        return;
+    }
+    let mut j1 = runs.first_ending_after(e1 - 1).min(runs.count - 1);
+    if runs.run(j1).out >= e1 && j1 > j0 {
+        j1 -= 1;
+    }
+    let (first, last) = (runs.run(j0), runs.run(j1));
+    let a = first.out.max(e0);
+    let b = (last.out + last.len).min(e1);
+    if a >= b || first.out >= e1 {
+        return;
+    }
+    let start = first.src + (a - first.out);
+    let end = last.src + (b - last.out);
+    if end <= start || (end - start) > 2 * (b - a) {
+        return;
+    }
+    blob.will_need(p.byte_offset + start * isz, (end - start) * isz);
+}
+
+pub(crate) fn convert_run(src: &[u8], from: DType, dst: &mut [u8], to: DType) -> ConvertStats {
+    dtype::convert(src, from, dst, to)
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+    use crate::source::{contiguous_strides, Checkpoint, Format, TensorSource};
+    use std::path::PathBuf;
+
+    fn le_bytes(values: &[f32]) -> Vec<u8> {
+        values.iter().flat_map(|v| v.to_le_bytes()).collect()
+    }
+
+    fn source(name: &str, dtype: DType, shape: &[u64], pieces: Vec<Piece>) -> TensorSource {
+        TensorSource {
+            name: name.into(),
+            dtype,
+            shape: shape.to_vec(),
+            pieces,
+            storage: None,
+            layout: None,
+        }
+    }
+
+    fn stored(dtype: DType, byte_offset: u64, shape: &[u64], global_offset: &[u64]) -> Piece {
+        Piece {
+            file: 0,
+            byte_offset,
+            dtype,
+            shape: shape.to_vec(),
+            strides: contiguous_strides(shape),
+            global_offset: global_offset.to_vec(),
+            big_endian: false,
+        }
+    }
+
+    /// A shard laid out by hand so that elements straddle block edges (a 14-byte
+    /// header, then 3 bytes, then 2- and 4-byte elements at odd offsets), written in
+    /// 4 KiB blocks: the file must equal the tensors converted whole, and a value
+    /// cut by a block edge must be counted once.
+    #[test]
+    fn blocks_fill_elements_cut_by_their_edges() {
+        let a: Vec<f32> = (0..3000)
+            .map(|i| {
+                if i == 2039 {
+                    f32::NAN
+                } else {
+                    i as f32 * 0.37 - 5.0
+                }
+            })
+            .collect();
+        let c: Vec<f32> = (0..4000)
+            .map(|i| {
+                if i == 543 {
+                    f32::INFINITY
+                } else {
+                    1.0 / (i as f32 + 0.5)
+                }
+            })
+            .collect();
+        // Input file: A, then B's 3 bytes, then C as two column shards of a 4x1000.
+        let mut input = le_bytes(&a);
+        input.extend_from_slice(&[7, 8, 9]);
+        let c_at = input.len() as u64;
+        for half in 0..2 {
+            for row in 0..4 {
+                input.extend(le_bytes(
+                    &c[row * 1000 + half * 500..row * 1000 + half * 500 + 500],
+                ));
+            }
+        }
+        let blob = Arc::new(Blob::owned(PathBuf::from("input"), input));
+        let ckpt = Checkpoint {
+            format: Format::TorchZip,
+            path: PathBuf::from("input"),
+            files: vec![blob],
+            key: None,
+            tensors: Vec::new(),
+            extras: Vec::new(),
+            notes: Vec::new(),
+        };
+        let planned = |name: &str, dtype: DType, source: TensorSource| PlannedTensor {
+            name: name.into(),
+            origin: Origin::Checkpoint,
+            source,
+            dtype,
+        };
+        let tensors = vec![
+            planned(
+                "a",
+                DType::BF16,
+                source(
+                    "a",
+                    DType::F32,
+                    &[3000],
+                    vec![stored(DType::F32, 0, &[3000], &[0])],
+                ),
+            ),
+            planned(
+                "b",
+                DType::U8,
+                source(
+                    "b",
+                    DType::U8,
+                    &[3],
+                    vec![stored(DType::U8, 12_000, &[3], &[0])],
+                ),
+            ),
+            planned(
+                "c",
+                DType::F32,
+                source(
+                    "c",
+                    DType::F32,
+                    &[4, 1000],
+                    vec![
+                        stored(DType::F32, c_at, &[4, 500], &[0, 0]),
+                        stored(DType::F32, c_at + 8000, &[4, 500], &[0, 500]),
+                    ],
+                ),
+            ),
+        ];
+        let header = b"fourteen bytes".to_vec();
+        let entries = vec![(1, 14), (0, 17), (2, 6017)];
+        let file_size = 6017 + 16_000;
+        let plan = Plan {
+            tensors,
+            shards: vec![crate::plan::ShardPlan {
+                file_name: "x.safetensors".into(),
+                header: header.clone(),
+                entries,
+                file_size,
+            }],
+            dtype: None,
+            config: None,
+            index: None,
+            total_size: file_size - 14,
+            report: Default::default(),
+        };
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("x.safetensors");
+        let files = vec![OutFile::create(&path, file_size).unwrap()];
+        let inputs = Inputs {
+            checkpoint: &ckpt,
+            base: None,
+        };
+        let stats = write_blocks(&plan, inputs, &files, 4096, &NoProgress).unwrap();
+        drop(files);
+
+        let mut want = header;
+        want.extend_from_slice(&[7, 8, 9]);
+        let mut a_bf16 = vec![0u8; 6000];
+        dtype::convert(&le_bytes(&a), DType::F32, &mut a_bf16, DType::BF16);
+        want.extend(a_bf16);
+        want.extend(le_bytes(&c));
+        assert_eq!(std::fs::read(&path).unwrap(), want);
+        assert_eq!(stats[0].nan, 1, "a NaN cut by a block edge is counted once");
+        assert_eq!(
+            stats[2].inf, 1,
+            "an inf cut by a block edge is counted once"
+        );
+    }
+}
