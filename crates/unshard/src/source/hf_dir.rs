@@ -17,16 +17,20 @@ pub const MAX_EXTRA_FILE: u64 = 256 * 1024 * 1024;
 /// Which kind of weight files a directory holds.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum WeightFormat {
+    /// `*.safetensors` files.
     Safetensors,
+    /// `pytorch_model*.bin` files (`torch.save`).
     TorchBin,
 }
 
 /// A model directory, opened.
 #[derive(Debug)]
 pub struct HfDir {
+    /// The directory.
     pub path: PathBuf,
     /// `config.json`, parsed (key order kept).
     pub config: Option<serde_json::Map<String, serde_json::Value>>,
+    /// The kind of weight files, when there are any.
     pub weight_format: Option<WeightFormat>,
     /// Weight files in load order.
     pub weight_files: Vec<PathBuf>,

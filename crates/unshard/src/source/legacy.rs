@@ -42,9 +42,9 @@ struct Pickles {
 
 /// Parses the five pickles from the start of the file, reading more of it while a
 /// pickle runs past what was read.
-fn read_pickles(blob: &Blob) -> Result<Pickles> {
+fn read_pickles(blob: &Blob, first: u64) -> Result<Pickles> {
     let path = &blob.path;
-    let mut want = FIRST_READ.min(blob.len());
+    let mut want = first.max(1).min(blob.len());
     loop {
         let data = blob.read_vec(0, want)?;
         match parse_pickles(path, &data, want == blob.len()) {
@@ -104,6 +104,11 @@ fn parse_pickles(path: &Path, data: &[u8], whole: bool) -> std::result::Result<P
 
 /// Parses a legacy stream occupying all of `blob`.
 pub fn read_legacy_payload(blob: &Blob) -> Result<TorchPayload> {
+    read_legacy_with(blob, FIRST_READ)
+}
+
+/// [`read_legacy_payload`], reading the pickles from a first prefix of `first` bytes.
+fn read_legacy_with(blob: &Blob, first: u64) -> Result<TorchPayload> {
     let path = blob.path.as_path();
     let Pickles {
         magic,
@@ -112,7 +117,7 @@ pub fn read_legacy_payload(blob: &Blob) -> Result<TorchPayload> {
         object,
         keys,
         end: at,
-    } = read_pickles(blob)?;
+    } = read_pickles(blob, first)?;
     match magic.get(magic.root()) {
         Value::BigInt(b) if b[..] == MAGIC => {}
         _ => return Err(Error::corrupt(path, "bad legacy magic number")),
@@ -184,4 +189,28 @@ pub fn read_legacy_payload(blob: &Blob) -> Result<TorchPayload> {
         storages,
         big_endian,
     })
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+
+    /// Pickles longer than the first read are read by growing the prefix, and give
+    /// the same storages as when they fit; a truncated file is still an error.
+    #[test]
+    fn pickles_longer_than_the_first_read_are_read_in_full() {
+        let path = Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../../fixtures/ckpt/llama_policy_legacy.pt");
+        let data = std::fs::read(&path).unwrap();
+        let blob = Blob::owned(path.clone(), data.clone());
+        let whole = read_legacy_with(&blob, u64::MAX).unwrap();
+        for first in [1, 64, 1000] {
+            let grown = read_legacy_with(&blob, first).unwrap();
+            assert_eq!(grown.storages, whole.storages, "first read {first}");
+            assert_eq!(grown.pickle.len(), whole.pickle.len());
+        }
+        let cut = Blob::owned(path, data[..300].to_vec());
+        assert!(read_legacy_with(&cut, 16).is_err());
+    }
 }

@@ -59,6 +59,7 @@ pub type FileId = usize;
 /// A strided box of elements in a file, placed inside a full tensor.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Piece {
+    /// The file holding the box ([`Checkpoint::files`] index).
     pub file: FileId,
     /// Byte offset, in the file, of the piece's first element (index `[0, 0, ...]`).
     pub byte_offset: u64,
@@ -110,7 +111,9 @@ impl Piece {
 /// Which input a set of tensors shares storage with, for tie detection.
 #[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct StorageId {
+    /// The file holding the storage.
     pub file: FileId,
+    /// The storage's key in that file.
     pub key: String,
 }
 
@@ -119,8 +122,11 @@ pub struct StorageId {
 pub struct TensorSource {
     /// Name relative to the tensor dict found (before any renaming).
     pub name: String,
+    /// Element type of the full tensor.
     pub dtype: DType,
+    /// Shape of the full tensor.
     pub shape: Vec<u64>,
+    /// The boxes that tile it, each in some file.
     pub pieces: Vec<Piece>,
     /// The storage this tensor views, when it is a single view of one (plain `.pt`):
     /// two tensors with the same id share memory in torch.
@@ -130,9 +136,11 @@ pub struct TensorSource {
 }
 
 impl TensorSource {
+    /// Number of elements.
     pub fn numel(&self) -> u64 {
         self.shape.iter().product()
     }
+    /// Size in bytes.
     pub fn nbytes(&self) -> u64 {
         self.numel() * self.dtype.size() as u64
     }
@@ -142,28 +150,37 @@ impl TensorSource {
 /// state), listed by `inspect` and otherwise ignored.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Extra {
+    /// Dotted name (`optim.param_groups.0.lr`).
     pub name: String,
+    /// What it holds, for display (`int 7`, `dict (2 items)`).
     pub kind: String,
 }
 
 /// Everything a reader found in an input.
 #[derive(Debug)]
 pub struct Checkpoint {
+    /// What kind of input this is.
     pub format: Format,
+    /// The path given (a file or a directory).
     pub path: PathBuf,
+    /// Every input file the pieces point into, by [`FileId`].
     pub files: Vec<Arc<Blob>>,
     /// Where the tensor dict was found (`state`, `model.module`); `None` = top level.
     pub key: Option<String>,
+    /// The tensors, in the order the input lists them.
     pub tensors: Vec<TensorSource>,
+    /// Entries that are not tensors.
     pub extras: Vec<Extra>,
     /// Things the reader noticed and the user should know (skipped optimizer state...).
     pub notes: Vec<String>,
 }
 
 impl Checkpoint {
+    /// Bytes of all tensors.
     pub fn total_bytes(&self) -> u64 {
         self.tensors.iter().map(TensorSource::nbytes).sum()
     }
+    /// Elements of all tensors.
     pub fn total_parameters(&self) -> u64 {
         self.tensors.iter().map(TensorSource::numel).sum()
     }

@@ -34,6 +34,7 @@ pub struct Header {
     pub data_start: u64,
     /// `(name, dtype, shape, begin, end)` in header order, offsets relative to `data_start`.
     pub tensors: Vec<(String, DType, Vec<u64>, u64, u64)>,
+    /// `__metadata__` entries, in header order.
     pub metadata: Vec<(String, String)>,
 }
 

@@ -222,16 +222,10 @@ pub(crate) fn source_bytes<'a>(
     if stride == 1 {
         b.blob.read_at(start, scratch).map_err(|e| e.to_string())?;
     } else {
-        let data = b.blob.bytes();
-        for (j, dst) in scratch.chunks_exact_mut(size as usize).enumerate() {
-            let at = (j as u64)
-                .checked_mul(stride * size)
-                .and_then(|x| x.checked_add(start))
-                .and_then(|x| usize::try_from(x).ok())
-                .ok_or_else(past_end)?;
-            let src = data.get(at..at + size as usize).ok_or_else(past_end)?;
-            dst.copy_from_slice(src);
-        }
+        let step = stride.checked_mul(size).ok_or_else(past_end)?;
+        b.blob
+            .read_strided(start, step, size as usize, scratch)
+            .map_err(|e| e.to_string())?;
     }
     if b.big_endian {
         dtype::byteswap(scratch, size as usize);

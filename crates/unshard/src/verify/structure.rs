@@ -266,9 +266,9 @@ pub(crate) fn read_shard(
     problems: &mut Vec<Problem>,
 ) -> Result<(File, safetensors::Header)> {
     let blob = Blob::open(path)?;
-    let header = safetensors::read_header(path, blob.bytes())?;
-    let text = blob
-        .bytes()
+    let prefix = safetensors::header_bytes(&blob)?;
+    let header = safetensors::parse_header(path, &prefix, blob.len())?;
+    let text = prefix
         .get(8..header.data_start as usize)
         .and_then(|b| std::str::from_utf8(b).ok())
         .unwrap_or("{}");

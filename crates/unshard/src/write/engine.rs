@@ -36,7 +36,8 @@ pub(crate) fn write_blocks(
             start += len;
         }
     }
-    // Pages the readers touched while parsing are not needed again.
+    // What the readers read while parsing is not needed again: sources that keep a
+    // copy (a cache) can drop it.
     for blob in inputs.all().flat_map(|c| &c.files) {
         blob.release_all();
     }
@@ -243,8 +244,6 @@ pub(crate) fn fill_window(
         let runs = PieceRuns::new(p, &t.source.shape);
         let stride = runs.stride;
         prefetch(blob, p, &runs, e0, e1);
-        // Bytes of the map a strided gather touched, released when the piece is done.
-        let mut touched: Option<(u64, u64)> = None;
         for j in runs.first_ending_after(e0)..runs.count {
             let r = runs.run(j);
             if r.out >= e1 {
@@ -274,22 +273,8 @@ pub(crate) fn fill_window(
                     blob.read_at(at, src)?;
                 } else {
                     // Strided (a transposed or expanded view, rare in checkpoints):
-                    // gathered element by element from the map.
-                    let data = blob.bytes();
-                    for (i, e) in src.chunks_exact_mut(isz as usize).enumerate() {
-                        let from = (at + i as u64 * stride * isz) as usize;
-                        e.copy_from_slice(data.get(from..from + isz as usize).ok_or_else(
-                            || {
-                                Error::bad_tensor(
-                                    &blob.path,
-                                    &t.name,
-                                    "data lies past the end of the file",
-                                )
-                            },
-                        )?);
-                    }
-                    let end = at + ((n - 1) * stride + 1) * isz;
-                    touched = Some(touched.map_or((at, end), |(lo, hi)| (lo.min(at), hi.max(end))));
+                    // gathered from spans of the file.
+                    blob.read_strided(at, stride * isz, isz as usize, src)?;
                 }
                 if p.big_endian {
                     dtype::byteswap(src, isz as usize);
@@ -298,9 +283,6 @@ pub(crate) fn fill_window(
                 stats.add(convert_run(src, p.dtype, d, t.dtype));
                 done += n;
             }
-        }
-        if let Some((lo, hi)) = touched {
-            blob.release(lo, hi - lo);
         }
     }
     Ok(stats)

@@ -9,9 +9,8 @@
 //! disk where the filesystem allows direct I/O. Each input byte is read once and
 //! each output byte written once. Blocks run in parallel across all shards and
 //! within large tensors, so memory is a block and a chunk per thread, whatever the
-//! model size: tensor data is not read through the inputs' maps (a strided view,
-//! rare, is gathered from the map and its pages released), and the pages the readers
-//! touched while parsing are unmapped before writing starts.
+//! model size: inputs are byte sources (`source::bytes`), read by range, never
+//! mapped (a strided view, rare, is gathered from spans of at most 1 MiB).
 //!
 //! Output goes to a staging directory beside the destination, which is fsynced and
 //! renamed into place only when everything succeeded; on any error or interruption

@@ -12,7 +12,7 @@
 
 use std::fmt;
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, OnceLock};
+use std::sync::Arc;
 
 use crate::{Error, Result};
 
@@ -117,9 +117,6 @@ pub struct Blob {
     /// The path (or URL) error messages name.
     pub path: PathBuf,
     source: Arc<dyn ByteSource>,
-    /// A read-only map made on the first call of [`Blob::bytes`], for the engine's
-    /// strided gathers until they read through the source too.
-    map: OnceLock<Option<memmap2::Mmap>>,
 }
 
 impl fmt::Debug for Blob {
@@ -137,7 +134,6 @@ impl Blob {
         Blob {
             path: source.name().to_path_buf(),
             source,
-            map: OnceLock::new(),
         }
     }
 
@@ -209,9 +205,6 @@ impl Blob {
     /// A hint that a byte range will not be read again (see [`ByteSource::release`]).
     pub fn release(&self, offset: u64, len: u64) {
         self.source.release(offset, len);
-        if let Some(Some(m)) = self.map.get() {
-            release_map(m, offset, len);
-        }
     }
 
     /// [`Blob::release`] of the whole source.
@@ -219,39 +212,57 @@ impl Blob {
         self.release(0, self.len());
     }
 
-    /// All the bytes as one slice: in-memory sources directly, local files through a
-    /// read-only map made on first use (an empty slice if it cannot be made).
-    /// Transitional: only the engine's strided gathers and `verify` still use it.
-    pub fn bytes(&self) -> &[u8] {
-        if let Some(b) = self.source.as_bytes() {
-            return b;
+    /// Fills `out` with elements of `elem` bytes, the first at `offset` and each
+    /// `stride` bytes after the previous: the bytes of a strided view (a transposed or
+    /// expanded tensor). Elements closer than [`GAP`] are read as spans of up to
+    /// [`STRIDED_SPAN`] bytes and picked out; farther ones are read one by one.
+    pub fn read_strided(
+        &self,
+        offset: u64,
+        stride: u64,
+        elem: usize,
+        out: &mut [u8],
+    ) -> Result<()> {
+        let n = out.len() / elem.max(1);
+        if n == 0 {
+            return Ok(());
         }
-        let map = self.map.get_or_init(|| {
-            let file = std::fs::File::open(&self.path).ok()?;
-            // SAFETY: read-only map of a file opened read-only; the engine reads tensor
-            // data through `read_at`, and this map only serves rare strided views.
-            let map = unsafe { memmap2::Mmap::map(&file) }.ok()?;
-            let _ = map.advise(memmap2::Advice::Random);
-            Some(map)
-        });
-        map.as_deref().unwrap_or(&[])
+        let e = elem as u64;
+        let per = if stride > GAP {
+            1
+        } else {
+            usize::try_from(STRIDED_SPAN.saturating_sub(e) / stride.max(1) + 1).unwrap_or(n)
+        };
+        let overflow = || {
+            Error::corrupt(
+                &self.path,
+                format!("a strided read of {n} elements {stride} bytes apart at byte {offset} overflows"),
+            )
+        };
+        let mut span = Vec::new();
+        for (w, chunk) in out.chunks_mut(per.saturating_mul(elem)).enumerate() {
+            let first = (w as u64)
+                .checked_mul(per as u64)
+                .and_then(|i| i.checked_mul(stride))
+                .and_then(|x| x.checked_add(offset))
+                .ok_or_else(overflow)?;
+            let k = (chunk.len() / elem) as u64;
+            if k == 1 {
+                self.read_at(first, chunk)?;
+                continue;
+            }
+            // k - 1 strides and one element: at most STRIDED_SPAN bytes, by `per`.
+            let len = (k - 1) * stride + e;
+            span.resize(len as usize, 0);
+            self.read_at(first, &mut span)?;
+            for (i, dst) in chunk.chunks_exact_mut(elem).enumerate() {
+                let at = i * stride as usize;
+                dst.copy_from_slice(&span[at..at + elem]);
+            }
+        }
+        Ok(())
     }
 }
 
-/// Unmaps the whole pages of a map inside a byte range.
-fn release_map(m: &memmap2::Mmap, offset: u64, len: u64) {
-    const PAGE: u64 = 4096;
-    let start = offset.div_ceil(PAGE) * PAGE;
-    let end = (offset.saturating_add(len) / PAGE * PAGE).min(m.len() as u64);
-    if end > start {
-        // SAFETY: DONTNEED on a private read-only file mapping only drops clean
-        // pages; later reads fault them back in from the file.
-        let _ = unsafe {
-            m.unchecked_advise_range(
-                memmap2::UncheckedAdvice::DontNeed,
-                start as usize,
-                (end - start) as usize,
-            )
-        };
-    }
-}
+/// The longest span [`Blob::read_strided`] reads at once.
+pub const STRIDED_SPAN: u64 = 1 << 20;

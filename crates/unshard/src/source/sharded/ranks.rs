@@ -14,8 +14,11 @@ pub(super) const MAX_RANKS: usize = 1 << 20;
 /// A set of per-rank files found in a directory: `{prefix}{rank}{suffix}`.
 #[derive(Clone, Debug)]
 pub struct RankSet {
+    /// The directory holding the files.
     pub dir: PathBuf,
+    /// What comes before the rank number (`model_world_size_2_rank_`).
     pub prefix: String,
+    /// What comes after it (`.pt`).
     pub suffix: String,
     /// `(rank, file name)`, sorted by rank.
     pub ranks: Vec<(usize, String)>,

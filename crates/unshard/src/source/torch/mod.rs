@@ -40,16 +40,22 @@ pub(crate) use values::{
 /// Where a storage's bytes are, in the file holding them.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct StorageLoc {
+    /// Offset of its first byte in the file.
     pub offset: u64,
+    /// Its length in bytes.
     pub len: u64,
 }
 
 /// A parsed `torch.save` payload: the pickle and where its storages are.
 #[derive(Debug)]
 pub struct TorchPayload {
+    /// The file it was read from.
     pub path: PathBuf,
+    /// The object pickle (`data.pkl`), parsed inertly.
     pub pickle: Pickle,
+    /// Storage key → where its bytes are.
     pub storages: HashMap<String, StorageLoc>,
+    /// Whether storages hold big-endian elements.
     pub big_endian: bool,
 }
 

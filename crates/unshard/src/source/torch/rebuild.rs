@@ -12,11 +12,15 @@ use crate::DType;
 /// A tensor as torch rebuilds it: a strided view of a storage.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct TensorRef {
+    /// Key of the storage it views.
     pub key: String,
+    /// Element type.
     pub dtype: DType,
     /// Offset of the view into the storage, in elements.
     pub offset: u64,
+    /// Shape of the view.
     pub shape: Vec<u64>,
+    /// Element strides of the view.
     pub strides: Vec<u64>,
 }
 
@@ -24,17 +28,24 @@ pub struct TensorRef {
 /// ShardedTensor. `state` holds its parts; `sharded.rs` interprets them.
 #[derive(Clone, Debug)]
 pub struct SubclassRef {
+    /// Module of the subclass (`torch.distributed.tensor`).
     pub module: String,
+    /// Class name (`DTensor`, `ShardedTensor`).
     pub class: String,
+    /// Global dtype, when given.
     pub dtype: Option<DType>,
+    /// Global shape.
     pub shape: Vec<u64>,
+    /// The pickled state holding the local data and layout.
     pub state: Option<NodeId>,
 }
 
 /// A value that is a tensor of some kind.
 #[derive(Clone, Debug)]
 pub enum Leaf {
+    /// A plain tensor: a view of a storage.
     Tensor(TensorRef),
+    /// A tensor subclass without its own storage.
     Subclass(SubclassRef),
 }
 
