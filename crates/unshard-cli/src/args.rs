@@ -104,6 +104,7 @@ impl PlanArgs {
             strict: self.strict,
             renames,
             max_shard_size,
+            ..PlanOptions::default()
         })
     }
 }

@@ -18,7 +18,15 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicI32, Ordering};
 use std::sync::OnceLock;
 
-use unshard::write::INTERRUPTED;
+use unshard::Cancel;
+
+/// Set on SIGINT/SIGTERM; the library sees it through [`token`].
+static INTERRUPTED: AtomicBool = AtomicBool::new(false);
+
+/// The cancellation token the commands pass to the library: cancelled by a signal.
+pub fn token() -> Cancel {
+    Cancel::from_static(&INTERRUPTED)
+}
 
 /// The last signal received (0: none).
 static SIGNAL: AtomicI32 = AtomicI32::new(0);

@@ -9,11 +9,12 @@
 
 use rayon::prelude::*;
 
+use crate::cancel::Cancel;
 use crate::plan::{natural_cmp, strip_wrappers};
 use crate::source::{Checkpoint, TensorSource};
 use crate::stats::{decode_f64, CHUNK_ELEMS, WINDOW_ELEMS};
-use crate::write::{read_tensor_range, windows, Progress, INTERRUPTED};
-use crate::{DType, Error, Result};
+use crate::write::{read_tensor_range, windows, Progress};
+use crate::{DType, Result};
 
 /// How the values of two same-shaped tensors differ.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
@@ -90,7 +91,12 @@ fn comparable_names(ckpt: &Checkpoint) -> (Vec<String>, usize) {
 }
 
 /// Compares `a` with `b` (the reference, for relative norms).
-pub fn diff(a: &Checkpoint, b: &Checkpoint, progress: &dyn Progress) -> Result<DiffReport> {
+pub fn diff(
+    a: &Checkpoint,
+    b: &Checkpoint,
+    progress: &dyn Progress,
+    cancel: &Cancel,
+) -> Result<DiffReport> {
     let (names_a, renamed_a) = comparable_names(a);
     let (names_b, renamed_b) = comparable_names(b);
     let index_b: std::collections::HashMap<&str, usize> = names_b
@@ -136,9 +142,7 @@ pub fn diff(a: &Checkpoint, b: &Checkpoint, progress: &dyn Progress) -> Result<D
     let parts: Vec<(usize, Acc)> = items
         .par_iter()
         .map_init(Bufs::default, |bufs, &(k, e0, e1)| {
-            if INTERRUPTED.load(std::sync::atomic::Ordering::Relaxed) {
-                return Err(Error::Interrupted);
-            }
+            cancel.check()?;
             let (i, j) = pairs[k];
             let acc = compare_window((a, &a.tensors[i]), (b, &b.tensors[j]), e0, e1, bufs)?;
             progress.advance((e1 - e0) * a.tensors[i].dtype.size() as u64);

@@ -13,6 +13,7 @@
 //! - [`verify`]: proof that an output holds the checkpoint's values; [`diff`] and
 //!   [`stats`] compare and summarise tensors of any input.
 
+pub mod cancel;
 pub mod diff;
 pub mod dtype;
 pub mod error;
@@ -26,5 +27,6 @@ pub mod stats;
 pub mod verify;
 pub mod write;
 
+pub use cancel::Cancel;
 pub use dtype::DType;
 pub use error::{Error, Result};

@@ -10,8 +10,8 @@ use crate::plan::Plan;
 use crate::prepare::Prepared;
 use crate::source;
 use crate::verify::{self, VerifyReport};
-use crate::write::{self, Progress, WriteOptions, WriteSummary};
-use crate::Result;
+use crate::write::{self, Progress, Sink, StagingDir, WriteOptions, WriteSummary};
+use crate::{Error, Result};
 
 /// What a merge did.
 #[derive(Debug)]
@@ -28,19 +28,26 @@ pub struct MergeOutcome {
     pub elapsed: Duration,
 }
 
-/// Runs a whole merge.
+/// Runs a whole merge into the local directory `opts.output`: written into a
+/// staging directory beside it, renamed into place when complete.
 pub fn merge(opts: &MergeOptions, progress: &dyn Progress) -> Result<MergeOutcome> {
-    let started = Instant::now();
-    let mut protected = vec![opts.checkpoint.clone()];
-    protected.extend(opts.base.clone());
-    let wopts = WriteOptions {
-        force: opts.force,
-        allow_overflow: opts.allow_overflow,
-        extra_files: Vec::new(),
-        protected,
-    };
     // Output problems are cheap to find: report them before reading anything.
-    let cleaned = write::check_output(&opts.output, &wopts)?;
+    let cleaned = write::check_output(&opts.output, &write_options(opts))?;
+    let open_sink = || -> Result<Box<dyn Sink>> { Ok(Box::new(StagingDir::create(&opts.output)?)) };
+    let mut outcome = merge_into(opts, progress, &open_sink)?;
+    outcome.write.cleaned = cleaned;
+    Ok(outcome)
+}
+
+/// Runs a merge into the [`Sink`] that `open_sink` makes once the plan is ready
+/// (`opts.output` is then only used in messages). What the sink wrote is
+/// committed only when everything succeeded, verification included.
+pub fn merge_into(
+    opts: &MergeOptions,
+    progress: &dyn Progress,
+    open_sink: &dyn Fn() -> Result<Box<dyn Sink>>,
+) -> Result<MergeOutcome> {
+    let started = Instant::now();
     // A checkpoint of thousands of ranks takes seconds to open: say what is going on.
     progress.stage(&format!("reading {}", opts.checkpoint.display()));
     let Prepared {
@@ -53,23 +60,27 @@ pub fn merge(opts: &MergeOptions, progress: &dyn Progress) -> Result<MergeOutcom
             .as_ref()
             .map(|b| b.dir.extra_files.clone())
             .unwrap_or_default(),
-        ..wopts
+        ..write_options(opts)
     };
-    let staging = write::create_staging(&opts.output)?;
+    let sink = open_sink()?;
     let inputs = Prepared::inputs_of(&ckpt, base.as_ref());
-    if let Some(n) = verify::unchanged_from_base(&plan, inputs)? {
+    if let Some(n) = verify::unchanged_from_base(&plan, inputs, &opts.cancel)? {
         plan.report.warnings.push(format!(
             "all {n} checkpoint tensor(s) equal the base's after conversion: the output is the base model again (an adapter-only export, or a checkpoint saved before training changed anything?)"
         ));
     }
-    let mut summary = write::write_into(&plan, inputs, &staging.path, &wopts, progress)?;
-    summary.cleaned = cleaned;
+    let summary = write::write_into(&plan, inputs, sink.as_ref(), &wopts, progress)?;
     if opts.fail_on_nonfinite {
         verify::check_finite(&plan, &summary.stats)?;
     }
     let verified = if opts.verify {
-        verify::drop_cached(&staging.path, &plan);
-        let report = verify::verify_dir(&staging.path, &plan, inputs, &write::NoProgress)?;
+        let Some(dir) = sink.staged_dir() else {
+            return Err(Error::Usage(
+                "verifying a merge reads its output back, and this output has no local copy".into(),
+            ));
+        };
+        verify::drop_cached(dir, &plan);
+        let report = verify::verify_dir(dir, &plan, inputs, &write::NoProgress, &opts.cancel)?;
         if !report.is_ok() {
             return Err(report.to_error());
         }
@@ -77,7 +88,8 @@ pub fn merge(opts: &MergeOptions, progress: &dyn Progress) -> Result<MergeOutcom
     } else {
         None
     };
-    write::commit(staging, &opts.output)?;
+    opts.cancel.check()?;
+    sink.commit()?;
     let config_from = match (&opts.base, &base) {
         (None, Some(b)) => Some(b.dir.path.clone()),
         _ => None,
@@ -92,6 +104,20 @@ pub fn merge(opts: &MergeOptions, progress: &dyn Progress) -> Result<MergeOutcom
         verified,
         elapsed: started.elapsed(),
     })
+}
+
+/// What writing takes from the merge's options (the base's extra files are added
+/// once the base is open).
+fn write_options(opts: &MergeOptions) -> WriteOptions {
+    let mut protected = vec![opts.checkpoint.clone()];
+    protected.extend(opts.base.clone());
+    WriteOptions {
+        force: opts.force,
+        allow_overflow: opts.allow_overflow,
+        extra_files: Vec::new(),
+        protected,
+        cancel: opts.cancel.clone(),
+    }
 }
 
 /// Parses a shard size: `5GB` (decimal, as transformers), `500MiB` (binary), or bytes.

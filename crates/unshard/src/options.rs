@@ -4,6 +4,7 @@
 
 use std::path::PathBuf;
 
+use crate::cancel::Cancel;
 use crate::plan::PlanOptions;
 use crate::source::OpenOptions;
 
@@ -22,4 +23,6 @@ pub struct MergeOptions {
     pub verify: bool,
     /// NaN or inf in the output is an error instead of a warning.
     pub fail_on_nonfinite: bool,
+    /// Stops the operation at its next check; what it wrote is removed.
+    pub cancel: Cancel,
 }

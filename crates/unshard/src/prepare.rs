@@ -32,30 +32,41 @@ impl Prepared {
         Inputs {
             checkpoint,
             base: base.and_then(|b| b.weights.as_ref()),
+            extra: &[],
         }
     }
 }
 
-/// The inputs a plan's tensors point into.
+/// The inputs a plan's tensors point into, by [`Origin`].
 #[derive(Clone, Copy)]
 pub struct Inputs<'a> {
     pub checkpoint: &'a Checkpoint,
     pub base: Option<&'a Checkpoint>,
+    /// Further inputs (an adapter...): `Origin::Input(i)` is `extra[i]`.
+    pub extra: &'a [&'a Checkpoint],
 }
 
 impl<'a> Inputs<'a> {
-    /// The files of the input a tensor comes from.
-    pub fn files(&self, origin: Origin) -> &'a [Arc<Blob>] {
-        match (origin, self.base) {
-            (Origin::Checkpoint, _) => &self.checkpoint.files,
-            (Origin::Base, Some(b)) => &b.files,
-            (Origin::Base, None) => &[],
+    /// The input a tensor comes from, if it was opened.
+    pub fn get(&self, origin: Origin) -> Option<&'a Checkpoint> {
+        match origin {
+            Origin::Checkpoint => Some(self.checkpoint),
+            Origin::Base => self.base,
+            Origin::Input(i) => self.extra.get(i).copied(),
         }
+    }
+
+    /// The files of the input a tensor comes from (none if it was not opened:
+    /// reading a piece then names the missing file).
+    pub fn files(&self, origin: Origin) -> &'a [Arc<Blob>] {
+        self.get(origin).map_or(&[], |c| &c.files)
     }
 
     /// Every opened input.
     pub fn all(&self) -> impl Iterator<Item = &'a Checkpoint> {
-        std::iter::once(self.checkpoint).chain(self.base)
+        std::iter::once(self.checkpoint)
+            .chain(self.base)
+            .chain(self.extra.iter().copied())
     }
 }
 
@@ -122,7 +133,7 @@ pub fn prepare(opts: &MergeOptions) -> Result<Prepared> {
             .transpose()?,
     };
     let view = base.as_ref().map(Base::view).unwrap_or_default();
-    let plan = plan::plan(&ckpt, view, &opts.plan)?;
+    let plan = plan::plan(&ckpt, view, &[], &opts.plan)?;
     Ok(Prepared {
         checkpoint: ckpt,
         base,

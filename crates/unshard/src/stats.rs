@@ -10,9 +10,10 @@ use std::sync::Arc;
 
 use rayon::prelude::*;
 
+use crate::cancel::Cancel;
 use crate::source::{Blob, Checkpoint, TensorSource};
-use crate::write::{read_tensor_range, windows, INTERRUPTED};
-use crate::{DType, Error, Result};
+use crate::write::{read_tensor_range, windows};
+use crate::{DType, Result};
 
 /// Elements read from an input per unit of work.
 pub(crate) const WINDOW_ELEMS: u64 = 1 << 20;
@@ -201,7 +202,7 @@ impl Moments {
 
 /// Statistics of every tensor of a checkpoint, in its order. Windows of all tensors
 /// run in parallel; memory stays at a window per thread.
-pub fn checkpoint_stats(ckpt: &Checkpoint) -> Result<Vec<TensorStats>> {
+pub fn checkpoint_stats(ckpt: &Checkpoint, cancel: &Cancel) -> Result<Vec<TensorStats>> {
     let mut items: Vec<(usize, u64, u64)> = Vec::new();
     for (i, t) in ckpt.tensors.iter().enumerate() {
         items.extend(windows(0, t.numel(), WINDOW_ELEMS).map(|(e0, e1)| (i, e0, e1)));
@@ -211,6 +212,7 @@ pub fn checkpoint_stats(ckpt: &Checkpoint) -> Result<Vec<TensorStats>> {
         .map_init(
             || (Vec::new(), Vec::new()),
             |(buf, vals), &(i, e0, e1)| {
+                cancel.check()?;
                 let m = window_moments(&ckpt.files, &ckpt.tensors[i], e0, e1, buf, vals)?;
                 Ok((i, m))
             },
@@ -246,9 +248,6 @@ fn window_moments(
     buf: &mut Vec<u8>,
     vals: &mut Vec<f64>,
 ) -> Result<Moments> {
-    if INTERRUPTED.load(std::sync::atomic::Ordering::Relaxed) {
-        return Err(Error::Interrupted);
-    }
     let size = t.dtype.size();
     buf.resize(((e1 - e0) as usize) * size, 0);
     read_tensor_range(files, t, t.dtype, e0, e1, buf)?;

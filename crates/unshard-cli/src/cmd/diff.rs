@@ -39,7 +39,7 @@ pub fn run(args: DiffArgs) -> anyhow::Result<Status> {
     let a = source::open(&args.a, &OpenOptions::default())?;
     let b = source::open(&args.b, &OpenOptions::default())?;
     let progress = Bar::new(args.quiet, "compared");
-    let report = diff::diff(&a, &b, &progress)?;
+    let report = diff::diff(&a, &b, &progress, &crate::signals::token())?;
     let mut out = std::io::stdout().lock();
     if args.json.json {
         serde_json::to_writer_pretty(&mut out, &to_json(&a, &b, &report))?;

@@ -34,7 +34,10 @@ pub struct InspectArgs {
 pub fn run(args: InspectArgs) -> anyhow::Result<Status> {
     let ckpt = source::open(&args.path, &OpenOptions { key: args.key.key })?;
     let stats = if args.stats {
-        Some(unshard::stats::checkpoint_stats(&ckpt)?)
+        Some(unshard::stats::checkpoint_stats(
+            &ckpt,
+            &crate::signals::token(),
+        )?)
     } else {
         None
     };

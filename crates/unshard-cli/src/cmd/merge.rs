@@ -91,6 +91,7 @@ pub fn run(args: MergeArgs) -> anyhow::Result<Status> {
         allow_overflow: args.allow_overflow,
         verify: args.verify,
         fail_on_nonfinite: args.fail_on_nonfinite,
+        cancel: signals::token(),
     };
     signals::protect_output(&opts.output);
     let progress = Bar::new(args.quiet, "written");

@@ -44,6 +44,7 @@ pub fn run(args: VerifyArgs) -> anyhow::Result<Status> {
             key: args.plan.key.key.clone(),
         },
         plan: args.plan.plan_options()?,
+        cancel: crate::signals::token(),
         ..MergeOptions::default()
     };
     let progress = Bar::new(args.quiet, "compared");

@@ -24,7 +24,7 @@ pub(crate) fn apply_dtype_policy(
             .collect()
     });
     for t in tensors {
-        if !t.source.dtype.is_float() {
+        if !t.source_dtype.is_float() {
             continue;
         }
         let target = match choice {
@@ -36,11 +36,11 @@ pub(crate) fn apply_dtype_policy(
                 .or(config_dtype.map(|(_, d)| d)),
         };
         if let Some(d) = target {
-            if !crate::dtype::can_convert(t.source.dtype, d) {
+            if !crate::dtype::can_convert(t.source_dtype, d) {
                 return Err(Error::plan(
                     format!(
                         "tensor '{}' cannot be cast from {} to {d}",
-                        t.name, t.source.dtype
+                        t.name, t.source_dtype
                     ),
                     None,
                 ));
@@ -55,13 +55,13 @@ pub(crate) fn apply_dtype_policy(
 pub(crate) fn count_casts(tensors: &[PlannedTensor]) -> Vec<(DType, DType, usize)> {
     let mut casts: Vec<(DType, DType, usize)> = Vec::new();
     for t in tensors {
-        if t.source.dtype != t.dtype {
+        if t.source_dtype != t.dtype {
             match casts
                 .iter_mut()
-                .find(|c| c.0 == t.source.dtype && c.1 == t.dtype)
+                .find(|c| c.0 == t.source_dtype && c.1 == t.dtype)
             {
                 Some(c) => c.2 += 1,
-                None => casts.push((t.source.dtype, t.dtype, 1)),
+                None => casts.push((t.source_dtype, t.dtype, 1)),
             }
         }
     }
@@ -133,15 +133,13 @@ fn set_dtype(c: &mut Map<String, Value>, d: DType, top: bool) {
 mod tests {
     use super::*;
     use crate::plan::testing::{checkpoint, tensor};
-    use crate::plan::Origin;
+    use crate::plan::{Candidate, Origin};
 
     fn planned(name: &str, dtype: DType) -> PlannedTensor {
-        PlannedTensor {
-            name: name.into(),
-            origin: Origin::Checkpoint,
-            source: tensor(name, dtype, &[2]),
-            dtype,
-        }
+        PlannedTensor::from_candidate(Candidate::copy(
+            Origin::Checkpoint,
+            &tensor(name, dtype, &[2]),
+        ))
     }
 
     #[test]

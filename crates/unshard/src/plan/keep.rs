@@ -6,8 +6,8 @@ use std::collections::HashMap;
 
 use serde_json::{Map, Value};
 
-use super::Report;
-use crate::source::{Checkpoint, TensorSource};
+use super::{Candidate, Report};
+use crate::source::TensorSource;
 
 /// Buffers that models register as non-persistent today but older versions saved:
 /// transformers recomputes them, and loading them is an "unexpected key".
@@ -69,7 +69,7 @@ pub(crate) fn drop_buffers(
 /// so, or (when it does not say) the base lacks a head or the checkpoint stores
 /// both in one storage. A head the base has is always written.
 pub(crate) fn drop_tied_head(
-    ckpt: &Checkpoint,
+    cands: &[Candidate],
     names: &[String],
     base: Option<&HashMap<&str, &TensorSource>>,
     config: Option<&Map<String, Value>>,
@@ -80,12 +80,12 @@ pub(crate) fn drop_tied_head(
         return;
     };
     let head_in_base = base.map(|m| m.contains_key("lm_head.weight"));
-    let shares = ckpt.tensors[head].storage.as_ref().and_then(|s| {
-        ckpt.tensors
+    let shares = cands[head].storage.as_ref().and_then(|s| {
+        cands
             .iter()
             .enumerate()
             .find(|(j, t)| {
-                *j != head && t.storage.as_ref() == Some(s) && t.shape == ckpt.tensors[head].shape
+                *j != head && t.storage.as_ref() == Some(s) && t.shape == cands[head].shape
             })
             .map(|(j, _)| names[j].clone())
     });
@@ -116,7 +116,9 @@ pub(crate) fn drop_tied_head(
 #[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
+    use crate::plan::mapping::candidates;
     use crate::plan::testing::{checkpoint, f32s, sharing, tensor};
+    use crate::source::Checkpoint;
     use crate::DType;
 
     #[test]
@@ -164,7 +166,7 @@ mod tests {
         let mut keep = vec![true; names.len()];
         let mut report = Report::default();
         drop_tied_head(
-            ckpt,
+            &candidates(ckpt),
             &names,
             base.as_ref(),
             config.as_ref(),

@@ -23,6 +23,7 @@
 //!    file's header; the index when there is more than one shard.
 
 use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
 
 use regex::Regex;
 use serde_json::{Map, Value};
@@ -31,10 +32,15 @@ use crate::source::{Checkpoint, TensorSource};
 use crate::{DType, Result};
 
 pub mod cast;
+pub mod content;
 pub mod keep;
+pub mod mapping;
 pub mod names;
 pub mod overlay;
 pub mod shard;
+
+pub use content::{Content, Expr, Leaf};
+pub use mapping::{Candidate, MapInputs, Mapping};
 
 pub use cast::config_dtype_of;
 pub use keep::is_nonpersistent_buffer;
@@ -60,6 +66,8 @@ pub struct PlanOptions {
     pub renames: Vec<(Regex, String)>,
     /// Largest shard, in bytes.
     pub max_shard_size: u64,
+    /// Format or architecture mappings, applied in order after the renames.
+    pub mappings: Vec<Arc<dyn Mapping>>,
 }
 
 impl Default for PlanOptions {
@@ -69,6 +77,7 @@ impl Default for PlanOptions {
             strict: false,
             renames: Vec::new(),
             max_shard_size: 5_000_000_000,
+            mappings: Vec::new(),
         }
     }
 }
@@ -82,11 +91,14 @@ pub struct BaseView<'a> {
     pub total_parameters: Option<u64>,
 }
 
-/// Which input a planned tensor comes from.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+/// Which input a tensor comes from. The set is open: an operation that reads more
+/// than a checkpoint and a base (an adapter...) passes them as further inputs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Origin {
     Checkpoint,
     Base,
+    /// The further input at this position of `Inputs::extra`.
+    Input(usize),
 }
 
 /// One tensor to write.
@@ -94,14 +106,47 @@ pub enum Origin {
 pub struct PlannedTensor {
     /// Output name.
     pub name: String,
+    /// The input it comes from (a computed tensor's main input).
     pub origin: Origin,
-    pub source: TensorSource,
+    pub shape: Vec<u64>,
+    /// The dtype of the values before conversion: the stored dtype of a copy,
+    /// float32 for a computed tensor.
+    pub source_dtype: DType,
+    /// The dtype written.
     pub dtype: DType,
+    pub content: Content,
 }
 
 impl PlannedTensor {
+    /// The planned form of a candidate, written in its own dtype until the dtype
+    /// policy says otherwise.
+    pub fn from_candidate(c: Candidate) -> PlannedTensor {
+        PlannedTensor {
+            name: c.name,
+            origin: c.origin,
+            shape: c.shape,
+            source_dtype: c.dtype,
+            dtype: c.dtype,
+            content: c.content,
+        }
+    }
+
+    /// Elements.
+    pub fn numel(&self) -> u64 {
+        self.shape.iter().product()
+    }
+
+    /// Bytes written.
     pub fn nbytes(&self) -> u64 {
-        self.source.numel() * self.dtype.size() as u64
+        self.numel() * self.dtype.size() as u64
+    }
+
+    /// The pieces the engine copies, for a tensor that is a copy.
+    pub fn copied(&self) -> Option<&TensorSource> {
+        match &self.content {
+            Content::Copy(s) => Some(s),
+            Content::Computed(_) => None,
+        }
     }
 }
 
@@ -148,8 +193,14 @@ pub struct Plan {
     pub report: Report,
 }
 
-/// Builds the plan for merging `ckpt` onto `base`.
-pub fn plan(ckpt: &Checkpoint, base: BaseView<'_>, opts: &PlanOptions) -> Result<Plan> {
+/// Builds the plan for merging `ckpt` onto `base`; `extra` are further inputs
+/// (`Origin::Input(i)`) the mappings may draw on.
+pub fn plan(
+    ckpt: &Checkpoint,
+    base: BaseView<'_>,
+    extra: &[&Checkpoint],
+    opts: &PlanOptions,
+) -> Result<Plan> {
     let mut report = Report::default();
     let base_names: Option<HashSet<&str>> = base
         .weights
@@ -158,16 +209,27 @@ pub fn plan(ckpt: &Checkpoint, base: BaseView<'_>, opts: &PlanOptions) -> Result
         .weights
         .map(|w| w.tensors.iter().map(|t| (t.name.as_str(), t)).collect());
 
-    let mut names = names::initial_names(ckpt, &opts.renames);
+    let mut cands = mapping::candidates(ckpt);
+    names::rename(&mut cands, &opts.renames);
+    let inputs = MapInputs {
+        checkpoint: Some(ckpt),
+        base: base.weights,
+        extra,
+    };
+    for m in &opts.mappings {
+        cands = m.map(cands, inputs)?;
+    }
+    mapping::check(&cands)?;
+    let mut names: Vec<String> = cands.iter().map(|c| c.name.clone()).collect();
     if let Some(bn) = &base_names {
         names::align_with_base(&mut names, bn, &mut report);
     }
-    names::record_renames(ckpt, &names, &mut report);
-    names::check_duplicates(ckpt, &names)?;
+    names::record_renames(&cands, &names, &mut report);
+    names::check_duplicates(&cands, &names)?;
 
     let mut keep = keep::drop_buffers(&names, base_map.as_ref(), &mut report);
     keep::drop_tied_head(
-        ckpt,
+        &cands,
         &names,
         base_map.as_ref(),
         base.config,
@@ -176,7 +238,7 @@ pub fn plan(ckpt: &Checkpoint, base: BaseView<'_>, opts: &PlanOptions) -> Result
     );
 
     let mut tensors = overlay::overlay(
-        ckpt,
+        cands,
         &names,
         &keep,
         base.weights.zip(base_map.as_ref()),
@@ -276,7 +338,7 @@ mod tests {
             "c",
             f32s(&[("_orig_mod.b.weight", &[2]), ("a.weight", &[3, 2])]),
         );
-        let p = plan(&ckpt, BaseView::default(), &PlanOptions::default()).unwrap();
+        let p = plan(&ckpt, BaseView::default(), &[], &PlanOptions::default()).unwrap();
         let names: Vec<&str> = p.tensors.iter().map(|t| t.name.as_str()).collect();
         assert_eq!(names, ["a.weight", "b.weight"]);
         assert_eq!(p.dtype, Some(DType::F32));
@@ -301,7 +363,7 @@ mod tests {
             weights: Some(&base_w),
             total_parameters: None,
         };
-        let p = plan(&ckpt, base, &PlanOptions::default()).unwrap();
+        let p = plan(&ckpt, base, &[], &PlanOptions::default()).unwrap();
         assert_eq!(p.report.from_base, ["model.norm.w"]);
         assert_eq!(p.report.casts, [(DType::F32, DType::BF16, 1)]);
         let c = p.config.unwrap();

@@ -6,8 +6,7 @@ use std::collections::{HashMap, HashSet};
 
 use regex::Regex;
 
-use super::Report;
-use crate::source::Checkpoint;
+use super::{Candidate, Report};
 use crate::{Error, Result};
 
 /// Wrapper components that FSDP, activation checkpointing and torch.compile insert.
@@ -30,19 +29,16 @@ pub fn strip_wrappers(name: &str) -> String {
     parts.join(".")
 }
 
-/// Each checkpoint tensor's name without wrappers, then with the user's renames
-/// applied in order.
-pub(crate) fn initial_names(ckpt: &Checkpoint, renames: &[(Regex, String)]) -> Vec<String> {
-    ckpt.tensors
-        .iter()
-        .map(|t| {
-            let mut n = strip_wrappers(&t.name);
-            for (re, rep) in renames {
-                n = re.replace_all(&n, rep.as_str()).into_owned();
-            }
-            n
-        })
-        .collect()
+/// Strips wrappers from each candidate's name, then applies the user's renames in
+/// order: the simplest mapping.
+pub(crate) fn rename(cands: &mut [Candidate], renames: &[(Regex, String)]) {
+    for c in cands {
+        let mut n = strip_wrappers(&c.name);
+        for (re, rep) in renames {
+            n = re.replace_all(&n, rep.as_str()).into_owned();
+        }
+        c.name = n;
+    }
 }
 
 /// Replaces a constant leading difference between the names and the base's (a
@@ -66,23 +62,23 @@ pub(crate) fn align_with_base(names: &mut [String], base: &HashSet<&str>, report
 }
 
 /// Lists every tensor whose output name differs from its checkpoint name.
-pub(crate) fn record_renames(ckpt: &Checkpoint, names: &[String], report: &mut Report) {
-    for (t, n) in ckpt.tensors.iter().zip(names) {
-        if &t.name != n {
-            report.renamed.push((t.name.clone(), n.clone()));
+pub(crate) fn record_renames(cands: &[Candidate], names: &[String], report: &mut Report) {
+    for (c, n) in cands.iter().zip(names) {
+        if &c.source_name != n {
+            report.renamed.push((c.source_name.clone(), n.clone()));
         }
     }
 }
 
 /// Two checkpoint tensors that end up with one output name are an error naming both.
-pub(crate) fn check_duplicates(ckpt: &Checkpoint, names: &[String]) -> Result<()> {
+pub(crate) fn check_duplicates(cands: &[Candidate], names: &[String]) -> Result<()> {
     let mut first_of: HashMap<&str, usize> = HashMap::new();
     for (i, n) in names.iter().enumerate() {
         if let Some(&j) = first_of.get(n.as_str()) {
             return Err(Error::plan(
                 format!(
                     "checkpoint tensors '{}' and '{}' both become '{n}' after renaming",
-                    ckpt.tensors[j].name, ckpt.tensors[i].name
+                    cands[j].source_name, cands[i].source_name
                 ),
                 Some("use --rename to keep them apart, or --key to pick one state dict".into()),
             ));
@@ -184,7 +180,18 @@ pub fn natural_cmp(a: &str, b: &str) -> std::cmp::Ordering {
 #[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
+    use crate::plan::mapping::candidates;
     use crate::plan::testing::{checkpoint, f32s};
+
+    fn renamed(ckpt: &crate::source::Checkpoint, renames: &[(Regex, String)]) -> Vec<Candidate> {
+        let mut c = candidates(ckpt);
+        rename(&mut c, renames);
+        c
+    }
+
+    fn names(c: &[Candidate]) -> Vec<String> {
+        c.iter().map(|c| c.name.clone()).collect()
+    }
 
     #[test]
     fn strips_fsdp_compile_and_ddp_wrappers() {
@@ -257,7 +264,7 @@ mod tests {
             (Regex::new(r"\.attn\.").unwrap(), ".self_attn.".to_string()),
         ];
         assert_eq!(
-            initial_names(&ckpt, &renames),
+            names(&renamed(&ckpt, &renames)),
             ["model.layers.0.self_attn.w"]
         );
     }
@@ -282,11 +289,11 @@ mod tests {
     #[test]
     fn two_tensors_with_one_output_name_are_refused_by_name() {
         let ckpt = checkpoint("c", f32s(&[("module.w", &[1]), ("w", &[1])]));
-        let names = initial_names(&ckpt, &[]);
-        let e = check_duplicates(&ckpt, &names).unwrap_err().to_string();
+        let c = renamed(&ckpt, &[]);
+        let e = check_duplicates(&c, &names(&c)).unwrap_err().to_string();
         assert!(e.contains("'module.w' and 'w' both become 'w'"), "{e}");
         let mut report = Report::default();
-        record_renames(&ckpt, &names, &mut report);
+        record_renames(&c, &names(&c), &mut report);
         assert_eq!(report.renamed, [("module.w".to_string(), "w".to_string())]);
     }
 }

@@ -5,7 +5,7 @@
 
 use std::collections::{HashMap, HashSet};
 
-use super::{Origin, PlannedTensor, Report};
+use super::{Candidate, Origin, PlannedTensor, Report};
 use crate::report::list_some;
 use crate::source::{Checkpoint, TensorSource};
 use crate::{Error, Result};
@@ -13,39 +13,37 @@ use crate::{Error, Result};
 /// The tensors to write, before dtype policy: the kept checkpoint tensors under
 /// their output names, then the base tensors they do not replace.
 pub(crate) fn overlay(
-    ckpt: &Checkpoint,
+    cands: Vec<Candidate>,
     names: &[String],
     keep: &[bool],
     base: Option<(&Checkpoint, &HashMap<&str, &TensorSource>)>,
     strict: bool,
     report: &mut Report,
 ) -> Result<Vec<PlannedTensor>> {
-    let mut tensors: Vec<PlannedTensor> = names
-        .iter()
-        .zip(&ckpt.tensors)
+    if let Some((bw, bmap)) = base {
+        check_against_base(&cands, names, keep, bw, bmap)?;
+    }
+    let mut tensors: Vec<PlannedTensor> = cands
+        .into_iter()
+        .zip(names)
         .zip(keep)
         .filter(|(_, k)| **k)
-        .map(|((n, t), _)| PlannedTensor {
+        .map(|((c, n), _)| PlannedTensor {
             name: n.clone(),
-            origin: Origin::Checkpoint,
-            source: t.clone(),
-            dtype: t.dtype,
+            ..PlannedTensor::from_candidate(c)
         })
         .collect();
-    if let Some((bw, bmap)) = base {
-        check_against_base(ckpt, names, keep, bw, bmap)?;
+    if let Some((bw, _)) = base {
         let have: HashSet<&str> = names.iter().map(String::as_str).collect();
         for b in &bw.tensors {
             if have.contains(b.name.as_str()) {
                 continue;
             }
             report.from_base.push(b.name.clone());
-            tensors.push(PlannedTensor {
-                name: b.name.clone(),
-                origin: Origin::Base,
-                source: b.clone(),
-                dtype: b.dtype,
-            });
+            tensors.push(PlannedTensor::from_candidate(Candidate::copy(
+                Origin::Base,
+                b,
+            )));
         }
         if strict && !report.from_base.is_empty() {
             return Err(Error::plan(
@@ -70,7 +68,7 @@ pub(crate) fn overlay(
 /// Every kept checkpoint tensor is in the base with the same shape; the error
 /// lists the ones that are not, with the base's closest names as a hint.
 fn check_against_base(
-    ckpt: &Checkpoint,
+    cands: &[Candidate],
     names: &[String],
     keep: &[bool],
     bw: &Checkpoint,
@@ -84,9 +82,9 @@ fn check_against_base(
         }
         match bmap.get(n.as_str()) {
             None => unknown.push(n.clone()),
-            Some(b) if b.shape != ckpt.tensors[i].shape => mismatched.push(format!(
+            Some(b) if b.shape != cands[i].shape => mismatched.push(format!(
                 "'{n}': checkpoint {:?}, base {:?}",
-                ckpt.tensors[i].shape, b.shape
+                cands[i].shape, b.shape
             )),
             Some(_) => {}
         }
@@ -151,6 +149,7 @@ fn closest<'a>(name: &str, base: impl Iterator<Item = &'a str>) -> Option<String
 #[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
+    use crate::plan::mapping::candidates;
     use crate::plan::testing::{checkpoint, f32s};
     use crate::Error;
 
@@ -165,7 +164,7 @@ mod tests {
             base.map(|b| b.tensors.iter().map(|t| (t.name.as_str(), t)).collect());
         let mut report = Report::default();
         let r = overlay(
-            ckpt,
+            candidates(ckpt),
             &names,
             &keep,
             base.zip(map.as_ref()),
@@ -213,7 +212,15 @@ mod tests {
     fn nothing_left_is_an_error() {
         let ckpt = checkpoint("c", f32s(&[("a", &[2])]));
         let mut report = Report::default();
-        let e = overlay(&ckpt, &["a".into()], &[false], None, false, &mut report).unwrap_err();
+        let e = overlay(
+            candidates(&ckpt),
+            &["a".into()],
+            &[false],
+            None,
+            false,
+            &mut report,
+        )
+        .unwrap_err();
         assert!(e.to_string().starts_with("nothing to write"), "{e}");
     }
 }

@@ -65,7 +65,7 @@ fn layout(file_name: String, tensors: &[PlannedTensor], order: Vec<usize>) -> Sh
     for &i in &order {
         let t = &tensors[i];
         let end = offset + t.nbytes();
-        let shape: Vec<String> = t.source.shape.iter().map(u64::to_string).collect();
+        let shape: Vec<String> = t.shape.iter().map(u64::to_string).collect();
         json.push_str(&format!(
             ",{}:{{\"dtype\":\"{}\",\"shape\":[{}],\"data_offsets\":[{offset},{end}]}}",
             serde_json::to_string(&t.name).unwrap_or_default(),
@@ -127,7 +127,7 @@ pub(crate) fn total_parameters(
     });
     match base.total_parameters {
         Some(p) if same_set => p,
-        _ => tensors.iter().map(|t| t.source.numel()).sum(),
+        _ => tensors.iter().map(|t| t.numel()).sum(),
     }
 }
 
@@ -136,16 +136,14 @@ pub(crate) fn total_parameters(
 mod tests {
     use super::*;
     use crate::plan::testing::tensor;
-    use crate::plan::Origin;
+    use crate::plan::{Candidate, Origin};
     use crate::DType;
 
     fn planned(name: &str, dtype: DType, n: u64) -> PlannedTensor {
-        PlannedTensor {
-            name: name.into(),
-            origin: Origin::Checkpoint,
-            source: tensor(name, dtype, &[n]),
-            dtype,
-        }
+        PlannedTensor::from_candidate(Candidate::copy(
+            Origin::Checkpoint,
+            &tensor(name, dtype, &[n]),
+        ))
     }
 
     #[test]

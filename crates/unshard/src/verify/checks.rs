@@ -8,6 +8,7 @@ use std::path::Path;
 use rayon::prelude::*;
 
 use super::compare::same_values;
+use crate::cancel::Cancel;
 use crate::dtype::{self, ConvertStats};
 use crate::plan::{Origin, Plan, PlannedTensor};
 use crate::prepare::Inputs;
@@ -23,22 +24,30 @@ use crate::{Error, Result};
 ///
 /// Cheap when training changed something: the first window of each tensor is
 /// compared first, and the rest is read only if all of those match.
-pub fn unchanged_from_base(plan: &Plan, inputs: Inputs<'_>) -> Result<Option<usize>> {
+pub fn unchanged_from_base(
+    plan: &Plan,
+    inputs: Inputs<'_>,
+    cancel: &Cancel,
+) -> Result<Option<usize>> {
     const FIRST_BYTES: u64 = 64 << 10;
     let Some(base) = inputs.base else {
         return Ok(None);
     };
     let by_name: HashMap<&str, &TensorSource> =
         base.tensors.iter().map(|t| (t.name.as_str(), t)).collect();
-    let mut pairs: Vec<(&PlannedTensor, &TensorSource)> = Vec::new();
+    let mut pairs: Vec<(&PlannedTensor, &TensorSource, &TensorSource)> = Vec::new();
     for t in plan
         .tensors
         .iter()
         .filter(|t| t.origin == Origin::Checkpoint)
     {
+        // A computed tensor is not the checkpoint's as it is: the output differs.
+        let Some(source) = t.copied() else {
+            return Ok(None);
+        };
         match by_name.get(t.name.as_str()) {
-            Some(b) if b.shape == t.source.shape && dtype::can_convert(b.dtype, t.dtype) => {
-                pairs.push((t, b))
+            Some(b) if b.shape == t.shape && dtype::can_convert(b.dtype, t.dtype) => {
+                pairs.push((t, source, b))
             }
             _ => return Ok(None),
         }
@@ -46,18 +55,18 @@ pub fn unchanged_from_base(plan: &Plan, inputs: Inputs<'_>) -> Result<Option<usi
     if pairs.is_empty() {
         return Ok(None);
     }
-    let window_equal = |t: &PlannedTensor,
-                        b: &TensorSource,
+    let window_equal = |(t, source, b): (&PlannedTensor, &TensorSource, &TensorSource),
                         e0: u64,
                         e1: u64,
                         bufs: &mut (Vec<u8>, Vec<u8>)|
      -> Result<bool> {
+        cancel.check()?;
         let len = ((e1 - e0) * t.dtype.size() as u64) as usize;
         bufs.0.resize(len, 0);
         bufs.1.resize(len, 0);
         read_tensor_range(
             &inputs.checkpoint.files,
-            &t.source,
+            source,
             t.dtype,
             e0,
             e1,
@@ -68,12 +77,12 @@ pub fn unchanged_from_base(plan: &Plan, inputs: Inputs<'_>) -> Result<Option<usi
     };
     let mut bufs = (Vec::new(), Vec::new());
     let mut rest: Vec<(usize, u64, u64)> = Vec::new();
-    for (i, (t, b)) in pairs.iter().enumerate() {
-        let n = t.source.numel();
+    for (i, &(t, source, b)) in pairs.iter().enumerate() {
+        let n = t.numel();
         let head = (FIRST_BYTES / t.dtype.size() as u64)
             .clamp(1, n.max(1))
             .min(n);
-        if !window_equal(t, b, 0, head, &mut bufs)? {
+        if !window_equal((t, source, b), 0, head, &mut bufs)? {
             return Ok(None);
         }
         let per = WINDOW_BYTES / t.dtype.size() as u64;
@@ -83,7 +92,7 @@ pub fn unchanged_from_base(plan: &Plan, inputs: Inputs<'_>) -> Result<Option<usi
         .par_iter()
         .map_init(
             || (Vec::new(), Vec::new()),
-            |bufs, &(i, e0, e1)| window_equal(pairs[i].0, pairs[i].1, e0, e1, bufs),
+            |bufs, &(i, e0, e1)| window_equal(pairs[i], e0, e1, bufs),
         )
         .find_any(|r| !matches!(r, Ok(true)));
     match differs {

@@ -33,19 +33,20 @@
 
 use std::collections::HashSet;
 use std::path::Path;
-use std::sync::atomic::Ordering;
 
 use rayon::prelude::*;
 
+use crate::cancel::Cancel;
 use crate::options::MergeOptions;
-use crate::plan::{Origin, Plan};
+use crate::plan::{Content, Origin, Plan};
 use crate::prepare::{prepare, Inputs};
-use crate::write::{windows, Progress, INTERRUPTED, WINDOW_BYTES};
+use crate::write::{windows, Progress, WINDOW_BYTES};
 use crate::{Error, Result};
 
 pub mod checks;
 mod compare;
 mod gather;
+mod reference;
 pub mod report;
 mod structure;
 
@@ -67,7 +68,13 @@ pub fn verify_against(opts: &MergeOptions, progress: &dyn Progress) -> Result<Ve
         )));
     }
     let prepared = prepare(opts)?;
-    verify_dir(&opts.output, &prepared.plan, prepared.inputs(), progress)
+    verify_dir(
+        &opts.output,
+        &prepared.plan,
+        prepared.inputs(),
+        progress,
+        &opts.cancel,
+    )
 }
 
 /// Checks the model directory `dir` against `plan`, whose tensors point into `inputs`.
@@ -76,6 +83,7 @@ pub fn verify_dir(
     plan: &Plan,
     inputs: Inputs<'_>,
     progress: &dyn Progress,
+    cancel: &Cancel,
 ) -> Result<VerifyReport> {
     let mut problems = Vec::new();
     let written = Written::read(dir, &mut problems)?;
@@ -95,13 +103,13 @@ pub fn verify_dir(
             continue;
         };
         let file = written.shards[loc.shard].name.as_str();
-        if loc.shape != t.source.shape {
+        if loc.shape != t.shape {
             problems.push(problem(
                 Some(file),
                 Some(&t.name),
                 format!(
                     "shape {:?}, but the checkpoint's is {:?}",
-                    loc.shape, t.source.shape
+                    loc.shape, t.shape
                 ),
             ));
         } else if loc.dtype != t.dtype {
@@ -112,7 +120,7 @@ pub fn verify_dir(
                     "stored as {}, but the merge writes {} ({} in the {})",
                     loc.dtype,
                     t.dtype,
-                    t.source.dtype,
+                    t.source_dtype,
                     origin_name(t.origin)
                 ),
             ));
@@ -141,7 +149,9 @@ pub fn verify_dir(
     for (ci, &(ti, _)) in checks.iter().enumerate() {
         let t = &plan.tensors[ti];
         let per = WINDOW_BYTES / t.dtype.size() as u64;
-        items.extend(windows(0, t.source.numel(), per).map(|(e0, e1)| (ci, e0, e1)));
+        // A computed tensor's reference value is evaluated whole: one window.
+        let per = if t.copied().is_some() { per } else { u64::MAX };
+        items.extend(windows(0, t.numel(), per).map(|(e0, e1)| (ci, e0, e1)));
     }
     let total: u64 = checks
         .iter()
@@ -153,23 +163,26 @@ pub fn verify_dir(
         .map_init(
             || (Vec::new(), Vec::new(), GatherBufs::default()),
             |(expected, found, bufs), &(ci, e0, e1)| {
-                if INTERRUPTED.load(Ordering::Relaxed) {
-                    return Err(Error::Interrupted);
-                }
+                cancel.check()?;
                 let (ti, loc) = checks[ci];
                 let t = &plan.tensors[ti];
                 let size = t.dtype.size() as u64;
                 let len = ((e1 - e0) * size) as usize;
                 expected.resize(len, 0);
-                gather(
-                    &t.source,
-                    inputs.files(t.origin),
-                    t.dtype,
-                    e0,
-                    e1,
-                    expected,
-                    bufs,
-                )?;
+                match &t.content {
+                    Content::Copy(source) => gather(
+                        source,
+                        inputs.files(t.origin),
+                        t.dtype,
+                        e0,
+                        e1,
+                        expected,
+                        bufs,
+                    )?,
+                    Content::Computed(e) => {
+                        *expected = reference::expected(e, &t.shape, t.dtype, inputs)?
+                    }
+                }
                 found.resize(len, 0);
                 let window = match &written.shards[loc.shard].file {
                     Some(file) => match read_output(file, loc.offset + e0 * size, found) {
@@ -214,7 +227,7 @@ pub fn verify_dir(
             mismatches.push(Mismatch {
                 file: file.clone(),
                 name: t.name.clone(),
-                shape: t.source.shape.clone(),
+                shape: t.shape.clone(),
                 dtype: t.dtype,
                 differing: d.differing,
                 nan_mismatch: d.nan_mismatch,
@@ -233,10 +246,11 @@ pub fn verify_dir(
     })
 }
 
-fn origin_name(o: Origin) -> &'static str {
+fn origin_name(o: Origin) -> String {
     match o {
-        Origin::Checkpoint => "checkpoint",
-        Origin::Base => "base",
+        Origin::Checkpoint => "checkpoint".into(),
+        Origin::Base => "base".into(),
+        Origin::Input(i) => format!("input {i}"),
     }
 }
 

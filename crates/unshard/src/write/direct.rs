@@ -105,6 +105,13 @@ impl OutFile {
         })
     }
 
+    /// Writes `buf` at any `offset`, through the page cache.
+    pub(crate) fn write_at(&self, buf: &[u8], offset: u64) -> Result<()> {
+        self.file
+            .write_all_at(buf, offset)
+            .map_err(|e| Error::io("write", &self.path, e))
+    }
+
     /// Writes `buf` at `offset`, a multiple of [`DIRECT_ALIGN`] like `buf`'s address.
     pub(crate) fn write_block(&self, buf: &[u8], offset: u64) -> Result<()> {
         let aligned = buf.len() / DIRECT_ALIGN * DIRECT_ALIGN;
@@ -140,5 +147,21 @@ pub(crate) fn preallocate(f: &File, len: u64) -> std::io::Result<()> {
         // Filesystems without fallocate: fall back to a sparse length.
         libc::EOPNOTSUPP | libc::EINVAL => f.set_len(len),
         e => Err(std::io::Error::from_raw_os_error(e)),
+    }
+}
+
+impl super::sink::ShardFile for OutFile {
+    fn write_block(&self, buf: &[u8], offset: u64) -> Result<()> {
+        OutFile::write_block(self, buf, offset)
+    }
+
+    fn write_at(&self, buf: &[u8], offset: u64) -> Result<()> {
+        OutFile::write_at(self, buf, offset)
+    }
+
+    fn finish(&self) -> Result<()> {
+        self.file
+            .sync_all()
+            .map_err(|e| Error::io("flush", &self.path, e))
     }
 }

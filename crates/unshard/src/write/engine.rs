@@ -3,19 +3,20 @@
 //! converting on the way, and writes each block with one positioned write.
 
 use std::path::Path;
-use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use rayon::prelude::*;
 
-use super::direct::{BufferPool, OutFile};
+use super::direct::BufferPool;
 use super::geometry::PieceRuns;
+use super::sink::ShardFile;
 #[cfg(test)]
 use super::NoProgress;
-use super::{Inputs, Progress, INTERRUPTED};
+use super::{Inputs, Progress};
+use crate::cancel::Cancel;
 use crate::dtype::{self, ConvertStats};
-use crate::plan::{Origin, Plan, PlannedTensor};
-use crate::source::{Blob, FileId, Piece};
+use crate::plan::{Origin, Plan};
+use crate::source::{Blob, FileId, Piece, TensorSource};
 use crate::{DType, Error, Result};
 
 /// Fills and writes every block of every shard, in parallel; returns what conversion
@@ -23,9 +24,10 @@ use crate::{DType, Error, Result};
 pub(crate) fn write_blocks(
     plan: &Plan,
     inputs: Inputs<'_>,
-    files: &[OutFile],
+    files: &[Box<dyn ShardFile>],
     block_bytes: u64,
     progress: &dyn Progress,
+    cancel: &Cancel,
 ) -> Result<Vec<ConvertStats>> {
     let mut blocks = Vec::new();
     for (shard, s) in plan.shards.iter().enumerate() {
@@ -50,9 +52,7 @@ pub(crate) fn write_blocks(
         blocks
             .par_iter()
             .map(|b| {
-                if INTERRUPTED.load(Ordering::Relaxed) {
-                    return Err(Error::Interrupted);
-                }
+                cancel.check()?;
                 let mut bufs = pool.take();
                 let out = bufs.block.slice_mut(b.len as usize);
                 let (stats, tensor_bytes) = fill_block(plan, inputs, b, out, &mut bufs.scratch)?;
@@ -92,8 +92,9 @@ pub(crate) fn input_position(plan: &Plan, b: &Block) -> Option<(bool, FileId, u6
         .find(|&&(ti, _)| plan.tensors[ti].nbytes() > 0)?;
     let t = &plan.tensors[ti];
     let e = (b.start.max(off) - off) / t.dtype.size() as u64;
-    t.source.pieces.iter().find_map(|p| {
-        let runs = PieceRuns::new(p, &t.source.shape);
+    let source = t.copied()?;
+    source.pieces.iter().find_map(|p| {
+        let runs = PieceRuns::new(p, &source.shape);
         let j = runs.first_ending_after(e);
         if j >= runs.count {
             return None;
@@ -168,12 +169,39 @@ pub(crate) fn fill_block(
             out[filled as usize..(lo - b0) as usize].fill(0);
         }
         let dst = &mut out[(lo - b0) as usize..(hi - b0) as usize];
-        let s = fill_bytes(t, inputs.files(t.origin), lo - off, hi - off, dst, scratch)?;
+        let Some(source) = t.copied() else {
+            // Computed: written by its own pass once the blocks are done.
+            dst.fill(0);
+            filled = hi - b0;
+            continue;
+        };
+        let copy = Copied {
+            name: &t.name,
+            source,
+            dtype: t.dtype,
+        };
+        let s = fill_bytes(
+            &copy,
+            inputs.files(t.origin),
+            lo - off,
+            hi - off,
+            dst,
+            scratch,
+        )?;
         stats.push((ti, s));
         filled = hi - b0;
     }
     out[filled as usize..].fill(0);
     Ok((stats, block.len - header.saturating_sub(b0).min(block.len)))
+}
+
+/// A tensor the engine copies: the pieces of one input's tensor, converted to
+/// `dtype`.
+pub(crate) struct Copied<'a> {
+    /// The output name, for errors.
+    pub(crate) name: &'a str,
+    pub(crate) source: &'a TensorSource,
+    pub(crate) dtype: DType,
 }
 
 /// Fills `out` with bytes `[byte0, byte1)` of tensor `t`'s output data. An element
@@ -182,7 +210,7 @@ pub(crate) fn fill_block(
 /// converted whole and the part inside copied; it is counted in the stats of the
 /// range that holds its last byte.
 pub(crate) fn fill_bytes(
-    t: &PlannedTensor,
+    t: &Copied<'_>,
     files: &[Arc<Blob>],
     byte0: u64,
     byte1: u64,
@@ -223,7 +251,7 @@ pub(crate) fn fill_bytes(
 /// with positioned reads: straight into `out` when no conversion is needed, else a
 /// chunk of `scratch` at a time.
 pub(crate) fn fill_window(
-    t: &PlannedTensor,
+    t: &Copied<'_>,
     files: &[Arc<Blob>],
     e0: u64,
     e1: u64,
@@ -237,7 +265,7 @@ pub(crate) fn fill_window(
     let osz = t.dtype.size() as u64;
     for p in &t.source.pieces {
         let blob = files.get(p.file).ok_or_else(|| {
-            Error::bad_tensor(Path::new("?"), &t.name, "piece refers to a missing file")
+            Error::bad_tensor(Path::new("?"), t.name, "piece refers to a missing file")
         })?;
         let isz = p.dtype.size() as u64;
         let chunk = CHUNK_BYTES as u64 / isz;
@@ -324,7 +352,8 @@ pub(crate) fn convert_run(src: &[u8], from: DType, dst: &mut [u8], to: DType) ->
 #[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
-    use crate::source::{contiguous_strides, Checkpoint, Format, TensorSource};
+    use crate::plan::{Candidate, PlannedTensor};
+    use crate::source::{contiguous_strides, Checkpoint, Format};
     use std::path::PathBuf;
 
     fn le_bytes(values: &[f32]) -> Vec<u8> {
@@ -401,9 +430,8 @@ mod tests {
         };
         let planned = |name: &str, dtype: DType, source: TensorSource| PlannedTensor {
             name: name.into(),
-            origin: Origin::Checkpoint,
-            source,
             dtype,
+            ..PlannedTensor::from_candidate(Candidate::copy(Origin::Checkpoint, &source))
         };
         let tensors = vec![
             planned(
@@ -459,12 +487,15 @@ mod tests {
         };
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("x.safetensors");
-        let files = vec![OutFile::create(&path, file_size).unwrap()];
+        let files: Vec<Box<dyn ShardFile>> = vec![Box::new(
+            super::super::direct::OutFile::create(&path, file_size).unwrap(),
+        )];
         let inputs = Inputs {
             checkpoint: &ckpt,
             base: None,
+            extra: &[],
         };
-        let stats = write_blocks(&plan, inputs, &files, 4096, &NoProgress).unwrap();
+        let stats = write_blocks(&plan, inputs, &files, 4096, &NoProgress, &Cancel::new()).unwrap();
         drop(files);
 
         let mut want = header;

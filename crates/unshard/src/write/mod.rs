@@ -16,39 +16,38 @@
 //! renamed into place only when everything succeeded; on any error or interruption
 //! the staging directory is removed.
 //!
-//! The jobs are split by file: [`staging`] (the staging directory and its atomic
-//! commit), `engine` (blocks: what each output byte is, read and converted),
+//! The jobs are split by file: [`sink`] (where the files go: the seam, and the
+//! staging directory that is its local implementation), `staging` (the staging
+//! directory and its atomic commit), `engine` (blocks: what each output byte is,
+//! read and converted), `computed` (computed tensors),
 //! `direct` (the output file with direct I/O and the buffer pool), `geometry`
 //! (a piece's runs of elements inside its tensor), and [`read`] (reading tensor
 //! values into memory, for `verify`, `diff` and `stats`).
 
-use std::fs::File;
-use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::path::PathBuf;
 
+use crate::cancel::Cancel;
 use crate::dtype::ConvertStats;
 use crate::plan::Plan;
 use crate::{Error, Result};
 
+mod computed;
 mod direct;
 mod engine;
 mod geometry;
 pub mod read;
-pub mod staging;
+pub mod sink;
+mod staging;
 
 pub use crate::prepare::Inputs;
 pub use read::{read_tensor, read_tensor_range, windows};
-pub use staging::{check_output, commit, create_staging, Staging};
+pub use sink::{ShardFile, Sink, StagingDir};
+pub use staging::check_output;
 
-use direct::OutFile;
 use engine::write_blocks;
-use staging::write_file;
 
 /// Output bytes assembled per unit of work (a multiple of the direct I/O alignment).
 pub const WINDOW_BYTES: u64 = 8 << 20;
-
-/// Set by a signal handler to stop the writer at the next block.
-pub static INTERRUPTED: AtomicBool = AtomicBool::new(false);
 
 /// Receives progress in output bytes.
 pub trait Progress: Sync {
@@ -75,6 +74,8 @@ pub struct WriteOptions {
     pub extra_files: Vec<PathBuf>,
     /// Paths the output must not overlap (inputs, base).
     pub protected: Vec<PathBuf>,
+    /// Stops the writer at its next block.
+    pub cancel: Cancel,
 }
 
 /// What writing did.
@@ -92,14 +93,14 @@ pub struct WriteSummary {
 pub fn write_into(
     plan: &Plan,
     inputs: Inputs<'_>,
-    staging: &Path,
+    sink: &dyn Sink,
     opts: &WriteOptions,
     progress: &dyn Progress,
 ) -> Result<WriteSummary> {
     // Create and preallocate every file first: a full disk fails here, before work.
     let mut files = Vec::with_capacity(plan.shards.len());
     for s in &plan.shards {
-        files.push(OutFile::create(&staging.join(&s.file_name), s.file_size)?);
+        files.push(sink.create_shard(&s.file_name, s.file_size)?);
     }
     let total: u64 = plan
         .shards
@@ -107,11 +108,13 @@ pub fn write_into(
         .map(|s| s.file_size - s.header.len() as u64)
         .sum();
     progress.start(total);
-    let stats = write_blocks(plan, inputs, &files, WINDOW_BYTES, progress)?;
-    // A signal that arrived while the last blocks were in flight still stops the run.
-    if INTERRUPTED.load(Ordering::Relaxed) {
-        return Err(Error::Interrupted);
+    let cancel = &opts.cancel;
+    let mut stats = write_blocks(plan, inputs, &files, WINDOW_BYTES, progress, cancel)?;
+    for (ti, s) in computed::write_computed(plan, inputs, &files, cancel)? {
+        stats[ti].add(s);
     }
+    // A cancellation that came while the last blocks were in flight still stops the run.
+    cancel.check()?;
     if !opts.allow_overflow {
         if let Some((i, s)) = stats.iter().enumerate().find(|(_, s)| s.overflow > 0) {
             return Err(Error::Overflow {
@@ -122,37 +125,26 @@ pub fn write_into(
         }
     }
     for f in &files {
-        f.file
-            .sync_all()
-            .map_err(|e| Error::io("flush", &f.path, e))?;
+        f.finish()?;
     }
     let mut names: Vec<String> = plan.shards.iter().map(|s| s.file_name.clone()).collect();
     if let Some(index) = &plan.index {
-        write_file(
-            &staging.join("model.safetensors.index.json"),
-            index.as_bytes(),
-        )?;
+        sink.write_file("model.safetensors.index.json", index.as_bytes())?;
         names.push("model.safetensors.index.json".into());
     }
     if let Some(config) = &plan.config {
         let mut text = serde_json::to_string_pretty(config).unwrap_or_default();
         text.push('\n');
-        write_file(&staging.join("config.json"), text.as_bytes())?;
+        sink.write_file("config.json", text.as_bytes())?;
         names.push("config.json".into());
     }
     for src in &opts.extra_files {
-        let Some(name) = src.file_name() else {
+        let Some(name) = src.file_name().map(|n| n.to_string_lossy().into_owned()) else {
             continue;
         };
-        let dst = staging.join(name);
-        if dst.exists() {
-            continue;
+        if sink.copy_file(&name, src)? {
+            names.push(name);
         }
-        std::fs::copy(src, &dst).map_err(|e| Error::io("copy", src, e))?;
-        File::open(&dst)
-            .and_then(|f| f.sync_all())
-            .map_err(|e| Error::io("flush", &dst, e))?;
-        names.push(name.to_string_lossy().into_owned());
     }
     progress.finish();
     Ok(WriteSummary {

@@ -4,9 +4,8 @@
 
 use std::sync::Arc;
 
-use super::engine::fill_window;
+use super::engine::{fill_window, Copied};
 use crate::dtype::ConvertStats;
-use crate::plan::{Origin, PlannedTensor};
 use crate::source::{Blob, TensorSource};
 use crate::{DType, Result};
 
@@ -38,10 +37,9 @@ pub fn read_tensor_range(
     e1: u64,
     out: &mut [u8],
 ) -> Result<ConvertStats> {
-    let t = PlannedTensor {
-        name: source.name.clone(),
-        origin: Origin::Checkpoint,
-        source: source.clone(),
+    let t = Copied {
+        name: &source.name,
+        source,
         dtype: to,
     };
     SCRATCH.with_borrow_mut(|scratch| fill_window(&t, files, e0, e1, out, scratch))

@@ -1,0 +1,111 @@
+//! The output-sink seam: where a merge's files go, so that they appear complete or
+//! not at all.
+//!
+//! The engine writes each shard through a [`ShardFile`] (blocks at any offset, from
+//! many threads, in any order), then the small files (index, config, the base's
+//! tokenizer files), and the merge calls [`Sink::commit`] once everything
+//! succeeded (and verified, when asked). Dropping a sink without committing it
+//! removes what it wrote.
+//!
+//! [`StagingDir`] is the local implementation: a staging directory beside the
+//! destination, fsynced and renamed into place. An object-store sink would upload
+//! shards as multipart uploads (a block is a part), write the index and config
+//! last, and abort the uploads on failure.
+
+use std::fs::File;
+use std::path::{Path, PathBuf};
+
+use super::direct::OutFile;
+use super::staging::{commit, create_staging, write_file, Staging};
+use crate::Result;
+
+/// An output being written.
+pub trait Sink: Send + Sync {
+    /// Creates shard file `name`, exactly `size` bytes, with the space reserved
+    /// where the store allows (a full disk fails here, before any work).
+    fn create_shard(&self, name: &str, size: u64) -> Result<Box<dyn ShardFile>>;
+
+    /// Writes a small file whole (the index, the config).
+    fn write_file(&self, name: &str, bytes: &[u8]) -> Result<()>;
+
+    /// Copies a local file in under `name`, unless a file of that name was
+    /// written already; returns whether it copied.
+    fn copy_file(&self, name: &str, from: &Path) -> Result<bool>;
+
+    /// A local directory holding the files written so far, for reading them back
+    /// before the commit (`verify`); `None` for a store that has none.
+    fn staged_dir(&self) -> Option<&Path>;
+
+    /// Makes the output visible, complete, at its destination.
+    fn commit(self: Box<Self>) -> Result<()>;
+}
+
+/// One shard file of a [`Sink`].
+pub trait ShardFile: Send + Sync {
+    /// Writes `buf` at `offset`. The engine's blocks start at multiples of 4096
+    /// bytes, from buffers aligned to 4096 bytes, and are 4096-byte multiples long
+    /// except a file's last one.
+    fn write_block(&self, buf: &[u8], offset: u64) -> Result<()>;
+
+    /// Writes `buf` at any `offset` (a computed tensor's bytes).
+    fn write_at(&self, buf: &[u8], offset: u64) -> Result<()>;
+
+    /// Makes what was written durable.
+    fn finish(&self) -> Result<()>;
+}
+
+/// The local sink: a staging directory beside `output`, fsynced and renamed into
+/// place by [`Sink::commit`], removed if dropped before.
+pub struct StagingDir {
+    staging: Staging,
+    output: PathBuf,
+}
+
+impl StagingDir {
+    /// Creates the staging directory for `output` (replacing one this process left).
+    pub fn create(output: &Path) -> Result<StagingDir> {
+        Ok(StagingDir {
+            staging: create_staging(output)?,
+            output: output.to_path_buf(),
+        })
+    }
+
+    /// The staging directory.
+    pub fn path(&self) -> &Path {
+        &self.staging.path
+    }
+}
+
+impl Sink for StagingDir {
+    fn create_shard(&self, name: &str, size: u64) -> Result<Box<dyn ShardFile>> {
+        Ok(Box::new(OutFile::create(
+            &self.staging.path.join(name),
+            size,
+        )?))
+    }
+
+    fn write_file(&self, name: &str, bytes: &[u8]) -> Result<()> {
+        write_file(&self.staging.path.join(name), bytes)
+    }
+
+    fn copy_file(&self, name: &str, from: &Path) -> Result<bool> {
+        let dst = self.staging.path.join(name);
+        if dst.exists() {
+            return Ok(false);
+        }
+        std::fs::copy(from, &dst).map_err(|e| crate::Error::io("copy", from, e))?;
+        File::open(&dst)
+            .and_then(|f| f.sync_all())
+            .map_err(|e| crate::Error::io("flush", &dst, e))?;
+        Ok(true)
+    }
+
+    fn staged_dir(&self) -> Option<&Path> {
+        Some(&self.staging.path)
+    }
+
+    fn commit(self: Box<Self>) -> Result<()> {
+        let StagingDir { staging, output } = *self;
+        commit(staging, &output)
+    }
+}
