@@ -21,6 +21,8 @@ pub mod merge;
 pub mod options;
 pub mod plan;
 pub mod prepare;
+#[cfg(feature = "remote")]
+pub mod remote;
 pub mod report;
 pub mod source;
 pub mod stats;

@@ -79,7 +79,7 @@ pub struct Base {
 
 impl Base {
     pub fn open(path: &Path) -> Result<Base> {
-        if !path.is_dir() {
+        if !source::fs::is_dir(path) {
             return Err(Error::plan(
                 format!("--base {} is not a directory", path.display()),
                 Some("pass the Hugging Face model directory the training started from (config.json, tokenizer, weights)".into()),
@@ -87,10 +87,12 @@ impl Base {
         }
         let dir = HfDir::open(path)?;
         let weights = dir.weights()?;
-        let total_parameters = std::fs::read_to_string(path.join("model.safetensors.index.json"))
-            .ok()
-            .and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok())
-            .and_then(|v| v.get("metadata")?.get("total_parameters")?.as_u64());
+        let total_parameters =
+            source::fs::read_optional(&path.join("model.safetensors.index.json"))
+                .ok()
+                .flatten()
+                .and_then(|t| serde_json::from_slice::<serde_json::Value>(&t).ok())
+                .and_then(|v| v.get("metadata")?.get("total_parameters")?.as_u64());
         Ok(Base {
             dir,
             weights,

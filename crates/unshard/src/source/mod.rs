@@ -43,6 +43,7 @@ use crate::{DType, Error, Result};
 pub mod bytes;
 pub mod dcp;
 pub mod detect;
+pub mod fs;
 pub mod hf_dir;
 pub mod legacy;
 pub mod safetensors;
@@ -368,11 +369,11 @@ fn first_overlap(boxes: &[(&[u64], Vec<u64>)]) -> Option<(usize, usize)> {
 /// A config directory that travels with a checkpoint and serves as the base config
 /// when `--base` is not given: verl writes one as `huggingface/` beside its rank files.
 pub fn config_dir_for(checkpoint: &Path) -> Option<PathBuf> {
-    let dir = if checkpoint.is_dir() {
+    let dir = if fs::is_dir(checkpoint) {
         checkpoint
     } else {
         checkpoint.parent()?
     };
     let hf = dir.join("huggingface");
-    hf.join("config.json").is_file().then_some(hf)
+    fs::is_file(&hf.join("config.json")).then_some(hf)
 }

@@ -70,6 +70,13 @@ pub trait ByteSource: Send + Sync + fmt::Debug {
         let _ = (offset, len);
     }
 
+    /// How many reads of this source should be in flight at once to get its bandwidth:
+    /// 0 (the default) for a local file, whose readers the engine sizes by cores; an
+    /// object store, where each request waits for the network, asks for more.
+    fn readers(&self) -> usize {
+        0
+    }
+
     /// All the bytes, when the source already holds them in memory (no copy needed).
     fn as_bytes(&self) -> Option<&[u8]> {
         None

@@ -54,7 +54,7 @@ pub fn open(set: &RankSet, opts: &OpenOptions) -> Result<Checkpoint> {
     let mut ranks = Vec::with_capacity(n);
     for (_, name) in &set.ranks {
         let path = set.dir.join(name);
-        let blob = Arc::new(Blob::open(&path)?);
+        let blob = Arc::new(crate::source::fs::open(&path)?);
         let payload = read_payload(&path, &blob)?;
         let found = torch::find_tensors(&payload.pickle, &path, opts.key.as_deref())?;
         let by_name = found.tensors.iter().cloned().collect();
