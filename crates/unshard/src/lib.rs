@@ -19,6 +19,7 @@ pub mod dtype;
 pub mod error;
 pub mod merge;
 pub mod options;
+pub mod parts;
 pub mod plan;
 pub mod prepare;
 #[cfg(feature = "remote")]
