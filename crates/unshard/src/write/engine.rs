@@ -279,6 +279,9 @@ pub(crate) fn fill_window(
         let runs = PieceRuns::new(p, &t.source.shape);
         let stride = runs.stride;
         prefetch(blob, p, &runs, e0, e1);
+        // Bytes a strided gather touched (a local file gathers from a map), released
+        // when the piece is done.
+        let mut touched: Option<(u64, u64)> = None;
         for j in runs.first_ending_after(e0)..runs.count {
             let r = runs.run(j);
             if r.out >= e1 {
@@ -307,9 +310,10 @@ pub(crate) fn fill_window(
                 if stride == 1 {
                     blob.read_at(at, src)?;
                 } else {
-                    // Strided (a transposed or expanded view, rare in checkpoints):
-                    // gathered from spans of the file.
+                    // Strided (a transposed or expanded view, rare in checkpoints).
                     blob.read_strided(at, stride * isz, isz as usize, src)?;
+                    let end = at + ((n - 1) * stride + 1) * isz;
+                    touched = Some(touched.map_or((at, end), |(lo, hi)| (lo.min(at), hi.max(end))));
                 }
                 if p.big_endian {
                     dtype::byteswap(src, isz as usize);
@@ -318,6 +322,9 @@ pub(crate) fn fill_window(
                 stats.add(convert_run(src, p.dtype, d, t.dtype));
                 done += n;
             }
+        }
+        if let Some((lo, hi)) = touched {
+            blob.release(lo, hi - lo);
         }
     }
     Ok(stats)

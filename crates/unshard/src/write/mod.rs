@@ -9,8 +9,9 @@
 //! disk where the filesystem allows direct I/O. Each input byte is read once and
 //! each output byte written once. Blocks run in parallel across all shards and
 //! within large tensors, so memory is a block and a chunk per thread, whatever the
-//! model size: inputs are byte sources (`source::bytes`), read by range, never
-//! mapped (a strided view, rare, is gathered from spans of at most 1 MiB).
+//! model size: inputs are byte sources (`source::bytes`), read by range (a strided
+//! view, rare, is gathered by the source: a local file from a map whose touched
+//! pages are released after each piece).
 //!
 //! Output goes to a staging directory beside the destination, which is fsynced and
 //! renamed into place only when everything succeeded; on any error or interruption

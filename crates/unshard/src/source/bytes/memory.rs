@@ -6,10 +6,19 @@ use super::{short_read, ByteSource};
 use crate::Result;
 
 /// A [`ByteSource`] over a buffer in memory.
-#[derive(Debug)]
 pub struct MemBytes {
     name: PathBuf,
     data: Vec<u8>,
+}
+
+/// Names the buffer and gives its length, not its bytes (they may be megabytes).
+impl std::fmt::Debug for MemBytes {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MemBytes")
+            .field("name", &self.name)
+            .field("len", &self.data.len())
+            .finish()
+    }
 }
 
 impl MemBytes {
@@ -36,6 +45,10 @@ impl ByteSource for MemBytes {
             .ok_or_else(|| short_read(&self.name, offset, len))?;
         buf.copy_from_slice(src);
         Ok(())
+    }
+
+    fn read_strided(&self, offset: u64, stride: u64, elem: usize, out: &mut [u8]) -> Result<()> {
+        super::gather(&self.data, &self.name, offset, stride, elem, out)
     }
 
     fn as_bytes(&self) -> Option<&[u8]> {

@@ -77,6 +77,16 @@ pub trait ByteSource: Send + Sync + fmt::Debug {
         0
     }
 
+    /// Fills `out` with elements of `elem` bytes, the first at `offset` and each
+    /// `stride` bytes after the previous: a strided view (a transposed or expanded
+    /// tensor), rare in checkpoints. Its elements are scattered, and neighbouring
+    /// output windows read neighbouring bytes, so how to gather them well depends on
+    /// the source: the default reads spans ([`read_strided_by_spans`]), a local file
+    /// gathers from a map of the file, memory from itself.
+    fn read_strided(&self, offset: u64, stride: u64, elem: usize, out: &mut [u8]) -> Result<()> {
+        read_strided_by_spans(self, offset, stride, elem, out)
+    }
+
     /// All the bytes, when the source already holds them in memory (no copy needed).
     fn as_bytes(&self) -> Option<&[u8]> {
         None
@@ -221,8 +231,7 @@ impl Blob {
 
     /// Fills `out` with elements of `elem` bytes, the first at `offset` and each
     /// `stride` bytes after the previous: the bytes of a strided view (a transposed or
-    /// expanded tensor). Elements closer than [`GAP`] are read as spans of up to
-    /// [`STRIDED_SPAN`] bytes and picked out; farther ones are read one by one.
+    /// expanded tensor). See [`ByteSource::read_strided`].
     pub fn read_strided(
         &self,
         offset: u64,
@@ -230,46 +239,89 @@ impl Blob {
         elem: usize,
         out: &mut [u8],
     ) -> Result<()> {
-        let n = out.len() / elem.max(1);
-        if n == 0 {
-            return Ok(());
-        }
-        let e = elem as u64;
-        let per = if stride > GAP {
-            1
-        } else {
-            usize::try_from(STRIDED_SPAN.saturating_sub(e) / stride.max(1) + 1).unwrap_or(n)
-        };
-        let overflow = || {
-            Error::corrupt(
-                &self.path,
-                format!("a strided read of {n} elements {stride} bytes apart at byte {offset} overflows"),
-            )
-        };
-        let mut span = Vec::new();
-        for (w, chunk) in out.chunks_mut(per.saturating_mul(elem)).enumerate() {
-            let first = (w as u64)
-                .checked_mul(per as u64)
-                .and_then(|i| i.checked_mul(stride))
-                .and_then(|x| x.checked_add(offset))
-                .ok_or_else(overflow)?;
-            let k = (chunk.len() / elem) as u64;
-            if k == 1 {
-                self.read_at(first, chunk)?;
-                continue;
-            }
-            // k - 1 strides and one element: at most STRIDED_SPAN bytes, by `per`.
-            let len = (k - 1) * stride + e;
-            span.resize(len as usize, 0);
-            self.read_at(first, &mut span)?;
-            for (i, dst) in chunk.chunks_exact_mut(elem).enumerate() {
-                let at = i * stride as usize;
-                dst.copy_from_slice(&span[at..at + elem]);
-            }
-        }
-        Ok(())
+        self.source.read_strided(offset, stride, elem, out)
     }
 }
 
-/// The longest span [`Blob::read_strided`] reads at once.
+/// [`ByteSource::read_strided`] by positioned reads: elements closer than [`GAP`]
+/// are read as spans of up to [`STRIDED_SPAN`] bytes and picked out, farther ones
+/// one by one.
+pub fn read_strided_by_spans<S: ByteSource + ?Sized>(
+    src: &S,
+    offset: u64,
+    stride: u64,
+    elem: usize,
+    out: &mut [u8],
+) -> Result<()> {
+    let n = out.len() / elem.max(1);
+    if n == 0 {
+        return Ok(());
+    }
+    let e = elem as u64;
+    let per = if stride > GAP {
+        1
+    } else {
+        usize::try_from(STRIDED_SPAN.saturating_sub(e) / stride.max(1) + 1).unwrap_or(n)
+    };
+    let overflow = || {
+        Error::corrupt(
+            src.name(),
+            format!(
+                "a strided read of {n} elements {stride} bytes apart at byte {offset} overflows"
+            ),
+        )
+    };
+    let mut span = Vec::new();
+    for (w, chunk) in out.chunks_mut(per.saturating_mul(elem)).enumerate() {
+        let first = (w as u64)
+            .checked_mul(per as u64)
+            .and_then(|i| i.checked_mul(stride))
+            .and_then(|x| x.checked_add(offset))
+            .ok_or_else(overflow)?;
+        let k = (chunk.len() / elem) as u64;
+        if k == 1 {
+            src.read_at(first, chunk)?;
+            continue;
+        }
+        // k - 1 strides and one element: at most STRIDED_SPAN bytes, by `per`.
+        let len = (k - 1) * stride + e;
+        span.resize(len as usize, 0);
+        src.read_at(first, &mut span)?;
+        for (i, dst) in chunk.chunks_exact_mut(elem).enumerate() {
+            let at = i * stride as usize;
+            dst.copy_from_slice(&span[at..at + elem]);
+        }
+    }
+    Ok(())
+}
+
+/// Gathers a strided view from bytes in memory (a buffer, or a map of a file);
+/// elements past the end are an error naming the source.
+pub(crate) fn gather(
+    data: &[u8],
+    name: &Path,
+    offset: u64,
+    stride: u64,
+    elem: usize,
+    out: &mut [u8],
+) -> Result<()> {
+    for (i, dst) in out.chunks_exact_mut(elem.max(1)).enumerate() {
+        let at = (i as u64)
+            .checked_mul(stride)
+            .and_then(|x| x.checked_add(offset))
+            .ok_or_else(|| short_read(name, offset, out_len(i, elem)))?;
+        let src = usize::try_from(at)
+            .ok()
+            .and_then(|a| data.get(a..a.checked_add(elem)?))
+            .ok_or_else(|| short_read(name, at, elem as u64))?;
+        dst.copy_from_slice(src);
+    }
+    Ok(())
+}
+
+fn out_len(i: usize, elem: usize) -> u64 {
+    (i as u64).saturating_mul(elem as u64)
+}
+
+/// The longest span [`read_strided_by_spans`] reads at once.
 pub const STRIDED_SPAN: u64 = 1 << 20;

@@ -211,31 +211,55 @@ fn sources_are_shareable_trait_objects() {
     assert!(blob.read_vec(8, 3).is_err());
 }
 
+/// One way of reading a strided view: `(offset, stride, elem, out)`.
+type StridedRead<'a> = &'a dyn Fn(u64, u64, usize, &mut [u8]) -> Result<()>;
+
 #[test]
 fn strided_reads_pick_every_element_at_any_stride() {
     let data = pattern(3 << 20);
-    let blob = Blob::owned(PathBuf::from("strided.bin"), data.clone());
-    // Dense, transposed-like, one window boundary crossed many times, farther than
-    // the coalescing gap, and a broadcast (stride 0).
-    for (offset, stride, elem, n) in [
-        (0u64, 4u64, 4usize, 1000usize),
-        (6, 12, 2, 250_000),
-        (1, 40_000, 4, 60),
-        (100, 0, 8, 50),
-        (3, 1 << 20, 2, 3),
-    ] {
-        let mut out = vec![0u8; n * elem];
-        blob.read_strided(offset, stride, elem, &mut out).unwrap();
-        for (i, e) in out.chunks_exact(elem).enumerate() {
-            let at = (offset + i as u64 * stride) as usize;
-            assert_eq!(e, &data[at..at + elem], "stride {stride}, element {i}");
+    let mem = MemBytes::new(PathBuf::from("strided.bin"), data.clone());
+    let mut f = tempfile::NamedTempFile::new().unwrap();
+    f.write_all(&data).unwrap();
+    let local = LocalFile::open(f.path()).unwrap();
+    // In memory, from a local file's map, and by spans (the default).
+    let ways: [(&str, StridedRead<'_>); 3] = [
+        ("memory", &|o, s, e, out| mem.read_strided(o, s, e, out)),
+        ("local", &|o, s, e, out| local.read_strided(o, s, e, out)),
+        ("spans", &|o, s, e, out| {
+            read_strided_by_spans(&mem, o, s, e, out)
+        }),
+    ];
+    for (way, read) in ways {
+        // Dense, transposed-like, one window boundary crossed many times, farther
+        // than the coalescing gap, and a broadcast (stride 0).
+        for (offset, stride, elem, n) in [
+            (0u64, 4u64, 4usize, 1000usize),
+            (6, 12, 2, 250_000),
+            (1, 40_000, 4, 60),
+            (100, 0, 8, 50),
+            (3, 1 << 20, 2, 3),
+        ] {
+            let mut out = vec![0u8; n * elem];
+            read(offset, stride, elem, &mut out).unwrap();
+            for (i, e) in out.chunks_exact(elem).enumerate() {
+                let at = (offset + i as u64 * stride) as usize;
+                assert_eq!(
+                    e,
+                    &data[at..at + elem],
+                    "{way}: stride {stride}, element {i}"
+                );
+            }
         }
+        // Past the end: an error, not a panic.
+        let mut out = vec![0u8; 8];
+        assert!(read(3 << 20, 4, 4, &mut out).is_err(), "{way}");
+        assert!(
+            read(u64::MAX - 2, u64::MAX / 2, 4, &mut out).is_err(),
+            "{way}"
+        );
     }
-    // Past the end: an error naming the source, not a panic.
     let mut out = vec![0u8; 8];
-    let e = blob.read_strided(3 << 20, 4, 4, &mut out).unwrap_err();
+    let e = mem.read_strided(3 << 20, 4, 4, &mut out).unwrap_err();
     assert!(e.to_string().contains("strided.bin"), "{e}");
-    assert!(blob
-        .read_strided(u64::MAX - 2, u64::MAX / 2, 4, &mut out)
-        .is_err());
+    local.release(0, 3 << 20);
 }

@@ -110,10 +110,11 @@ fn payload_from_index(a: &Archive<'_>, index: ZipIndex) -> Result<TorchPayload> 
     };
     let has = |name: &str| index.find(&format!("{prefix}/{name}")).is_some();
     if has("constants.pkl")
-        || index
-            .entries
-            .iter()
-            .any(|e| e.name.starts_with(&format!("{prefix}/code/")))
+        || index.entries.iter().any(|e| {
+            e.name
+                .strip_prefix(prefix.as_str())
+                .is_some_and(|rest| rest.starts_with("/code/"))
+        })
     {
         return Err(Error::Unsupported {
             path: path.to_path_buf(),

@@ -31,7 +31,7 @@ impl<'a> Archive<'a> {
             blob,
             base,
             len,
-            held: Vec::new(),
+            held: Vec::with_capacity(3),
         })
     }
 
@@ -41,7 +41,7 @@ impl<'a> Archive<'a> {
             blob,
             base: 0,
             len: blob.len(),
-            held: Vec::new(),
+            held: Vec::with_capacity(3),
         }
     }
 
@@ -139,19 +139,21 @@ impl<'a> Archive<'a> {
         )
     }
 
-    /// Reads a record field after checking it lies inside the archive.
-    pub(super) fn field(
+    /// Reads a record of `N` bytes after checking it lies inside the archive.
+    pub(super) fn field<const N: usize>(
         &self,
         at: u64,
-        len: u64,
         what: &str,
-    ) -> std::result::Result<Vec<u8>, Fail> {
+    ) -> std::result::Result<[u8; N], Fail> {
+        let len = N as u64;
         if at.checked_add(len).is_none_or(|e| e > self.len) {
             return bad(format!(
                 "{what} at byte {at} (+{len}) lies past the end of the archive ({} bytes); the file is truncated or corrupt",
                 self.len
             ));
         }
-        Ok(self.read_vec(at, len)?)
+        let mut buf = [0u8; N];
+        self.read(at, &mut buf)?;
+        Ok(buf)
     }
 }

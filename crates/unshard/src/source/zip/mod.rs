@@ -14,6 +14,7 @@
 //! directory. Every offset is checked against the archive with overflow-safe
 //! arithmetic.
 
+use std::borrow::Cow;
 use std::fmt;
 use std::path::PathBuf;
 
@@ -118,13 +119,17 @@ struct Cursor {
 
 impl Cursor {
     /// `len` bytes at `at` of the archive, refilling the block when they are not in it.
-    fn get(
-        &mut self,
-        a: &Archive<'_>,
+    fn get<'s>(
+        &'s mut self,
+        a: &'s Archive<'_>,
         at: u64,
         len: u64,
         what: &str,
-    ) -> std::result::Result<&[u8], Fail> {
+    ) -> std::result::Result<&'s [u8], Fail> {
+        // Usually the central directory is in the tail already read: no copy.
+        if let Some(b) = a.held_bytes(at, len) {
+            return Ok(b);
+        }
         let inside =
             at >= self.start && at.saturating_add(len) <= self.start + self.buf.len() as u64;
         if !inside {
@@ -156,9 +161,9 @@ impl ZipIndex {
 
     /// Indexes an archive, reading only its records; errors name the blob's file.
     pub fn read(a: &mut Archive<'_>) -> Result<ZipIndex> {
-        let path = a.blob.path.clone();
+        let blob = a.blob;
         index(a).map_err(|f| match f {
-            Fail::Bad(m) => Error::corrupt(&path, m),
+            Fail::Bad(m) => Error::corrupt(&blob.path, m),
             Fail::Read(e) => e,
         })
     }
@@ -168,8 +173,9 @@ impl ZipIndex {
         self.entries.iter().find(|e| e.name == name)
     }
 
-    /// The bytes of a stored entry (a pickle, a small record), read into memory.
-    pub fn stored(&self, a: &Archive<'_>, entry: &ZipEntry) -> Result<Vec<u8>> {
+    /// The bytes of a stored entry (a pickle, a small record): borrowed from what the
+    /// archive holds, else read into memory.
+    pub fn stored<'a>(&self, a: &'a Archive<'_>, entry: &ZipEntry) -> Result<Cow<'a, [u8]>> {
         if entry.method != METHOD_STORED {
             return Err(Error::corrupt(&a.blob.path, format!(
                 "entry '{}' is compressed (zip method {}); torch writes stored entries only, so this archive was repacked by another tool. Unzip and re-zip it with `zip -0`, or load and re-save it with torch.save",
@@ -187,7 +193,10 @@ impl ZipIndex {
                 &format!("entry '{}'", entry.name),
             ));
         }
-        a.read_vec(entry.data_offset, entry.size)
+        if let Some(b) = a.held_bytes(entry.data_offset, entry.size) {
+            return Ok(Cow::Borrowed(b));
+        }
+        Ok(Cow::Owned(a.read_vec(entry.data_offset, entry.size)?))
     }
 }
 
@@ -225,26 +234,27 @@ fn find_eocd(a: &mut Archive<'_>) -> std::result::Result<u64, Fail> {
 fn index(a: &mut Archive<'_>) -> std::result::Result<ZipIndex, Fail> {
     let len = a.len;
     let eocd = find_eocd(a)?;
-    let e = a.field(eocd, 22, "end of central directory")?;
+    let a: &Archive<'_> = a;
+    let e = a.field::<22>(eocd, "end of central directory")?;
     let mut count = le16(&e, 10) as u64;
     let mut cd_size = le32(&e, 12) as u64;
     let mut cd_offset = le32(&e, 16) as u64;
     if count == 0xffff || cd_size == 0xffff_ffff || cd_offset == 0xffff_ffff {
         let loc = eocd.checked_sub(20).and_then(|l| {
-            let b = a.field(l, 20, "zip64 locator").ok()?;
+            let b = a.field::<20>(l, "zip64 locator").ok()?;
             (le32(&b, 0) == ZIP64_LOCATOR_SIG).then_some(b)
         });
         let Some(loc) = loc else {
             return bad("the archive needs ZIP64 records but has no ZIP64 locator");
         };
         let rec = le64(&loc, 8);
-        let r = a.field(rec, 4, "zip64 end of central directory")?;
+        let r = a.field::<4>(rec, "zip64 end of central directory")?;
         if le32(&r, 0) != ZIP64_EOCD_SIG {
             return bad(format!(
                 "no ZIP64 end-of-central-directory record at byte {rec}"
             ));
         }
-        let r = a.field(rec, 56, "zip64 end of central directory")?;
+        let r = a.field::<56>(rec, "zip64 end of central directory")?;
         count = le64(&r, 32);
         cd_size = le64(&r, 40);
         cd_offset = le64(&r, 48);

@@ -42,7 +42,7 @@ fn reads_a_stored_entry() {
     let e = idx.find("x/data.pkl").expect("entry");
     let blob = Blob::owned(PathBuf::from("a.zip"), a.clone());
     let archive = Archive::whole(&blob);
-    assert_eq!(idx.stored(&archive, e).expect("bytes"), b"hello");
+    assert_eq!(&idx.stored(&archive, e).expect("bytes")[..], b"hello");
 }
 
 #[test]
