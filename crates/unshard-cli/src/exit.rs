@@ -96,7 +96,9 @@ pub fn print_error(e: &anyhow::Error) {
     }
     let hint = match e.downcast_ref::<UsageError>() {
         Some(u) => Some(u.hint.clone()),
-        None => e.downcast_ref::<Error>().and_then(Error::hint),
+        None => e
+            .downcast_ref::<Error>()
+            .and_then(|e| crate::hints::for_flags(e).or_else(|| e.hint())),
     };
     if let Some(hint) = hint {
         let _ = writeln!(err, "hint: {}", escape_lines(&hint));

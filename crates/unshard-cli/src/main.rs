@@ -9,6 +9,7 @@ use clap::{Parser, Subcommand};
 mod args;
 mod cmd;
 mod exit;
+mod hints;
 mod panic_hook;
 mod progress;
 mod signals;

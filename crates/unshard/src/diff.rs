@@ -7,17 +7,22 @@
 //! are compared as numbers (so tensors of different dtypes compare by value), NaN
 //! matching NaN, window by window in bounded memory.
 
+use std::path::PathBuf;
+
 use rayon::prelude::*;
+use serde::Serialize;
 
 use crate::cancel::Cancel;
+use crate::json::{display_path, format_id};
+use crate::options::DiffOptions;
 use crate::plan::{natural_cmp, strip_wrappers};
-use crate::source::{Checkpoint, TensorSource};
+use crate::source::{Checkpoint, Format, TensorSource};
 use crate::stats::{decode_f64, CHUNK_ELEMS, WINDOW_ELEMS};
 use crate::write::{read_tensor_range, windows, Progress};
 use crate::{DType, Result};
 
 /// How the values of two same-shaped tensors differ.
-#[derive(Clone, Copy, Debug, Default, PartialEq)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize)]
 pub struct ValueDiff {
     /// Elements whose values differ (NaN against NaN does not count; -0 equals 0).
     pub differing: u64,
@@ -25,21 +30,54 @@ pub struct ValueDiff {
     pub nan_mismatch: u64,
     /// Largest |a − b| over elements that are numbers on both sides (inf when an
     /// infinity meets a finite value).
+    #[serde(rename = "max_abs_diff")]
     pub max_abs: f64,
     /// ‖a − b‖₂ / ‖b‖₂ over the elements finite on both sides (b is the reference).
     pub rel_l2: f64,
 }
 
 /// One tensor present on both sides.
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Debug, PartialEq, Serialize)]
+#[serde(into = "TensorDiffJson")]
 pub struct TensorDiff {
+    /// The name (without wrapper prefixes).
     pub name: String,
+    /// Its dtype in A.
     pub dtype_a: DType,
+    /// Its dtype in B.
     pub dtype_b: DType,
+    /// Its shape in A.
     pub shape_a: Vec<u64>,
+    /// Its shape in B.
     pub shape_b: Vec<u64>,
     /// `None` when the shapes differ (values are not comparable).
     pub values: Option<ValueDiff>,
+}
+
+/// A [`TensorDiff`] as JSON, with its verdict after its name.
+#[derive(Serialize)]
+struct TensorDiffJson {
+    name: String,
+    identical: bool,
+    dtype_a: DType,
+    dtype_b: DType,
+    shape_a: Vec<u64>,
+    shape_b: Vec<u64>,
+    values: Option<ValueDiff>,
+}
+
+impl From<TensorDiff> for TensorDiffJson {
+    fn from(t: TensorDiff) -> Self {
+        TensorDiffJson {
+            identical: t.identical(),
+            name: t.name,
+            dtype_a: t.dtype_a,
+            dtype_b: t.dtype_b,
+            shape_a: t.shape_a,
+            shape_b: t.shape_b,
+            values: t.values,
+        }
+    }
 }
 
 impl TensorDiff {
@@ -49,15 +87,69 @@ impl TensorDiff {
     }
 }
 
-/// Everything `diff` found.
-#[derive(Clone, Debug, Default)]
+/// One side of a comparison.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct DiffSide {
+    /// The input.
+    #[serde(serialize_with = "display_path")]
+    pub path: PathBuf,
+    /// Its format (its id in JSON: `torch-zip`, `dcp`...).
+    #[serde(serialize_with = "format_id")]
+    pub format: Format,
+    /// How many tensors it holds.
+    pub tensors: usize,
+}
+
+impl DiffSide {
+    fn of(c: &Checkpoint) -> DiffSide {
+        DiffSide {
+            path: c.path.clone(),
+            format: c.format,
+            tensors: c.tensors.len(),
+        }
+    }
+}
+
+/// Everything `diff` found. Its JSON is the CLI's `diff --json` (README).
+#[derive(Clone, Debug, Serialize)]
+#[serde(into = "DiffJson")]
 pub struct DiffReport {
+    /// The first input.
+    pub a: DiffSide,
+    /// The second input, the reference.
+    pub b: DiffSide,
+    /// Names only A holds.
     pub only_a: Vec<String>,
+    /// Names only B holds.
     pub only_b: Vec<String>,
     /// Tensors on both sides, in natural name order.
     pub tensors: Vec<TensorDiff>,
     /// Names that lost wrapper prefixes (`module.`, `_fsdp_wrapped_module.`), per side.
     pub renamed: (usize, usize),
+}
+
+/// A [`DiffReport`] as JSON: the verdict first.
+#[derive(Serialize)]
+struct DiffJson {
+    identical: bool,
+    a: DiffSide,
+    b: DiffSide,
+    only_a: Vec<String>,
+    only_b: Vec<String>,
+    tensors: Vec<TensorDiff>,
+}
+
+impl From<DiffReport> for DiffJson {
+    fn from(r: DiffReport) -> Self {
+        DiffJson {
+            identical: r.identical(),
+            a: r.a,
+            b: r.b,
+            only_a: r.only_a,
+            only_b: r.only_b,
+            tensors: r.tensors,
+        }
+    }
 }
 
 impl DiffReport {
@@ -90,8 +182,15 @@ fn comparable_names(ckpt: &Checkpoint) -> (Vec<String>, usize) {
     }
 }
 
+/// Opens both inputs and compares them (`b` is the reference for relative norms).
+pub fn diff(opts: &DiffOptions, progress: &dyn Progress) -> Result<DiffReport> {
+    let a = crate::source::open(&opts.a, &opts.open)?;
+    let b = crate::source::open(&opts.b, &opts.open)?;
+    compare(&a, &b, progress, &opts.cancel)
+}
+
 /// Compares `a` with `b` (the reference, for relative norms).
-pub fn diff(
+pub fn compare(
     a: &Checkpoint,
     b: &Checkpoint,
     progress: &dyn Progress,
@@ -106,8 +205,12 @@ pub fn diff(
         .collect();
     let index_a: std::collections::HashSet<&str> = names_a.iter().map(String::as_str).collect();
     let mut report = DiffReport {
+        a: DiffSide::of(a),
+        b: DiffSide::of(b),
+        only_a: Vec::new(),
+        only_b: Vec::new(),
+        tensors: Vec::new(),
         renamed: (renamed_a, renamed_b),
-        ..DiffReport::default()
     };
     let mut pairs: Vec<(usize, usize)> = Vec::new();
     for (i, n) in names_a.iter().enumerate() {

@@ -1,10 +1,16 @@
 //! The library's error type.
 //!
 //! Every error names what is at fault (a file, a key, a tensor) and, where the user
-//! can do something about it, carries a hint. The binary renders `error:`, the
+//! can do something about it, carries a hint. The errors a caller may want to act
+//! on are variants of their own that carry their data (the tensors not in the
+//! base, the shapes that differ, the output that exists...). Hints speak of the
+//! library's options (`strict`, `force`, `renames`); a front end maps them to its
+//! own words (the command line to its flags). The binary renders `error:`, the
 //! causes, and `hint:`; the library only describes.
 
 use std::path::PathBuf;
+
+use crate::report::list_some;
 
 /// Result alias for the library.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
@@ -16,21 +22,32 @@ pub enum Error {
     /// An operating-system call on a file failed.
     #[error("cannot {op} {}", path.display())]
     Io {
+        /// What was being done (`open`, `read`, `create`...).
         op: &'static str,
+        /// The file.
         path: PathBuf,
+        /// The system's error.
         #[source]
         source: std::io::Error,
     },
 
     /// A file's bytes do not form what they claim to be (truncated, corrupt, inconsistent).
     #[error("{}: {msg}", path.display())]
-    Corrupt { path: PathBuf, msg: String },
+    Corrupt {
+        /// The file.
+        path: PathBuf,
+        /// What is wrong with it.
+        msg: String,
+    },
 
     /// A pickle inside a file could not be parsed.
     #[error("{}: cannot parse the pickle in {entry}", path.display())]
     Pickle {
+        /// The file.
         path: PathBuf,
+        /// The archive entry holding the pickle.
         entry: String,
+        /// What the pickle machine found.
         #[source]
         source: unshard_pickle::Error,
     },
@@ -38,71 +55,154 @@ pub enum Error {
     /// The file is a known kind that unshard deliberately does not read.
     #[error("{}: {what} is not supported", path.display())]
     Unsupported {
+        /// The file.
         path: PathBuf,
+        /// What it holds that is not read.
         what: String,
+        /// What to do instead.
         hint: Option<String>,
     },
 
     /// The input is not a format unshard knows.
     #[error("{}: not a checkpoint unshard can read ({found})", path.display())]
-    UnknownFormat { path: PathBuf, found: String },
+    UnknownFormat {
+        /// The input.
+        path: PathBuf,
+        /// What it looks like.
+        found: String,
+    },
 
     /// A tensor's description is invalid (bad shape, out-of-bounds strides, ...).
     #[error("{}: tensor '{tensor}': {msg}", path.display())]
     BadTensor {
+        /// The file that describes it.
         path: PathBuf,
+        /// The tensor.
         tensor: String,
+        /// What is wrong.
         msg: String,
     },
 
     /// A checkpoint made of several files lacks one of them (a rank's file).
     #[error("{}: {msg}", path.display())]
     Incomplete {
+        /// The checkpoint.
         path: PathBuf,
+        /// What is missing.
         msg: String,
+        /// What to do about it.
         hint: Option<String>,
     },
 
     /// No tensors were found where they were looked for.
     #[error("{}: no tensors found{}", path.display(), at.as_ref().map(|k| format!(" under '{k}'")).unwrap_or_default())]
     NoTensors {
+        /// The input.
         path: PathBuf,
+        /// The key looked under, if any.
         at: Option<String>,
+        /// What to do about it.
         hint: Option<String>,
     },
 
-    /// `--key` named a path that does not exist.
+    /// The `key` open option named a path that does not exist.
     #[error("{}: key '{key}' not found", path.display())]
     KeyNotFound {
+        /// The input.
         path: PathBuf,
+        /// The key asked for.
         key: String,
+        /// The keys at the level where it was looked for.
         available: Vec<String>,
     },
 
     /// Several candidate tensor dicts and no way to choose between them.
     #[error("{}: tensors found under several keys: {}", path.display(), candidates.join(", "))]
     AmbiguousTensors {
+        /// The input.
         path: PathBuf,
+        /// The keys that hold tensor dicts.
         candidates: Vec<String>,
     },
 
     /// The merge plan is invalid: the checkpoint does not fit the base.
     #[error("{msg}")]
-    Plan { msg: String, hint: Option<String> },
+    Plan {
+        /// What does not fit.
+        msg: String,
+        /// What to do about it.
+        hint: Option<String>,
+    },
+
+    /// Checkpoint tensors that the base model does not have.
+    #[error("{} checkpoint tensor(s) are not in the base model {}: {}", .names.len(), .base.display(), list_some(.names, 8))]
+    UnknownTensors {
+        /// The checkpoint's tensors (output names) the base lacks.
+        names: Vec<String>,
+        /// The base's weights.
+        base: PathBuf,
+        /// Base names close to the first unknown ones.
+        similar: Vec<String>,
+    },
+
+    /// Tensors whose shape differs in the checkpoint and the base.
+    #[error("{} tensor(s) have a different shape in the checkpoint and the base: {}", .tensors.len(), list_some(.tensors, 6))]
+    ShapeMismatch {
+        /// Each tensor with both shapes.
+        tensors: Vec<ShapeDiff>,
+    },
+
+    /// Two checkpoint tensors would be written under one name.
+    #[error("checkpoint tensors '{first}' and '{second}' both become '{name}' after renaming")]
+    DuplicateName {
+        /// The first tensor, as the checkpoint names it.
+        first: String,
+        /// The second one.
+        second: String,
+        /// The output name both get.
+        name: String,
+    },
+
+    /// `strict` is set and base tensors are missing from the checkpoint.
+    #[error("strict: {} base tensor(s) are missing from the checkpoint: {}", .missing.len(), list_some(.missing, 8))]
+    Strict {
+        /// The base tensors the checkpoint lacks.
+        missing: Vec<String>,
+    },
+
+    /// The output directory exists and is not empty (and `force` is not set).
+    #[error("{}: the output directory exists and is not empty", .path.display())]
+    OutputExists {
+        /// The output directory.
+        path: PathBuf,
+    },
+
+    /// `fail_on_nonfinite` is set and tensors hold NaN or inf.
+    #[error("{} tensor(s) hold non-finite values: {}", .tensors.len(), list_some(.tensors, 6))]
+    NonFinite {
+        /// Each tensor with its counts.
+        tensors: Vec<NonFiniteTensor>,
+    },
 
     /// A cast overflowed to infinity.
     #[error("casting tensor '{tensor}' to {dtype} overflows: {count} finite value(s) become inf")]
     Overflow {
+        /// The tensor.
         tensor: String,
+        /// The dtype it is cast to.
         dtype: crate::DType,
+        /// How many values overflow.
         count: u64,
     },
 
     /// The output location is unusable.
     #[error("{}: {msg}", path.display())]
     Output {
+        /// The output.
         path: PathBuf,
+        /// What is wrong with it.
         msg: String,
+        /// What to do about it.
         hint: Option<String>,
     },
 
@@ -110,13 +210,64 @@ pub enum Error {
     #[error("{0}")]
     Usage(String),
 
-    /// The operation was interrupted (Ctrl-C or a signal).
+    /// The operation was cancelled (its [`Cancel`](crate::Cancel) token).
     #[error("interrupted")]
     Interrupted,
 
-    /// A check on the output failed (`--verify`, `--fail-on-nonfinite`).
+    /// A check on the output failed (a merge's read-back verification).
     #[error("{msg}")]
-    Check { msg: String, hint: Option<String> },
+    Check {
+        /// What failed.
+        msg: String,
+        /// What to do about it.
+        hint: Option<String>,
+    },
+}
+
+/// A tensor whose shape differs in the checkpoint and the base.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ShapeDiff {
+    /// Its output name.
+    pub name: String,
+    /// Its shape in the checkpoint.
+    pub checkpoint: Vec<u64>,
+    /// Its shape in the base.
+    pub base: Vec<u64>,
+}
+
+impl std::fmt::Display for ShapeDiff {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "'{}': checkpoint {:?}, base {:?}",
+            self.name, self.checkpoint, self.base
+        )
+    }
+}
+
+/// A tensor holding NaN or inf (in the checkpoint, or after an overflowing cast).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct NonFiniteTensor {
+    /// Its output name.
+    pub name: String,
+    /// NaN values.
+    pub nan: u64,
+    /// inf values in the input.
+    pub inf: u64,
+    /// Finite values that became inf in the cast to `dtype`.
+    pub overflow: u64,
+    /// The dtype written.
+    pub dtype: crate::DType,
+}
+
+impl std::fmt::Display for NonFiniteTensor {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "'{}' ({} NaN, {} inf", self.name, self.nan, self.inf)?;
+        if self.overflow > 0 {
+            write!(f, ", {} overflowed to inf in {}", self.overflow, self.dtype)?;
+        }
+        f.write_str(")")
+    }
 }
 
 impl Error {
@@ -169,21 +320,47 @@ impl Error {
             | Error::Output { hint, .. } => hint.clone(),
             Error::KeyNotFound { available, .. } if !available.is_empty() => Some(format!(
                 "keys at that level: {}",
-                crate::report::list_some(available, 12)
+                list_some(available, 12)
             )),
             Error::AmbiguousTensors { candidates, .. } => Some(format!(
-                "pick one with --key, e.g. --key {}",
+                "pick one with the `key` open option, e.g. {}",
                 candidates.first().map(String::as_str).unwrap_or("state")
             )),
             Error::Overflow { dtype, .. } => Some(format!(
-                "values beyond the range of {dtype} cannot be represented; choose --dtype bfloat16 or float32, or pass --allow-overflow to write inf"
+                "values beyond the range of {dtype} cannot be represented; choose a wider dtype (bfloat16 or float32), or set `allow_overflow` to write inf"
             )),
+            Error::UnknownTensors { similar, .. } if similar.is_empty() => Some(
+                "check that the base is the model that was trained, or map names with `renames`"
+                    .into(),
+            ),
+            Error::UnknownTensors { similar, .. } => Some(format!(
+                "the base has similar names ({}); map them with `renames`, or check that the base is the model that was trained",
+                quoted(similar)
+            )),
+            Error::ShapeMismatch { .. } => Some(
+                "the checkpoint was trained from a different architecture or size than the base"
+                    .into(),
+            ),
+            Error::DuplicateName { .. } => Some(
+                "keep them apart with `renames`, or pick one state dict with the `key` open option"
+                    .into(),
+            ),
+            Error::Strict { .. } => {
+                Some("without `strict` they are copied from the base".into())
+            }
+            Error::OutputExists { .. } => {
+                Some("set `force` to replace it, or choose another output".into())
+            }
+            Error::NonFinite { .. } => Some(
+                "the output was not written; the run may have diverged. Without `fail_on_nonfinite` it is written anyway"
+                    .into(),
+            ),
             Error::Pickle { .. } | Error::Corrupt { .. } => Some(
                 "the file may be truncated or damaged; check that the training job finished writing it"
                     .into(),
             ),
             Error::Io { source, .. } if source.raw_os_error() == Some(libc::ENOSPC) => {
-                Some("the disk is full; free space or choose another --output".into())
+                Some("the disk is full; free space or choose another output".into())
             }
             Error::Io { source, .. } if source.raw_os_error() == Some(libc::EMFILE) => Some(
                 "a merge keeps every input file open, one per rank of a sharded checkpoint; raise the limit on open files (`ulimit -n`) to more than the number of files"
@@ -192,4 +369,13 @@ impl Error {
             _ => None,
         }
     }
+}
+
+/// Names in quotes, comma-separated.
+fn quoted(names: &[String]) -> String {
+    names
+        .iter()
+        .map(|n| format!("'{n}'"))
+        .collect::<Vec<_>>()
+        .join(", ")
 }

@@ -1,35 +1,91 @@
 //! unshard: turn what distributed training left on disk into a Hugging Face model
 //! directory.
 //!
-//! The library is organised along the data flow:
-//! - [`source`]: readers. Each input format (torch.save zip or legacy, safetensors,
-//!   Hugging Face directories, DCP directories, per-rank files) is *described* as a
-//!   list of [`source::TensorSource`]s: where each tensor's pieces are, never their bytes.
-//! - [`plan`]: pure policy. Names, dtype, ties, overlay on a base model; the result is
-//!   a [`plan::Plan`] (what to write) and a report (why), or an error naming the culprit.
-//! - [`write`]: the engine. Streams pieces from inputs to output shards, converting
-//!   dtypes on the way, into a staging directory that is renamed into place.
-//! - [`dtype`]: element types and conversion kernels bit-identical to torch.
-//! - [`verify`]: proof that an output holds the checkpoint's values; [`diff`] and
-//!   [`stats`] compare and summarise tensors of any input.
+//! The library's API is this page: four operations, their options and reports,
+//! and the types they share.
+//!
+//! - [`merge()`]: a checkpoint (onto a base model) into a model directory, written
+//!   into a staging directory and renamed into place when complete
+//!   ([`merge_into`] writes into any [`Sink`]);
+//! - [`inspect()`]: what an input holds;
+//! - [`verify()`]: whether a model directory holds exactly what a merge writes;
+//! - [`diff()`]: two inputs compared tensor by tensor.
+//!
+//! Every operation takes a [`Cancel`] token in its options (no process-global
+//! state: operations in one process run and stop separately), reports progress to
+//! a [`Progress`], and fails with a typed [`Error`] that names the file, key or
+//! tensor at fault; [`Error::hint`] says what to change, in terms of the options.
+//! Reports derive `Serialize`: the command line's `--json` outputs are their JSON.
+//!
+//! ```no_run
+//! use unshard::{Cancel, MergeOptions, NoProgress, VerifyOptions};
+//!
+//! let cancel = Cancel::new(); // keep a clone to cancel from another thread
+//! let opts = MergeOptions {
+//!     checkpoint: "checkpoints/global_step_100/actor".into(),
+//!     base: Some("Qwen2.5-7B".into()),
+//!     output: "merged".into(),
+//!     cancel: cancel.clone(),
+//!     ..MergeOptions::default()
+//! };
+//! let outcome = unshard::merge(&opts, &NoProgress)?;
+//! println!("{}", serde_json::to_string_pretty(&outcome).unwrap_or_default());
+//! let report = unshard::verify(&VerifyOptions::of_merge(&opts, &opts.output), &NoProgress)?;
+//! assert!(report.is_ok());
+//! # Ok::<(), unshard::Error>(())
+//! ```
+//!
+//! How the library is organised (readers, mapping, plan, engine, sink) and where
+//! new formats, transforms and stores plug in is in `docs/architecture.md`. The
+//! modules below the facade are public for the command line, the tests and the
+//! fuzz targets, and are not a stable API.
+#![deny(missing_docs)]
 
+#[doc(hidden)]
 pub mod cancel;
+#[doc(hidden)]
 pub mod diff;
+#[doc(hidden)]
 pub mod dtype;
+#[doc(hidden)]
 pub mod error;
+#[doc(hidden)]
+pub mod inspect;
+#[doc(hidden)]
+pub mod json;
+#[doc(hidden)]
 pub mod merge;
+#[doc(hidden)]
 pub mod options;
+#[doc(hidden)]
 pub mod parts;
+#[doc(hidden)]
 pub mod plan;
+#[doc(hidden)]
 pub mod prepare;
+#[doc(hidden)]
 #[cfg(feature = "remote")]
 pub mod remote;
+#[doc(hidden)]
 pub mod report;
+#[doc(hidden)]
 pub mod source;
+#[doc(hidden)]
 pub mod stats;
+#[doc(hidden)]
 pub mod verify;
+#[doc(hidden)]
 pub mod write;
 
 pub use cancel::Cancel;
+pub use diff::{diff, DiffReport, DiffSide, TensorDiff, ValueDiff};
 pub use dtype::DType;
 pub use error::{Error, Result};
+pub use inspect::{inspect, InspectReport, InspectedTensor, NonTensor};
+pub use merge::{merge, merge_into, parse_size, MergeOutcome};
+pub use options::{DiffOptions, InspectOptions, MergeOptions, VerifyOptions};
+pub use plan::{DtypeChoice, PlanOptions};
+pub use source::OpenOptions;
+pub use stats::TensorStats;
+pub use verify::{verify, FirstDiff, Mismatch, Problem, VerifyReport};
+pub use write::{NoProgress, Progress, ShardFile, Sink, StagingDir};

@@ -6,26 +6,108 @@ use std::time::{Duration, Instant};
 pub use crate::options::MergeOptions;
 pub use crate::prepare::{prepare, Base};
 
-use crate::plan::Plan;
+use serde::Serialize;
+
+use crate::plan::{Origin, Plan};
 use crate::prepare::Prepared;
 use crate::source;
 use crate::verify::{self, VerifyReport};
 use crate::write::{self, Progress, Sink, StagingDir, WriteOptions, WriteSummary};
+use crate::DType;
 use crate::{Error, Result};
 
 /// What a merge did.
-#[derive(Debug)]
+#[derive(Clone, Debug, Serialize)]
+#[serde(into = "MergeJson")]
 pub struct MergeOutcome {
+    /// What was written and why (names, dtypes, shards, the planning report).
     pub plan: Plan,
+    /// What writing saw (per-tensor NaN/inf/overflow counts, files).
     pub write: WriteSummary,
+    /// The checkpoint's format.
     pub checkpoint_format: source::Format,
+    /// Where in the checkpoint the tensors were found.
     pub checkpoint_key: Option<String>,
+    /// What the reader noticed (skipped optimizer state...).
     pub checkpoint_notes: Vec<String>,
-    /// Where the config came from, if not from `--base`.
+    /// Where the config came from, if not from the `base` option.
     pub config_from: Option<PathBuf>,
-    /// What `--verify` found (always a pass: a failure is an error).
+    /// What the `verify` option found (always a pass: a failure is an error).
     pub verified: Option<VerifyReport>,
+    /// How long the merge took.
     pub elapsed: Duration,
+}
+
+/// A [`MergeOutcome`] as JSON: what a user or a script needs, not the plan's
+/// byte layout.
+#[derive(Serialize)]
+struct MergeJson {
+    checkpoint_format: &'static str,
+    checkpoint_key: Option<String>,
+    notes: Vec<String>,
+    config_from: Option<String>,
+    tensors_written: usize,
+    from_checkpoint: usize,
+    from_base: Vec<String>,
+    renamed: Vec<(String, String)>,
+    dropped: Vec<(String, String)>,
+    casts: Vec<(DType, DType, usize)>,
+    warnings: Vec<String>,
+    nonfinite: Vec<NonFinite>,
+    files: Vec<String>,
+    bytes_written: u64,
+    verified: Option<VerifyReport>,
+    seconds: f64,
+}
+
+#[derive(Serialize)]
+struct NonFinite {
+    tensor: String,
+    nan: u64,
+    inf: u64,
+    overflow: u64,
+}
+
+impl From<MergeOutcome> for MergeJson {
+    fn from(o: MergeOutcome) -> Self {
+        let nonfinite = o
+            .plan
+            .tensors
+            .iter()
+            .zip(&o.write.stats)
+            .filter(|(_, s)| s.nan + s.inf + s.overflow > 0)
+            .map(|(t, s)| NonFinite {
+                tensor: t.name.clone(),
+                nan: s.nan,
+                inf: s.inf,
+                overflow: s.overflow,
+            })
+            .collect();
+        let r = o.plan.report;
+        MergeJson {
+            checkpoint_format: o.checkpoint_format.id(),
+            checkpoint_key: o.checkpoint_key,
+            notes: o.checkpoint_notes.into_iter().chain(r.notes).collect(),
+            config_from: o.config_from.map(|p| p.display().to_string()),
+            tensors_written: o.plan.tensors.len(),
+            from_checkpoint: o
+                .plan
+                .tensors
+                .iter()
+                .filter(|t| t.origin == Origin::Checkpoint)
+                .count(),
+            from_base: r.from_base,
+            renamed: r.renamed,
+            dropped: r.dropped,
+            casts: r.casts,
+            warnings: r.warnings,
+            nonfinite,
+            files: o.write.files,
+            bytes_written: o.write.bytes_written,
+            verified: o.verified,
+            seconds: o.elapsed.as_secs_f64(),
+        }
+    }
 }
 
 /// Runs a whole merge into the local directory `opts.output`: written into a

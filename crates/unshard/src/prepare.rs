@@ -8,16 +8,20 @@
 use std::path::Path;
 use std::sync::Arc;
 
-use crate::options::MergeOptions;
-use crate::plan::{self, BaseView, Origin, Plan};
+use crate::cancel::Cancel;
+use crate::options::{MergeOptions, VerifyOptions};
+use crate::plan::{self, BaseView, Origin, Plan, PlanOptions};
 use crate::source::hf_dir::HfDir;
-use crate::source::{self, Blob, Checkpoint};
+use crate::source::{self, Blob, Checkpoint, OpenOptions};
 use crate::{Error, Result};
 
 /// The opened inputs and the plan, ready to write or to verify against.
 pub struct Prepared {
+    /// The checkpoint, opened.
     pub checkpoint: Checkpoint,
+    /// The base, opened.
     pub base: Option<Base>,
+    /// The plan.
     pub plan: Plan,
 }
 
@@ -40,7 +44,9 @@ impl Prepared {
 /// The inputs a plan's tensors point into, by [`Origin`].
 #[derive(Clone, Copy)]
 pub struct Inputs<'a> {
+    /// The checkpoint.
     pub checkpoint: &'a Checkpoint,
+    /// The base's weights.
     pub base: Option<&'a Checkpoint>,
     /// Further inputs (an adapter...): `Origin::Input(i)` is `extra[i]`.
     pub extra: &'a [&'a Checkpoint],
@@ -72,16 +78,20 @@ impl<'a> Inputs<'a> {
 
 /// Reads the base directory (if any): config, weights and extra files.
 pub struct Base {
+    /// The directory: config, tokenizer and other files.
     pub dir: HfDir,
+    /// Its weights, when it has any.
     pub weights: Option<Checkpoint>,
+    /// `metadata.total_parameters` of its index.
     pub total_parameters: Option<u64>,
 }
 
 impl Base {
+    /// Opens a base model directory.
     pub fn open(path: &Path) -> Result<Base> {
         if !source::fs::is_dir(path) {
             return Err(Error::plan(
-                format!("--base {} is not a directory", path.display()),
+                format!("the base {} is not a directory", path.display()),
                 Some("pass the Hugging Face model directory the training started from (config.json, tokenizer, weights)".into()),
             ));
         }
@@ -100,6 +110,7 @@ impl Base {
         })
     }
 
+    /// The base as planning sees it.
     pub fn view(&self) -> BaseView<'_> {
         BaseView {
             config: self.dir.config.as_ref(),
@@ -109,9 +120,51 @@ impl Base {
     }
 }
 
+/// What to open and how to plan: the part of [`MergeOptions`] and
+/// [`VerifyOptions`] that describes the merge.
+pub struct Sources<'a> {
+    /// The checkpoint.
+    pub checkpoint: &'a Path,
+    /// The base model directory.
+    pub base: Option<&'a Path>,
+    /// How to find the tensors in the checkpoint.
+    pub open: &'a OpenOptions,
+    /// How to plan.
+    pub plan: &'a PlanOptions,
+    /// Checked once each input is parsed.
+    pub cancel: &'a Cancel,
+}
+
+impl<'a> From<&'a MergeOptions> for Sources<'a> {
+    fn from(o: &'a MergeOptions) -> Self {
+        Sources {
+            checkpoint: &o.checkpoint,
+            base: o.base.as_deref(),
+            open: &o.open,
+            plan: &o.plan,
+            cancel: &o.cancel,
+        }
+    }
+}
+
+impl<'a> From<&'a VerifyOptions> for Sources<'a> {
+    fn from(o: &'a VerifyOptions) -> Self {
+        Sources {
+            checkpoint: &o.checkpoint,
+            base: o.base.as_deref(),
+            open: &o.open,
+            plan: &o.plan,
+            cancel: &o.cancel,
+        }
+    }
+}
+
 /// Opens the checkpoint and the base and plans the merge, writing nothing.
-pub fn prepare(opts: &MergeOptions) -> Result<Prepared> {
-    let ckpt = source::open(&opts.checkpoint, &opts.open)?;
+pub fn prepare<'a>(opts: impl Into<Sources<'a>>) -> Result<Prepared> {
+    let opts: Sources<'a> = opts.into();
+    let ckpt = source::open(opts.checkpoint, opts.open)?;
+    // Parsing a checkpoint of thousands of ranks takes a while: stop here if asked.
+    opts.cancel.check()?;
     let local = ckpt.tensors.iter().find(|t| {
         t.layout
             .as_deref()
@@ -128,14 +181,15 @@ pub fn prepare(opts: &MergeOptions) -> Result<Prepared> {
             Some("pass the directory that holds every rank's file; unshard reassembles them".into()),
         ));
     }
-    let base = match &opts.base {
+    let base = match opts.base {
         Some(b) => Some(Base::open(b)?),
-        None => source::config_dir_for(&opts.checkpoint)
+        None => source::config_dir_for(opts.checkpoint)
             .map(|d| Base::open(&d))
             .transpose()?,
     };
+    opts.cancel.check()?;
     let view = base.as_ref().map(Base::view).unwrap_or_default();
-    let plan = plan::plan(&ckpt, view, &[], &opts.plan)?;
+    let plan = plan::plan(&ckpt, view, &[], opts.plan)?;
     Ok(Prepared {
         checkpoint: ckpt,
         base,

@@ -1,8 +1,8 @@
 //! Small formatting helpers shared by reports and errors.
 
 /// Lists up to `max` items, then says how many more there are.
-pub fn list_some<S: AsRef<str>>(items: &[S], max: usize) -> String {
-    let shown: Vec<&str> = items.iter().take(max).map(AsRef::as_ref).collect();
+pub fn list_some<S: std::fmt::Display>(items: &[S], max: usize) -> String {
+    let shown: Vec<String> = items.iter().take(max).map(ToString::to_string).collect();
     let mut s = shown.join(", ");
     if items.len() > max {
         s.push_str(&format!(" and {} more", items.len() - max));

@@ -89,19 +89,26 @@ pub fn decode_f64(src: &[u8], dtype: DType, out: &mut Vec<f64>) {
     }
 }
 
-/// Summary of one tensor's values.
-#[derive(Clone, Copy, Debug, PartialEq)]
+/// Summary of one tensor's values. In JSON, statistics that are not finite (no
+/// finite values) are `null`.
+#[derive(Clone, Copy, Debug, PartialEq, serde::Serialize)]
 pub struct TensorStats {
+    /// Elements.
+    #[serde(skip)]
     pub numel: u64,
-    pub nan: u64,
-    pub inf: u64,
     /// Over the finite values; NaN when there are none.
     pub mean: f64,
     /// Sample standard deviation (`torch.std`'s default, correction 1) of the
     /// finite values; NaN with fewer than two.
     pub std: f64,
+    /// Smallest finite value.
     pub min: f64,
+    /// Largest finite value.
     pub max: f64,
+    /// NaN elements.
+    pub nan: u64,
+    /// ±inf elements.
+    pub inf: u64,
 }
 
 /// Running moments of a set of finite values, mergeable (Chan et al.).

@@ -11,9 +11,8 @@ use std::sync::Arc;
 
 use unshard::merge::{self, MergeOptions};
 use unshard::plan::{Candidate, DtypeChoice, Expr, MapInputs, Mapping, Origin, PlanOptions};
-use unshard::verify;
 use unshard::write::NoProgress;
-use unshard::DType;
+use unshard::{DType, VerifyOptions};
 
 const Q: &str = "model.layers.0.self_attn.q_proj.weight";
 const K: &str = "model.layers.0.self_attn.k_proj.weight";
@@ -156,9 +155,18 @@ fn concat_permute_and_slice_are_written_with_the_values_they_compute() {
         assert!(t.data() == data.as_slice(), "{n}: values differ");
     }
     assert_eq!(outcome.plan.tensors.len(), names.len());
+    // The outcome's JSON says what was written.
+    let json = serde_json::to_value(&outcome).unwrap();
+    assert_eq!(json["tensors_written"], names.len());
+    assert_eq!(json["files"][0], "model.safetensors");
+    assert_eq!(json["checkpoint_format"], "hf-dir");
 
     // verify re-derives the same plan and finds every value in place.
-    let report = verify::verify_against(&options(&out, 0), &NoProgress).unwrap();
+    let report = unshard::verify(
+        &VerifyOptions::of_merge(&options(&out, 0), &out),
+        &NoProgress,
+    )
+    .unwrap();
     assert!(report.is_ok(), "{:?}", report.findings());
     assert_eq!(report.tensors_compared, names.len());
 }
@@ -169,7 +177,11 @@ fn verify_catches_a_computed_tensor_with_other_values() {
     let out = dir.path().join("out");
     merge::merge(&options(&out, 0), &NoProgress).unwrap();
     // The same merge with the gate's rows rotated by one is not what was written.
-    let report = verify::verify_against(&options(&out, 1), &NoProgress).unwrap();
+    let report = unshard::verify(
+        &VerifyOptions::of_merge(&options(&out, 1), &out),
+        &NoProgress,
+    )
+    .unwrap();
     let bad: Vec<&str> = report.mismatches.iter().map(|m| m.name.as_str()).collect();
     assert_eq!(bad, [GATE], "{:?}", report.findings());
     assert!(report.problems.is_empty());
@@ -185,7 +197,11 @@ fn verify_catches_a_computed_tensor_with_other_values() {
     };
     bytes[start + 1] ^= 0x40;
     std::fs::write(&file, &bytes).unwrap();
-    let report = verify::verify_against(&options(&out, 0), &NoProgress).unwrap();
+    let report = unshard::verify(
+        &VerifyOptions::of_merge(&options(&out, 0), &out),
+        &NoProgress,
+    )
+    .unwrap();
     assert_eq!(report.mismatches.len(), 1, "{:?}", report.findings());
     let m = &report.mismatches[0];
     assert_eq!((m.name.as_str(), m.differing), (QKV, 1));

@@ -3,9 +3,8 @@
 use std::io::Write;
 use std::path::PathBuf;
 
-use unshard::diff::{self, DiffReport, TensorDiff};
 use unshard::report::list_some;
-use unshard::source::{self, Checkpoint, OpenOptions};
+use unshard::{DiffOptions, DiffReport, DiffSide, TensorDiff, ValueDiff};
 
 use crate::args::JsonArg;
 use crate::exit::Status;
@@ -36,16 +35,20 @@ pub struct DiffArgs {
 
 /// Succeeds when the two inputs are identical, fails when they differ.
 pub fn run(args: DiffArgs) -> anyhow::Result<Status> {
-    let a = source::open(&args.a, &OpenOptions::default())?;
-    let b = source::open(&args.b, &OpenOptions::default())?;
+    let opts = DiffOptions {
+        a: args.a,
+        b: args.b,
+        cancel: crate::signals::token(),
+        ..DiffOptions::default()
+    };
     let progress = Bar::new(args.quiet, "compared");
-    let report = diff::diff(&a, &b, &progress, &crate::signals::token())?;
+    let report = unshard::diff(&opts, &progress)?;
     let mut out = std::io::stdout().lock();
     if args.json.json {
-        serde_json::to_writer_pretty(&mut out, &to_json(&a, &b, &report))?;
+        serde_json::to_writer_pretty(&mut out, &report)?;
         writeln!(out)?;
     } else {
-        text::write_escaped(&mut out, |w| print_report(w, &a, &b, &report, args.all))?;
+        text::write_escaped(&mut out, |w| print_report(w, &report, args.all))?;
     }
     out.flush()?;
     Ok(if report.identical() {
@@ -55,24 +58,13 @@ pub fn run(args: DiffArgs) -> anyhow::Result<Status> {
     })
 }
 
-fn describe(c: &Checkpoint) -> String {
-    format!(
-        "{} ({}, {} tensors)",
-        c.path.display(),
-        c.format,
-        c.tensors.len()
-    )
+fn describe(c: &DiffSide) -> String {
+    format!("{} ({}, {} tensors)", c.path.display(), c.format, c.tensors)
 }
 
-fn print_report(
-    w: &mut dyn Write,
-    a: &Checkpoint,
-    b: &Checkpoint,
-    r: &DiffReport,
-    all: bool,
-) -> std::io::Result<()> {
-    writeln!(w, "A: {}", describe(a))?;
-    writeln!(w, "B: {}", describe(b))?;
+fn print_report(w: &mut dyn Write, r: &DiffReport, all: bool) -> std::io::Result<()> {
+    writeln!(w, "A: {}", describe(&r.a))?;
+    writeln!(w, "B: {}", describe(&r.b))?;
     let shown: Vec<&TensorDiff> = r.tensors.iter().filter(|t| all || !t.identical()).collect();
     if !shown.is_empty() {
         let rows: Vec<[String; 6]> = shown.iter().map(|t| row(t)).collect();
@@ -136,7 +128,7 @@ fn print_report(
     }
     let same = r.tensors.iter().filter(|t| t.identical()).count();
     let mut line = format!("{} of {} common tensor(s) identical", same, r.tensors.len());
-    let worst = |key: fn(&diff::ValueDiff) -> f64| {
+    let worst = |key: fn(&ValueDiff) -> f64| {
         r.tensors
             .iter()
             .filter_map(|t| t.values.map(|v| (key(&v), t)))
@@ -216,44 +208,4 @@ fn num(v: f64) -> String {
     } else {
         format!("{v:.3e}")
     }
-}
-
-/// The report as JSON. Numbers that are not finite (a max abs diff of inf) become null.
-fn to_json(a: &Checkpoint, b: &Checkpoint, r: &DiffReport) -> serde_json::Value {
-    use serde_json::json;
-    let side = |c: &Checkpoint| {
-        json!({
-            "path": c.path.display().to_string(),
-            "format": c.format.id(),
-            "tensors": c.tensors.len(),
-        })
-    };
-    let tensors: Vec<_> = r
-        .tensors
-        .iter()
-        .map(|t| {
-            json!({
-                "name": t.name,
-                "identical": t.identical(),
-                "dtype_a": t.dtype_a.safetensors_name(),
-                "dtype_b": t.dtype_b.safetensors_name(),
-                "shape_a": t.shape_a,
-                "shape_b": t.shape_b,
-                "values": t.values.map(|v| json!({
-                    "differing": v.differing,
-                    "nan_mismatch": v.nan_mismatch,
-                    "max_abs_diff": v.max_abs,
-                    "rel_l2": v.rel_l2,
-                })),
-            })
-        })
-        .collect();
-    json!({
-        "identical": r.identical(),
-        "a": side(a),
-        "b": side(b),
-        "only_a": r.only_a,
-        "only_b": r.only_b,
-        "tensors": tensors,
-    })
 }

@@ -1,12 +1,10 @@
 //! `unshard inspect`: what an input holds, as a table or as JSON.
 
-use std::collections::BTreeMap;
 use std::io::Write;
 use std::path::PathBuf;
 
 use unshard::report::human_bytes;
-use unshard::source::{self, Checkpoint, OpenOptions};
-use unshard::stats::TensorStats;
+use unshard::{InspectOptions, InspectReport, OpenOptions};
 
 use crate::args::{JsonArg, KeyArg};
 use crate::exit::Status;
@@ -32,30 +30,22 @@ pub struct InspectArgs {
 }
 
 pub fn run(args: InspectArgs) -> anyhow::Result<Status> {
-    let ckpt = source::open(&args.path, &OpenOptions { key: args.key.key })?;
-    let stats = if args.stats {
-        Some(unshard::stats::checkpoint_stats(
-            &ckpt,
-            &crate::signals::token(),
-        )?)
-    } else {
-        None
-    };
+    let report = unshard::inspect(&InspectOptions {
+        path: args.path,
+        open: OpenOptions { key: args.key.key },
+        stats: args.stats,
+        cancel: crate::signals::token(),
+    })?;
     let mut out = std::io::stdout().lock();
     if args.json.json {
-        let mut v = to_json(&ckpt);
-        if let (Some(stats), Some(tensors)) = (&stats, v["tensors"].as_array_mut()) {
-            for (t, s) in tensors.iter_mut().zip(stats) {
-                t["stats"] = stats_json(s);
-            }
-        }
-        serde_json::to_writer_pretty(&mut out, &v)?;
+        // The schema documented in the README.
+        serde_json::to_writer_pretty(&mut out, &report)?;
         writeln!(out)?;
     } else {
         text::write_escaped(&mut out, |w| {
-            print_table(w, &ckpt)?;
-            if let Some(stats) = &stats {
-                print_stats(w, &ckpt, stats)?;
+            print_table(w, &report)?;
+            if args.stats {
+                print_stats(w, &report)?;
             }
             Ok(())
         })?;
@@ -63,18 +53,9 @@ pub fn run(args: InspectArgs) -> anyhow::Result<Status> {
     Ok(Status::Success)
 }
 
-/// `--stats` in JSON: non-finite statistics (no finite values) become `null`.
-fn stats_json(s: &TensorStats) -> serde_json::Value {
-    let f = |v: f64| serde_json::Number::from_f64(v).map_or(serde_json::Value::Null, Into::into);
-    serde_json::json!({
-        "mean": f(s.mean), "std": f(s.std), "min": f(s.min), "max": f(s.max),
-        "nan": s.nan, "inf": s.inf,
-    })
-}
-
 /// `--stats` as a table: over finite values; NaN and inf are counted.
-fn print_stats(w: &mut dyn Write, ckpt: &Checkpoint, stats: &[TensorStats]) -> std::io::Result<()> {
-    let name_w = name_width(ckpt);
+fn print_stats(w: &mut dyn Write, r: &InspectReport) -> std::io::Result<()> {
+    let name_w = name_width(r);
     writeln!(
         w,
         "statistics (finite values; std with correction 1, as torch.std):"
@@ -84,7 +65,11 @@ fn print_stats(w: &mut dyn Write, ckpt: &Checkpoint, stats: &[TensorStats]) -> s
         "  {:name_w$}  {:>12}  {:>12}  {:>12}  {:>12}  non-finite",
         "name", "mean", "std", "min", "max"
     )?;
-    for (t, s) in ckpt.tensors.iter().zip(stats) {
+    for (t, s) in r
+        .tensors
+        .iter()
+        .filter_map(|t| Some((t, t.stats.as_ref()?)))
+    {
         write!(
             w,
             "  {:name_w$}  {:>12.5e}  {:>12.5e}  {:>12.5e}  {:>12.5e}",
@@ -102,47 +87,7 @@ fn print_stats(w: &mut dyn Write, ckpt: &Checkpoint, stats: &[TensorStats]) -> s
     Ok(())
 }
 
-fn dtype_histogram(ckpt: &Checkpoint) -> BTreeMap<&'static str, usize> {
-    let mut h = BTreeMap::new();
-    for t in &ckpt.tensors {
-        *h.entry(t.dtype.safetensors_name()).or_insert(0) += 1;
-    }
-    h
-}
-
-/// The stable JSON schema documented in the README.
-pub fn to_json(ckpt: &Checkpoint) -> serde_json::Value {
-    let tensors: Vec<serde_json::Value> = ckpt
-        .tensors
-        .iter()
-        .map(|t| {
-            let mut v = serde_json::json!({
-                "name": t.name,
-                "dtype": t.dtype.safetensors_name(),
-                "shape": t.shape,
-                "bytes": t.nbytes(),
-            });
-            if let Some(l) = &t.layout {
-                v["layout"] = serde_json::Value::String(l.clone());
-            }
-            v
-        })
-        .collect();
-    serde_json::json!({
-        "format": ckpt.format.id(),
-        "path": ckpt.path.display().to_string(),
-        "key": ckpt.key,
-        "tensors": tensors,
-        "total_tensors": ckpt.tensors.len(),
-        "total_parameters": ckpt.total_parameters(),
-        "total_bytes": ckpt.total_bytes(),
-        "dtypes": dtype_histogram(ckpt),
-        "non_tensor": ckpt.extras.iter().map(|e| serde_json::json!({"name": e.name, "kind": e.kind})).collect::<Vec<_>>(),
-        "notes": ckpt.notes,
-    })
-}
-
-fn print_table(w: &mut dyn Write, ckpt: &Checkpoint) -> std::io::Result<()> {
+fn print_table(w: &mut dyn Write, ckpt: &InspectReport) -> std::io::Result<()> {
     let at = match &ckpt.key {
         Some(k) => format!(", tensors under '{k}'"),
         None => String::new(),
@@ -167,35 +112,36 @@ fn print_table(w: &mut dyn Write, ckpt: &Checkpoint) -> std::io::Result<()> {
             escape(&t.name),
             t.dtype.safetensors_name(),
             shape,
-            human_bytes(t.nbytes())
+            human_bytes(t.bytes)
         )?;
         if let Some(l) = &t.layout {
             write!(w, "  {l}")?;
         }
         writeln!(w)?;
     }
-    let hist: Vec<String> = dtype_histogram(ckpt)
+    let hist: Vec<String> = ckpt
+        .dtypes
         .iter()
         .map(|(d, n)| format!("{d}: {n}"))
         .collect();
     writeln!(
         w,
         "{} tensors, {} parameters, {} ({})",
-        ckpt.tensors.len(),
-        ckpt.total_parameters(),
-        human_bytes(ckpt.total_bytes()),
+        ckpt.total_tensors,
+        ckpt.total_parameters,
+        human_bytes(ckpt.total_bytes),
         hist.join(", ")
     )?;
-    if !ckpt.extras.is_empty() {
+    if !ckpt.non_tensor.is_empty() {
         writeln!(w, "non-tensor entries (not weights; ignored by merge):")?;
         let ew = ckpt
-            .extras
+            .non_tensor
             .iter()
             .map(|e| escape(&e.name).chars().count())
             .max()
             .unwrap_or(0)
             .min(48);
-        for e in &ckpt.extras {
+        for e in &ckpt.non_tensor {
             writeln!(w, "  {:ew$}  {}", escape(&e.name), e.kind)?;
         }
     }
@@ -206,7 +152,7 @@ fn print_table(w: &mut dyn Write, ckpt: &Checkpoint) -> std::io::Result<()> {
 }
 
 /// Width of the name column: the longest name, within reason.
-fn name_width(ckpt: &Checkpoint) -> usize {
+fn name_width(ckpt: &InspectReport) -> usize {
     ckpt.tensors
         .iter()
         .map(|t| escape(&t.name).chars().count())

@@ -4,9 +4,7 @@
 use std::io::Write;
 use std::path::PathBuf;
 
-use unshard::merge::MergeOptions;
-use unshard::source::OpenOptions;
-use unshard::verify;
+use unshard::{OpenOptions, VerifyOptions};
 
 use crate::args::{JsonArg, PlanArgs};
 use crate::exit::{self, Status};
@@ -36,22 +34,21 @@ pub struct VerifyArgs {
 }
 
 pub fn run(args: VerifyArgs) -> anyhow::Result<Status> {
-    let opts = MergeOptions {
+    let opts = VerifyOptions {
+        dir: args.dir,
         checkpoint: args.against,
         base: args.plan.base.clone(),
-        output: args.dir,
         open: OpenOptions {
             key: args.plan.key.key.clone(),
         },
         plan: args.plan.plan_options()?,
         cancel: crate::signals::token(),
-        ..MergeOptions::default()
     };
     let progress = Bar::new(args.quiet, "compared");
-    let report = verify::verify_against(&opts, &progress)?;
+    let report = unshard::verify(&opts, &progress)?;
     let mut out = std::io::stdout().lock();
     if args.json.json {
-        serde_json::to_writer_pretty(&mut out, &to_json(&report))?;
+        serde_json::to_writer_pretty(&mut out, &report)?;
         writeln!(out)?;
     } else {
         for f in report.findings() {
@@ -70,45 +67,4 @@ pub fn run(args: VerifyArgs) -> anyhow::Result<Status> {
         report.summary()
     ));
     Ok(Status::Failure)
-}
-
-/// The report as JSON. Numbers that are not finite (a max abs diff of inf, a NaN
-/// value) become null.
-fn to_json(r: &verify::VerifyReport) -> serde_json::Value {
-    use serde_json::json;
-    let problems: Vec<_> = r
-        .problems
-        .iter()
-        .map(|p| json!({"file": p.file, "tensor": p.tensor, "message": p.msg}))
-        .collect();
-    let mismatches: Vec<_> = r
-        .mismatches
-        .iter()
-        .map(|m| {
-            json!({
-                "file": m.file,
-                "tensor": m.name,
-                "dtype": m.dtype.safetensors_name(),
-                "shape": m.shape,
-                "differing": m.differing,
-                "nan_mismatch": m.nan_mismatch,
-                "max_abs_diff": m.max_abs_diff,
-                "first": m.first.map(|d| json!({
-                    "index": verify::unravel(d.index, &m.shape),
-                    "expected": d.expected,
-                    "found": d.found,
-                })),
-            })
-        })
-        .collect();
-    json!({
-        "ok": r.is_ok(),
-        "dir": r.dir.display().to_string(),
-        "files": r.files,
-        "tensors_compared": r.tensors_compared,
-        "bytes_compared": r.bytes_compared,
-        "problems": problems,
-        "mismatches": mismatches,
-        "summary": r.summary(),
-    })
 }

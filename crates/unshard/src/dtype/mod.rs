@@ -15,20 +15,35 @@ use std::fmt;
 /// An element type, named as safetensors names it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum DType {
+    /// `torch.bool`, `BOOL`.
     Bool,
+    /// `torch.uint8`, `U8`.
     U8,
+    /// `torch.int8`, `I8`.
     I8,
+    /// `torch.float8_e5m2`, `F8_E5M2`.
     F8E5M2,
+    /// `torch.float8_e4m3fn`, `F8_E4M3`.
     F8E4M3,
+    /// `torch.int16`, `I16`.
     I16,
+    /// `torch.uint16`, `U16`.
     U16,
+    /// `torch.float16`, `F16`.
     F16,
+    /// `torch.bfloat16`, `BF16`.
     BF16,
+    /// `torch.int32`, `I32`.
     I32,
+    /// `torch.uint32`, `U32`.
     U32,
+    /// `torch.float32`, `F32`.
     F32,
+    /// `torch.float64`, `F64`.
     F64,
+    /// `torch.int64`, `I64`.
     I64,
+    /// `torch.uint64`, `U64`.
     U64,
 }
 
@@ -177,6 +192,7 @@ pub struct ConvertStats {
 }
 
 impl ConvertStats {
+    /// Adds another range's counts to these.
     pub fn add(&mut self, other: ConvertStats) {
         self.nan += other.nan;
         self.inf += other.inf;
@@ -376,3 +392,10 @@ mod kernels;
 
 #[cfg(test)]
 mod tests;
+
+/// A dtype serializes as its safetensors name (`BF16`), as reports show it.
+impl serde::Serialize for DType {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
+        s.serialize_str(self.safetensors_name())
+    }
+}

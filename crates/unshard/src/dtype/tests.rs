@@ -13,7 +13,8 @@ fn one(bits: u32, to: DType) -> u16 {
     u16::from_le_bytes(out)
 }
 
-/// The test vectors torch 2.15 produced on x86-64 (formats.md §5.4).
+/// Test vectors: what `torch.tensor([x]).to(dtype)` gave with torch 2.15 on x86-64
+/// for float32 inputs at the rounding, subnormal and overflow edges.
 #[test]
 fn matches_torch_rounding_vectors() {
     let cases: &[(u32, u16, u16)] = &[

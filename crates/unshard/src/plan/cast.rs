@@ -85,7 +85,7 @@ pub(crate) fn output_config(
     if config.is_none() {
         report
             .warnings
-            .push("no config.json (no --base given): the output has weights only and transformers cannot load it as is".into());
+            .push("no config.json (no base given): the output has weights only and transformers cannot load it as is".into());
     }
     config
 }

@@ -45,6 +45,7 @@ pub enum Content {
 pub struct Leaf {
     /// Which input's files the pieces point into.
     pub input: Origin,
+    /// The tensor, as that input's reader describes it.
     pub source: TensorSource,
 }
 
@@ -56,15 +57,29 @@ pub enum Expr {
     /// A tensor of an input, as its reader describes it.
     Leaf(Leaf),
     /// Parts joined along `dim`; every other dimension is equal.
-    Concat { dim: usize, parts: Vec<Expr> },
+    Concat {
+        /// The dimension joined along.
+        dim: usize,
+        /// The parts, in order.
+        parts: Vec<Expr>,
+    },
     /// Output row `i` (along dimension 0) is row `rows[i]` of `input`: a
     /// permutation (each row exactly once).
-    PermuteRows { rows: Vec<u64>, input: Box<Expr> },
+    PermuteRows {
+        /// The input row of each output row.
+        rows: Vec<u64>,
+        /// The rows' tensor.
+        input: Box<Expr>,
+    },
     /// Indices `start..start + len` of `input` along `dim` (torch's `narrow`).
     Slice {
+        /// The dimension narrowed.
         dim: usize,
+        /// The first index kept.
         start: u64,
+        /// How many indices are kept.
         len: u64,
+        /// The tensor narrowed.
         input: Box<Expr>,
     },
 }

@@ -39,11 +39,13 @@ pub struct Candidate {
     pub source_name: String,
     /// The input it is attributed to: a copy's input, or a computed tensor's main one.
     pub origin: Origin,
+    /// Its shape.
     pub shape: Vec<u64>,
     /// The dtype of the values before conversion.
     pub dtype: DType,
     /// The storage it views, for tie detection (copies of the checkpoint only).
     pub storage: Option<StorageId>,
+    /// Where its values come from.
     pub content: Content,
 }
 
@@ -86,7 +88,9 @@ impl Candidate {
 /// What a mapping may look at: every opened input.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct MapInputs<'a> {
+    /// The checkpoint being merged.
     pub checkpoint: Option<&'a Checkpoint>,
+    /// The base model's weights.
     pub base: Option<&'a Checkpoint>,
     /// Further inputs (an adapter...), `Origin::Input(i)` for `extra[i]`.
     pub extra: &'a [&'a Checkpoint],

@@ -19,7 +19,7 @@
 //!    lacks is copied from the base (an error with `strict`).
 //! 4. [`cast`]: the output dtype of each floating tensor (fixed, or the base's),
 //!    and the config with its dtype key updated.
-//! 5. [`shard`]: split into shard files as huggingface_hub does and lay out each
+//! 5. [`shard`](mod@shard): split into shard files as huggingface_hub does and lay out each
 //!    file's header; the index when there is more than one shard.
 
 use std::collections::{HashMap, HashSet};
@@ -53,12 +53,14 @@ pub enum DtypeChoice {
     /// The base config's dtype, else the base weights', else the checkpoint's.
     #[default]
     Auto,
+    /// This dtype for every floating tensor.
     Fixed(DType),
 }
 
 /// Options that shape a plan.
 #[derive(Clone, Debug)]
 pub struct PlanOptions {
+    /// The dtype of the floating tensors written.
     pub dtype: DtypeChoice,
     /// Base-only tensors are an error instead of a note.
     pub strict: bool,
@@ -85,7 +87,9 @@ impl Default for PlanOptions {
 /// The base model as planning sees it.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct BaseView<'a> {
+    /// Its config.json.
     pub config: Option<&'a Map<String, Value>>,
+    /// Its weights, when it has any.
     pub weights: Option<&'a Checkpoint>,
     /// `metadata.total_parameters` of the base's index, if it has one.
     pub total_parameters: Option<u64>,
@@ -95,7 +99,9 @@ pub struct BaseView<'a> {
 /// than a checkpoint and a base (an adapter...) passes them as further inputs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Origin {
+    /// The checkpoint being merged.
     Checkpoint,
+    /// The base model.
     Base,
     /// The further input at this position of `Inputs::extra`.
     Input(usize),
@@ -108,12 +114,14 @@ pub struct PlannedTensor {
     pub name: String,
     /// The input it comes from (a computed tensor's main input).
     pub origin: Origin,
+    /// Its shape.
     pub shape: Vec<u64>,
     /// The dtype of the values before conversion: the stored dtype of a copy,
     /// float32 for a computed tensor.
     pub source_dtype: DType,
     /// The dtype written.
     pub dtype: DType,
+    /// Where its values come from.
     pub content: Content,
 }
 
@@ -153,6 +161,7 @@ impl PlannedTensor {
 /// One output file: which tensors, where.
 #[derive(Clone, Debug)]
 pub struct ShardPlan {
+    /// Its name in the output directory.
     pub file_name: String,
     /// The serialized header including the 8-byte length prefix and padding.
     pub header: Vec<u8>,
@@ -174,14 +183,18 @@ pub struct Report {
     pub from_base: Vec<String>,
     /// Tensors whose dtype changes: `(from, to, count)`.
     pub casts: Vec<(DType, DType, usize)>,
+    /// Decisions worth knowing (a prefix aligned with the base's names...).
     pub notes: Vec<String>,
+    /// Things that may be wrong with the result (no config...).
     pub warnings: Vec<String>,
 }
 
 /// Everything the writer needs.
 #[derive(Clone, Debug)]
 pub struct Plan {
+    /// Every tensor to write, in natural name order.
     pub tensors: Vec<PlannedTensor>,
+    /// Every file to write.
     pub shards: Vec<ShardPlan>,
     /// The dtype written into config.json (the first floating tensor's).
     pub dtype: Option<DType>,
@@ -189,7 +202,9 @@ pub struct Plan {
     pub config: Option<Map<String, Value>>,
     /// `model.safetensors.index.json`, when there is more than one shard.
     pub index: Option<String>,
+    /// Bytes of tensor data.
     pub total_size: u64,
+    /// What planning decided, for the user.
     pub report: Report,
 }
 

@@ -75,13 +75,11 @@ pub(crate) fn check_duplicates(cands: &[Candidate], names: &[String]) -> Result<
     let mut first_of: HashMap<&str, usize> = HashMap::new();
     for (i, n) in names.iter().enumerate() {
         if let Some(&j) = first_of.get(n.as_str()) {
-            return Err(Error::plan(
-                format!(
-                    "checkpoint tensors '{}' and '{}' both become '{n}' after renaming",
-                    cands[j].source_name, cands[i].source_name
-                ),
-                Some("use --rename to keep them apart, or --key to pick one state dict".into()),
-            ));
+            return Err(Error::DuplicateName {
+                first: cands[j].source_name.clone(),
+                second: cands[i].source_name.clone(),
+                name: n.clone(),
+            });
         }
         first_of.insert(n, i);
     }

@@ -6,7 +6,7 @@
 use std::collections::{HashMap, HashSet};
 
 use super::{Candidate, Origin, PlannedTensor, Report};
-use crate::report::list_some;
+use crate::error::ShapeDiff;
 use crate::source::{Checkpoint, TensorSource};
 use crate::{Error, Result};
 
@@ -46,14 +46,9 @@ pub(crate) fn overlay(
             )));
         }
         if strict && !report.from_base.is_empty() {
-            return Err(Error::plan(
-                format!(
-                    "--strict: {} base tensor(s) are missing from the checkpoint: {}",
-                    report.from_base.len(),
-                    list_some(&report.from_base, 8)
-                ),
-                Some("without --strict they are copied from the base".into()),
-            ));
+            return Err(Error::Strict {
+                missing: report.from_base.clone(),
+            });
         }
     }
     if tensors.is_empty() {
@@ -82,48 +77,30 @@ fn check_against_base(
         }
         match bmap.get(n.as_str()) {
             None => unknown.push(n.clone()),
-            Some(b) if b.shape != cands[i].shape => mismatched.push(format!(
-                "'{n}': checkpoint {:?}, base {:?}",
-                cands[i].shape, b.shape
-            )),
+            Some(b) if b.shape != cands[i].shape => mismatched.push(ShapeDiff {
+                name: n.clone(),
+                checkpoint: cands[i].shape.clone(),
+                base: b.shape.clone(),
+            }),
             Some(_) => {}
         }
     }
     if !unknown.is_empty() {
-        let near: Vec<String> = unknown
+        let similar: Vec<String> = unknown
             .iter()
             .take(3)
             .filter_map(|u| closest(u, bw.tensors.iter().map(|t| t.name.as_str())))
             .collect();
-        return Err(Error::plan(
-            format!(
-                "{} checkpoint tensor(s) are not in the base model {}: {}",
-                unknown.len(),
-                bw.path.display(),
-                list_some(&unknown, 8)
-            ),
-            Some(if near.is_empty() {
-                "check that --base is the model that was trained, or map names with --rename REGEX=REPLACEMENT".into()
-            } else {
-                format!(
-                    "the base has similar names ({}); map them with --rename REGEX=REPLACEMENT, or check that --base is the model that was trained",
-                    near.join(", ")
-                )
-            }),
-        ));
+        return Err(Error::UnknownTensors {
+            names: unknown,
+            base: bw.path.clone(),
+            similar,
+        });
     }
     if !mismatched.is_empty() {
-        return Err(Error::plan(
-            format!(
-                "{} tensor(s) have a different shape in the checkpoint and the base: {}",
-                mismatched.len(),
-                list_some(&mismatched, 6)
-            ),
-            Some(
-                "the checkpoint was trained from a different architecture or size than --base"
-                    .into(),
-            ),
-        ));
+        return Err(Error::ShapeMismatch {
+            tensors: mismatched,
+        });
     }
     Ok(())
 }
@@ -142,7 +119,7 @@ fn closest<'a>(name: &str, base: impl Iterator<Item = &'a str>) -> Option<String
             best = Some((b, common));
         }
     }
-    best.map(|(b, _)| format!("'{b}'"))
+    best.map(|(b, _)| b.to_string())
 }
 
 #[cfg(test)]
@@ -184,9 +161,14 @@ mod tests {
         assert_eq!(got, [("a", Origin::Checkpoint), ("b", Origin::Base)]);
         assert_eq!(report.from_base, ["b"]);
         let (r, _) = run(&ckpt, Some(&base), true);
-        let e = r.unwrap_err().to_string();
+        let e = r.unwrap_err();
         assert!(
-            e.contains("--strict: 1 base tensor(s)") && e.contains('b'),
+            matches!(&e, Error::Strict { missing } if missing == &["b"]),
+            "{e:?}"
+        );
+        let e = e.to_string();
+        assert!(
+            e.starts_with("strict: 1 base tensor(s)") && e.contains('b'),
             "{e}"
         );
     }
@@ -202,9 +184,22 @@ mod tests {
             "{e}"
         );
         assert!(e.hint().unwrap().contains("'model.layers.0.mlp.w'"));
+        match &e {
+            Error::UnknownTensors { names, similar, .. } => {
+                assert_eq!(names, &["layers.0.mlp.w"]);
+                assert_eq!(similar, &["model.layers.0.mlp.w"]);
+            }
+            other => panic!("{other:?}"),
+        }
         let ckpt = checkpoint("c", f32s(&[("model.layers.0.mlp.w", &[3])]));
         let e = run(&ckpt, Some(&base), false).0.unwrap_err();
-        assert!(matches!(e, Error::Plan { .. }));
+        let Error::ShapeMismatch { tensors } = &e else {
+            panic!("{e:?}")
+        };
+        assert_eq!(
+            (tensors[0].checkpoint.clone(), tensors[0].base.clone()),
+            (vec![3], vec![2])
+        );
         assert!(e.to_string().contains("checkpoint [3], base [2]"), "{e}");
     }
 

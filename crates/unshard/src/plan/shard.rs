@@ -10,8 +10,9 @@ use std::collections::HashSet;
 
 use super::{BaseView, PlannedTensor, ShardPlan};
 
-/// Splits tensors into shards as huggingface_hub does (formats.md §4.3), then lays
-/// out each file: header in safetensors' canonical order (dtype descending, then
+/// Splits tensors into shards as huggingface_hub's `split_torch_state_dict_into_shards`
+/// does (a new file when the next tensor would pass `max`, a tensor larger than
+/// `max` alone in a file, emitted when met), then lays out each file: header in safetensors' canonical order (dtype descending, then
 /// name), data in that order.
 pub fn shard(tensors: &[PlannedTensor], max: u64) -> (Vec<ShardPlan>, u64) {
     let mut groups: Vec<Vec<usize>> = Vec::new();

@@ -10,9 +10,9 @@ use rayon::prelude::*;
 use super::compare::same_values;
 use crate::cancel::Cancel;
 use crate::dtype::{self, ConvertStats};
+use crate::error::NonFiniteTensor;
 use crate::plan::{Origin, Plan, PlannedTensor};
 use crate::prepare::Inputs;
-use crate::report::list_some;
 use crate::source::TensorSource;
 use crate::write::{read_tensor_range, windows, WINDOW_BYTES};
 use crate::{Error, Result};
@@ -102,51 +102,41 @@ pub fn unchanged_from_base(
     }
 }
 
-/// `--fail-on-nonfinite`: an error naming every tensor that holds NaN or inf in
+/// `fail_on_nonfinite`: an error naming every tensor that holds NaN or inf in
 /// the checkpoint or that overflowed to inf in the cast.
 pub fn check_finite(plan: &Plan, stats: &[ConvertStats]) -> Result<()> {
-    let bad: Vec<String> = plan
+    let tensors: Vec<NonFiniteTensor> = plan
         .tensors
         .iter()
         .zip(stats)
         .filter(|(_, s)| s.nan + s.inf + s.overflow > 0)
-        .map(|(t, s)| {
-            let mut what = format!("'{}' ({} NaN, {} inf", t.name, s.nan, s.inf);
-            if s.overflow > 0 {
-                what.push_str(&format!(
-                    ", {} overflowed to inf in {}",
-                    s.overflow, t.dtype
-                ));
-            }
-            what.push(')');
-            what
+        .map(|(t, s)| NonFiniteTensor {
+            name: t.name.clone(),
+            nan: s.nan,
+            inf: s.inf,
+            overflow: s.overflow,
+            dtype: t.dtype,
         })
         .collect();
-    if bad.is_empty() {
+    if tensors.is_empty() {
         return Ok(());
     }
-    Err(Error::Check {
-        msg: format!(
-            "{} tensor(s) hold non-finite values: {}",
-            bad.len(),
-            list_some(&bad, 6)
-        ),
-        hint: Some(
-            "the output was not written; the run may have diverged. Drop --fail-on-nonfinite to write it anyway"
-                .into(),
-        ),
-    })
+    Err(Error::NonFinite { tensors })
 }
 
 /// Asks the kernel to drop the cached pages of the planned shard files (fsynced, so
 /// clean), so that a verification right after writing reads them back from the disk
 /// rather than from memory. A hint: failures are ignored.
+/// Linux only (`posix_fadvise`); elsewhere the read-back may come from the cache.
 pub fn drop_cached(dir: &Path, plan: &Plan) {
-    use std::os::fd::AsRawFd;
+    #[cfg(target_os = "linux")]
     for s in &plan.shards {
+        use std::os::fd::AsRawFd;
         if let Ok(f) = std::fs::File::open(dir.join(&s.file_name)) {
             // SAFETY: fadvise only reads the descriptor, which is open for the call.
             let _ = unsafe { libc::posix_fadvise(f.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED) };
         }
     }
+    #[cfg(not(target_os = "linux"))]
+    let _ = (dir, plan);
 }

@@ -37,7 +37,7 @@ use std::path::Path;
 use rayon::prelude::*;
 
 use crate::cancel::Cancel;
-use crate::options::MergeOptions;
+use crate::options::VerifyOptions;
 use crate::plan::{Content, Origin, Plan};
 use crate::prepare::{prepare, Inputs};
 use crate::write::{windows, Progress, WINDOW_BYTES};
@@ -59,17 +59,17 @@ use report::problem;
 use structure::{check_config, read_output, Located, Written};
 
 /// Re-derives the plan from `opts` (checkpoint, base, dtype, renames...) and checks
-/// the directory `opts.output` against it.
-pub fn verify_against(opts: &MergeOptions, progress: &dyn Progress) -> Result<VerifyReport> {
-    if !opts.output.is_dir() {
+/// the directory `opts.dir` against it.
+pub fn verify(opts: &VerifyOptions, progress: &dyn Progress) -> Result<VerifyReport> {
+    if !opts.dir.is_dir() {
         return Err(Error::Usage(format!(
             "{} is not a directory; pass the model directory a merge wrote",
-            opts.output.display()
+            opts.dir.display()
         )));
     }
     let prepared = prepare(opts)?;
     verify_dir(
-        &opts.output,
+        &opts.dir,
         &prepared.plan,
         prepared.inputs(),
         progress,

@@ -1,18 +1,25 @@
 //! What `verify` found: structural problems and tensors whose values differ,
-//! collected in a [`VerifyReport`].
+//! collected in a [`VerifyReport`]. Its JSON (the CLI's `verify --json`, schema
+//! in the README) is its `Serialize` form; numbers that are not finite (a max abs
+//! diff of inf, a NaN value) become `null`.
 
 use std::fmt;
 use std::path::PathBuf;
+
+use serde::Serialize;
 
 use crate::report::human_bytes;
 use crate::{DType, Error};
 
 /// A structural finding: something about the files, not the values.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 pub struct Problem {
     /// The file at fault, relative to the output directory.
     pub file: Option<String>,
+    /// The tensor at fault.
     pub tensor: Option<String>,
+    /// What is wrong.
+    #[serde(rename = "message")]
     pub msg: String,
 }
 
@@ -41,16 +48,23 @@ pub(crate) fn problem(file: Option<&str>, tensor: Option<&str>, msg: impl Into<S
 pub struct FirstDiff {
     /// Flat (C-order) index.
     pub index: u64,
+    /// The value the merge writes.
     pub expected: f64,
+    /// The value in the file.
     pub found: f64,
 }
 
 /// A tensor whose values are not what the merge should have written.
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Debug, PartialEq, Serialize)]
+#[serde(into = "MismatchJson")]
 pub struct Mismatch {
+    /// The shard file that holds it.
     pub file: String,
+    /// The tensor.
     pub name: String,
+    /// Its shape.
     pub shape: Vec<u64>,
+    /// Its dtype in the file.
     pub dtype: DType,
     /// Elements whose bytes differ (NaN against NaN does not count).
     pub differing: u64,
@@ -59,7 +73,48 @@ pub struct Mismatch {
     /// Largest |expected − found| over the differing elements that are numbers on
     /// both sides (0 when only signed zeros or NaNs differ).
     pub max_abs_diff: f64,
+    /// The first element that differs.
     pub first: Option<FirstDiff>,
+}
+
+/// A [`Mismatch`] as JSON: the tensor under `tensor`, the first difference at
+/// coordinates.
+#[derive(Serialize)]
+struct MismatchJson {
+    file: String,
+    tensor: String,
+    dtype: DType,
+    shape: Vec<u64>,
+    differing: u64,
+    nan_mismatch: u64,
+    max_abs_diff: f64,
+    first: Option<FirstDiffJson>,
+}
+
+#[derive(Serialize)]
+struct FirstDiffJson {
+    index: Vec<u64>,
+    expected: f64,
+    found: f64,
+}
+
+impl From<Mismatch> for MismatchJson {
+    fn from(m: Mismatch) -> Self {
+        MismatchJson {
+            first: m.first.map(|d| FirstDiffJson {
+                index: unravel(d.index, &m.shape),
+                expected: d.expected,
+                found: d.found,
+            }),
+            file: m.file,
+            tensor: m.name,
+            dtype: m.dtype,
+            shape: m.shape,
+            differing: m.differing,
+            nan_mismatch: m.nan_mismatch,
+            max_abs_diff: m.max_abs_diff,
+        }
+    }
 }
 
 impl fmt::Display for Mismatch {
@@ -90,16 +145,49 @@ impl fmt::Display for Mismatch {
 }
 
 /// What `verify` found.
-#[derive(Clone, Debug, Default)]
+#[derive(Clone, Debug, Default, Serialize)]
+#[serde(into = "VerifyJson")]
 pub struct VerifyReport {
+    /// The directory checked.
     pub dir: PathBuf,
     /// Shard files read.
     pub files: Vec<String>,
+    /// What is wrong with the files.
     pub problems: Vec<Problem>,
+    /// Tensors whose values differ.
     pub mismatches: Vec<Mismatch>,
     /// Tensors whose values were compared.
     pub tensors_compared: usize,
+    /// Bytes of tensor data compared.
     pub bytes_compared: u64,
+}
+
+/// A [`VerifyReport`] as JSON: the verdict first, the summary line last.
+#[derive(Serialize)]
+struct VerifyJson {
+    ok: bool,
+    dir: String,
+    files: Vec<String>,
+    tensors_compared: usize,
+    bytes_compared: u64,
+    problems: Vec<Problem>,
+    mismatches: Vec<Mismatch>,
+    summary: String,
+}
+
+impl From<VerifyReport> for VerifyJson {
+    fn from(r: VerifyReport) -> Self {
+        VerifyJson {
+            ok: r.is_ok(),
+            summary: r.summary(),
+            dir: r.dir.display().to_string(),
+            files: r.files,
+            tensors_compared: r.tensors_compared,
+            bytes_compared: r.bytes_compared,
+            problems: r.problems,
+            mismatches: r.mismatches,
+        }
+    }
 }
 
 impl VerifyReport {

@@ -296,12 +296,13 @@ pub(crate) fn read_shard(
     Ok((file, header))
 }
 
-/// Reads output bytes at `offset`, first asking the kernel to start reading the
-/// bytes that follow, so that the disk works while this window is compared.
+/// Reads output bytes at `offset`, first asking the kernel (Linux) to start reading
+/// the bytes that follow, so that the disk works while this window is compared.
 pub(crate) fn read_output(f: &File, offset: u64, buf: &mut [u8]) -> std::io::Result<()> {
-    use std::os::fd::AsRawFd;
-    let len = buf.len() as i64;
+    #[cfg(target_os = "linux")]
     if let Ok(next) = i64::try_from(offset + buf.len() as u64) {
+        use std::os::fd::AsRawFd;
+        let len = buf.len() as i64;
         // SAFETY: fadvise only reads the descriptor, which is open for the call.
         let _ =
             unsafe { libc::posix_fadvise(f.as_raw_fd(), next, 2 * len, libc::POSIX_FADV_WILLNEED) };

@@ -134,6 +134,9 @@ impl OutFile {
     }
 }
 
+/// Reserves `len` bytes on the disk for `f` (Linux: `posix_fallocate`), so that a
+/// full disk fails before any work. Elsewhere the file only gets its length.
+#[cfg(target_os = "linux")]
 pub(crate) fn preallocate(f: &File, len: u64) -> std::io::Result<()> {
     use std::os::fd::AsRawFd;
     if len == 0 {
@@ -148,6 +151,12 @@ pub(crate) fn preallocate(f: &File, len: u64) -> std::io::Result<()> {
         libc::EOPNOTSUPP | libc::EINVAL => f.set_len(len),
         e => Err(std::io::Error::from_raw_os_error(e)),
     }
+}
+
+/// See the Linux version: here the file gets its length, sparse.
+#[cfg(not(target_os = "linux"))]
+pub(crate) fn preallocate(f: &File, len: u64) -> std::io::Result<()> {
+    f.set_len(len)
 }
 
 impl super::sink::ShardFile for OutFile {

@@ -56,8 +56,11 @@ pub const WINDOW_BYTES: u64 = 8 << 20;
 pub trait Progress: Sync {
     /// A step before any bytes are counted (reading metadata, planning).
     fn stage(&self, _what: &str) {}
+    /// Bytes are about to be counted, `total_bytes` in all.
     fn start(&self, _total_bytes: u64) {}
+    /// `bytes` more are done (called from many threads).
     fn advance(&self, _bytes: u64) {}
+    /// All done.
     fn finish(&self) {}
 }
 
@@ -86,7 +89,9 @@ pub struct WriteOptions {
 pub struct WriteSummary {
     /// Per planned tensor: what conversion saw.
     pub stats: Vec<ConvertStats>,
+    /// Bytes of tensor data written.
     pub bytes_written: u64,
+    /// The files written, by name.
     pub files: Vec<String>,
     /// Stale staging directories of interrupted runs that were removed.
     pub cleaned: Vec<PathBuf>,

@@ -50,14 +50,14 @@ pub fn check_output(out: &Path, opts: &WriteOptions) -> Result<Vec<PathBuf>> {
             return Err(Error::Output {
                 path: out.to_path_buf(),
                 msg: format!("the output would be inside the input {}", p.display()),
-                hint: Some("choose an --output outside the checkpoint and base directories".into()),
+                hint: Some("choose an output outside the checkpoint and base directories".into()),
             });
         }
         if p_abs.starts_with(&out_abs) {
             return Err(Error::Output {
                 path: out.to_path_buf(),
                 msg: format!("the output directory contains the input {}", p.display()),
-                hint: Some("choose an --output that does not hold the inputs".into()),
+                hint: Some("choose an output that does not hold the inputs".into()),
             });
         }
     }
@@ -75,10 +75,8 @@ pub fn check_output(out: &Path, opts: &WriteOptions) -> Result<Vec<PathBuf>> {
                 .next()
                 .is_some();
             if non_empty && !opts.force {
-                return Err(Error::Output {
+                return Err(Error::OutputExists {
                     path: out.to_path_buf(),
-                    msg: "the output directory exists and is not empty".into(),
-                    hint: Some("pass --force to replace it, or choose another --output".into()),
                 });
             }
         }
