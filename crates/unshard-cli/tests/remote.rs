@@ -166,6 +166,32 @@ fn an_hf_directory_as_the_checkpoint_from_a_bucket() {
 }
 
 #[test]
+fn a_converting_merge_of_multi_mib_tensors_from_a_bucket_matches_local() {
+    // 4 MiB float32 tensors cast to bfloat16: each block's input span is fetched
+    // ahead with one GET and read back in 1 MiB chunks.
+    let Some(ep) = endpoint("converting") else {
+        return;
+    };
+    let b = Bucket::create(&ep, &bucket_name("converting"));
+    let inputs = tempfile::tempdir().unwrap();
+    let ckpt = big_checkpoint(inputs.path(), 5);
+    b.upload(&ckpt, "big.safetensors");
+    let tmp = tempfile::tempdir().unwrap();
+    let (local, remote) = (tmp.path().join("local"), tmp.path().join("remote"));
+    let args = ["--dtype", "bfloat16", "--max-shard-size", "5MB", "-o"];
+    let mut a = vec!["merge", ckpt.to_str().unwrap()];
+    a.extend(args);
+    a.push(local.to_str().unwrap());
+    ok(&run(None, &a));
+    let url = b.url("big.safetensors");
+    let mut a = vec!["merge", url.as_str()];
+    a.extend(args);
+    a.push(remote.to_str().unwrap());
+    ok(&run(Some(&b), &a));
+    same_dirs(&local, &remote);
+}
+
+#[test]
 fn inspect_verify_and_diff_take_urls() {
     let Some(ep) = endpoint("inspect-verify-diff") else {
         return;
