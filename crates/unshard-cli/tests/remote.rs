@@ -393,6 +393,37 @@ fn an_output_written_to_a_bucket_equals_the_local_one() {
     // No manifest left: the run finished.
     same_dirs(&local, &got);
     assert!(names(&local).len() > 3, "{:?}", names(&local));
+    // verify reads the output from the bucket, and notices a changed byte there.
+    let verify = |out: &str| {
+        let a = [
+            "verify",
+            "--against",
+            ckpt.to_str().unwrap(),
+            "--base",
+            base.to_str().unwrap(),
+            "--max-shard-size",
+            "100KB",
+            out,
+        ];
+        run(Some(&b), &a)
+    };
+    ok(&verify(&b.url("out")));
+    let shard = b
+        .keys()
+        .into_iter()
+        .find(|k| k.starts_with("out/model-00002"))
+        .unwrap();
+    let mut bytes = b.get(&shard).unwrap();
+    let last = bytes.len() - 1;
+    bytes[last] ^= 0x40;
+    b.put(&shard, bytes);
+    let o = verify(&b.url("out"));
+    assert_eq!(
+        o.status.code(),
+        Some(1),
+        "{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
 
     // Writing again needs --force; with it, objects of the old output that the new
     // one lacks are gone.
