@@ -267,3 +267,44 @@ fn part_auto_reads_the_launcher_variables() {
         String::from_utf8_lossy(&o.stderr)
     );
 }
+
+/// `torchrun` to launch parts with, from `UNSHARD_TORCHRUN` or the PATH.
+fn torchrun() -> Option<PathBuf> {
+    if let Some(p) = std::env::var_os("UNSHARD_TORCHRUN").filter(|p| !p.is_empty()) {
+        return Some(PathBuf::from(p));
+    }
+    std::env::var_os("PATH").and_then(|paths| {
+        std::env::split_paths(&paths)
+            .map(|d| d.join("torchrun"))
+            .find(|p| p.is_file())
+    })
+}
+
+#[test]
+fn torchrun_no_python_launches_the_parts() {
+    let Some(torchrun) = torchrun() else {
+        eprintln!("torchrun_no_python_launches_the_parts: skipped: no torchrun (set UNSHARD_TORCHRUN or put torch's bin directory on PATH)");
+        return;
+    };
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("out");
+    let args = llama("40KB");
+    let o = Command::new(&torchrun)
+        .args(["--no-python", "--nproc-per-node", "3", bin(), "merge"])
+        .args(&args)
+        .arg("-o")
+        .arg(&out)
+        .args(["--part", "auto"])
+        .env_remove("RANK")
+        .env_remove("WORLD_SIZE")
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{err}");
+    for i in 0..3 {
+        assert!(err.contains(&format!("part {i}/3: wrote")), "{err}");
+    }
+    let single = tmp.path().join("single");
+    assert!(merge_cmd(&args, &single).output().unwrap().status.success());
+    same_dirs(&single, &out);
+}
