@@ -15,8 +15,9 @@
 //!   converted (the span is read straight into the block), plus the read-ahead cap
 //!   below.
 //! - **Read-ahead cap**: spans fetched ahead and not yet consumed hold at most
-//!   [`AHEAD_LIMIT`] = 256 MiB over the whole process; past it a hint is ignored and
-//!   the read goes straight to the store.
+//!   [`AHEAD_LIMIT`] = 256 MiB over the whole process, at most [`IN_FLIGHT`] = 32
+//!   of them in flight; past the byte cap a hint is ignored and the read goes
+//!   straight to the store.
 //! - **Metadata**: [`ByteSource::read_ranges`] (zip local headers, both ends of DCP
 //!   chunk archives) coalesces ranges less than [`GAP`] = 1 MiB apart into runs of at
 //!   most [`MAX_RUN`] = 16 MiB (one request costs ~10-50 ms; 1 MiB streams in ~10 ms)
@@ -59,6 +60,10 @@ pub const AHEAD_LIMIT: u64 = 256 << 20;
 const MAX_AHEAD: u64 = 32 << 20;
 
 static AHEAD_BYTES: AtomicU64 = AtomicU64::new(0);
+
+/// Fetches started by hints in flight at once, over all objects: a DCP checkpoint of
+/// thousands of chunk files asks for both ends of each when it is opened.
+static AHEAD_IN_FLIGHT: tokio::sync::Semaphore = tokio::sync::Semaphore::const_new(IN_FLIGHT);
 
 /// A fetch started by a hint: filled by a background task, read by a worker.
 #[derive(Default)]
@@ -254,6 +259,7 @@ impl ByteSource for ObjectSource {
         let slot = Arc::new(Slot::default());
         let (store, key, filled) = (self.loc.store.clone(), self.loc.key.clone(), slot.clone());
         drop(store::spawn(async move {
+            let _permit = AHEAD_IN_FLIGHT.acquire().await;
             let got = store.get_range(&key, offset..end).await;
             let got = match got {
                 Ok(b) if b.len() as u64 == len => Ok(b),
