@@ -383,6 +383,17 @@ fn an_output_written_to_a_bucket_equals_the_local_one() {
         None,
         &a.iter().map(|s| s.as_str()).collect::<Vec<_>>(),
     ));
+    // --verify needs a local copy to read back: refused before any work.
+    let mut a = args(&b.url("out"));
+    a.push("--verify".into());
+    let o = run(Some(&b), &a.iter().map(|s| s.as_str()).collect::<Vec<_>>());
+    assert_eq!(
+        o.status.code(),
+        Some(2),
+        "{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    assert!(b.keys().is_empty(), "{:?}", b.keys());
     let a = args(&b.url("out"));
     ok(&run(
         Some(&b),

@@ -129,6 +129,12 @@ pub fn merge(opts: &MergeOptions, progress: &dyn Progress) -> Result<MergeOutcom
 #[cfg(feature = "remote")]
 fn merge_to_bucket(opts: &MergeOptions, progress: &dyn Progress) -> Result<MergeOutcome> {
     use crate::remote::sink::{check_output, BucketSink};
+    if opts.verify {
+        // Refused before any work: the output has no local copy to read back.
+        return Err(Error::Usage(
+            "--verify reads the output back before committing it, which an output in object storage does not allow; run `unshard verify` on it afterwards".into(),
+        ));
+    }
     check_output(&opts.output, opts.force)?;
     let open_sink =
         || -> Result<Box<dyn Sink>> { Ok(Box::new(BucketSink::create(&opts.output, opts.force)?)) };
