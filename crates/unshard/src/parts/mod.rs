@@ -3,7 +3,7 @@
 //!
 //! Every part opens the same inputs and computes the same plan (planning is
 //! deterministic), so the parts agree on every output byte without talking. The
-//! shards are dealt out by size ([`assign`]); part I writes only its own. They meet
+//! shards are dealt out by size (`assign`); part I writes only its own. They meet
 //! in a staging directory beside the output, named by a hash of the plan
 //! (`.<out>.unshard-parts-<hash>`), on a filesystem every part sees:
 //!

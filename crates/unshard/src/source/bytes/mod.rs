@@ -49,7 +49,7 @@ pub trait ByteSource: Send + Sync + fmt::Debug {
     fn read_at(&self, offset: u64, buf: &mut [u8]) -> Result<()>;
 
     /// Fills every `(offset, buffer)` pair, in any order. Ranges may be unsorted,
-    /// adjacent or overlapping; nearby ones are served by one read (see [`coalesce`]),
+    /// adjacent or overlapping; nearby ones are served by one read (see `coalesce`),
     /// so a caller asks for all the small records it needs at once rather than one
     /// read each. Sources with a high cost per request (an object store) override it
     /// to issue the coalesced runs concurrently.
