@@ -126,6 +126,11 @@ fn staging_exists() -> bool {
     let Some(out) = OUTPUT.get() else {
         return false;
     };
+    // An output in object storage has no staging directory: the writer undoes its
+    // uploads itself once it sees the cancellation, so never exit under it.
+    if unshard::source::fs::is_url(out) {
+        return true;
+    }
     let name = out
         .file_name()
         .map(|n| n.to_string_lossy().into_owned())

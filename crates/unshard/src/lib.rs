@@ -67,9 +67,14 @@ pub mod merge;
 #[doc(hidden)]
 pub mod options;
 #[doc(hidden)]
+pub mod parts;
+#[doc(hidden)]
 pub mod plan;
 #[doc(hidden)]
 pub mod prepare;
+#[doc(hidden)]
+#[cfg(feature = "remote")]
+pub mod remote;
 #[doc(hidden)]
 pub mod report;
 #[doc(hidden)]

@@ -114,12 +114,44 @@ impl From<MergeOutcome> for MergeJson {
 /// Runs a whole merge into the local directory `opts.output`: written into a
 /// staging directory beside it, renamed into place when complete.
 pub fn merge(opts: &MergeOptions, progress: &dyn Progress) -> Result<MergeOutcome> {
+    if source::fs::is_url(&opts.output) {
+        return merge_to_bucket(opts, progress);
+    }
     // Output problems are cheap to find: report them before reading anything.
     let cleaned = write::check_output(&opts.output, &write_options(opts))?;
     let open_sink = || -> Result<Box<dyn Sink>> { Ok(Box::new(StagingDir::create(&opts.output)?)) };
     let mut outcome = merge_into(opts, progress, &open_sink)?;
     outcome.write.cleaned = cleaned;
     Ok(outcome)
+}
+
+/// A merge into object storage (see [`crate::remote::sink`]): the output prefix is
+/// checked before anything is read, and written by a [`crate::remote::sink::BucketSink`].
+#[cfg(feature = "remote")]
+fn merge_to_bucket(opts: &MergeOptions, progress: &dyn Progress) -> Result<MergeOutcome> {
+    use crate::remote::sink::{check_output, BucketSink};
+    if opts.verify {
+        // Refused before any work: the output has no local copy to read back.
+        return Err(Error::Usage(
+            "--verify reads the output back before committing it, which an output in object storage does not allow; run `unshard verify` on it afterwards".into(),
+        ));
+    }
+    check_output(&opts.output, opts.force)?;
+    let open_sink =
+        || -> Result<Box<dyn Sink>> { Ok(Box::new(BucketSink::create(&opts.output, opts.force)?)) };
+    merge_into(opts, progress, &open_sink)
+}
+
+#[cfg(not(feature = "remote"))]
+fn merge_to_bucket(opts: &MergeOptions, _: &dyn Progress) -> Result<MergeOutcome> {
+    Err(Error::Unsupported {
+        path: opts.output.clone(),
+        what: "writing to object storage in this build".into(),
+        hint: Some(
+            "build unshard with the `remote` feature (the default for the command-line tool)"
+                .into(),
+        ),
+    })
 }
 
 /// Runs a merge into the [`Sink`] that `open_sink` makes once the plan is ready

@@ -108,7 +108,7 @@ impl Base {
     pub fn open(path: &Path) -> Result<Base> {
         let resolved = hub::resolve_base(path)?;
         let path = resolved.as_deref().unwrap_or(path);
-        if !path.is_dir() {
+        if !source::fs::is_dir(path) {
             return Err(Error::plan(
                 format!("the base {} is not a directory", path.display()),
                 Some("pass the Hugging Face model directory the training started from (config.json, tokenizer, weights), or its Hub id (org/name) if it is in the local Hugging Face cache".into()),
@@ -116,10 +116,12 @@ impl Base {
         }
         let dir = HfDir::open(path)?;
         let weights = dir.weights()?;
-        let total_parameters = std::fs::read_to_string(path.join("model.safetensors.index.json"))
-            .ok()
-            .and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok())
-            .and_then(|v| v.get("metadata")?.get("total_parameters")?.as_u64());
+        let total_parameters =
+            source::fs::read_optional(&path.join("model.safetensors.index.json"))
+                .ok()
+                .flatten()
+                .and_then(|t| serde_json::from_slice::<serde_json::Value>(&t).ok())
+                .and_then(|v| v.get("metadata")?.get("total_parameters")?.as_u64());
         Ok(Base {
             dir,
             weights,

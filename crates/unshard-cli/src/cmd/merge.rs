@@ -5,6 +5,7 @@ use std::io::Write;
 use std::path::PathBuf;
 
 use unshard::merge::{self, MergeOptions, MergeOutcome};
+use unshard::parts::Part;
 use unshard::plan::Origin;
 use unshard::report::{human_bytes, list_some};
 use unshard::source::OpenOptions;
@@ -61,6 +62,14 @@ pub struct MergeArgs {
     /// about a pickle that would run code included).
     #[arg(long, short)]
     quiet: bool,
+
+    /// Write only part I of N of the output's shards (I from 0), for a merge split
+    /// over N processes or machines sharing the output's filesystem; the last part
+    /// to finish commits the output. `auto` takes I and N from torchrun (RANK,
+    /// WORLD_SIZE) or Slurm (SLURM_PROCID/SLURM_NTASKS, or a job array's
+    /// SLURM_ARRAY_TASK_ID/SLURM_ARRAY_TASK_COUNT).
+    #[arg(long, value_name = "I/N|auto")]
+    part: Option<String>,
 }
 
 pub fn run(args: MergeArgs) -> anyhow::Result<Status> {
@@ -105,6 +114,45 @@ pub fn run(args: MergeArgs) -> anyhow::Result<Status> {
     };
     signals::protect_output(&opts.output);
     let progress = Bar::new(args.quiet, "written");
+    if let Some(part) = &args.part {
+        let part = match part.as_str() {
+            "auto" => Part::from_env(|k| std::env::var(k).ok())?,
+            p => Part::parse(p)?,
+        };
+        let o = unshard::parts::merge_part(&opts, part, &progress)?;
+        if !args.quiet {
+            let mut err = std::io::stderr().lock();
+            let p = format!("part {}/{}", part.index, part.count);
+            text::write_escaped(&mut err, |w| {
+                writeln!(
+                    w,
+                    "{p}: wrote {} of {} shard(s) ({})",
+                    o.shards.len(),
+                    o.plan.shards.len(),
+                    list_some(&o.shards, 4)
+                )?;
+                if o.committed {
+                    writeln!(
+                        w,
+                        "{p}: every part is done: committed {}",
+                        opts.output.display()
+                    )
+                } else {
+                    let waiting: Vec<String> =
+                        o.waiting_for.iter().map(|i| i.to_string()).collect();
+                    writeln!(
+                        w,
+                        "{p}: done; waiting for part(s) {} (plan {}, in {})",
+                        list_some(&waiting, 8),
+                        o.plan_hash,
+                        o.staging.display()
+                    )
+                }
+            })?;
+            err.flush()?;
+        }
+        return Ok(Status::Success);
+    }
     let outcome = merge::merge(&opts, &progress).inspect_err(|_| {
         let base = opts.base.as_deref().into_iter();
         let paths: Vec<&std::path::Path> = base.chain([opts.checkpoint.as_path()]).collect();

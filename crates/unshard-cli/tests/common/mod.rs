@@ -1,6 +1,8 @@
 //! Helpers shared by the CLI integration tests.
 #![allow(dead_code, clippy::unwrap_used)]
 
+pub mod s3;
+
 use std::path::{Path, PathBuf};
 use std::process::Command;
 

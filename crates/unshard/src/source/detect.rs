@@ -4,7 +4,9 @@ use std::fmt;
 use std::path::Path;
 use std::sync::Arc;
 
-use super::{dcp, deepspeed, hf_dir, hints, legacy, safetensors, sharded, torch, Blob, Checkpoint};
+use super::{
+    dcp, deepspeed, fs, hf_dir, hints, legacy, safetensors, sharded, torch, Blob, Checkpoint,
+};
 use crate::{Error, Result};
 
 /// The kinds of input unshard reads.
@@ -66,6 +68,13 @@ pub struct OpenOptions {
 
 /// Opens any supported input and describes its tensors.
 pub fn open(path: &Path, opts: &OpenOptions) -> Result<Checkpoint> {
+    if fs::is_url(path) {
+        // An object, else a prefix with objects below it ("a directory").
+        if !fs::is_file(path) && fs::is_dir(path) {
+            return open_dir(path, opts);
+        }
+        return open_blob(Arc::new(fs::open(path)?), opts);
+    }
     let meta = std::fs::metadata(path).map_err(|e| Error::io("open", path, e))?;
     if meta.is_dir() {
         return open_dir(path, opts);
@@ -223,11 +232,7 @@ fn open_dir(path: &Path, opts: &OpenOptions) -> Result<Checkpoint> {
     if let Some(e) = hints::wrong_input(path) {
         return Err(e);
     }
-    let mut names: Vec<String> = std::fs::read_dir(path)
-        .map_err(|e| Error::io("list", path, e))?
-        .filter_map(|e| e.ok())
-        .map(|e| e.file_name().to_string_lossy().into_owned())
-        .collect();
+    let mut names: Vec<String> = fs::list(path)?.into_iter().map(|e| e.name).collect();
     names.sort();
     Err(Error::UnknownFormat {
         path: path.to_path_buf(),

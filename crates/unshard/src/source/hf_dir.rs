@@ -8,7 +8,7 @@
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use super::{legacy, safetensors, torch, Blob, Checkpoint, Format, TensorSource};
+use super::{fs, legacy, safetensors, torch, Checkpoint, Format, TensorSource};
 use crate::{Error, Result};
 
 /// Files larger than this are never copied into an output directory as "extras".
@@ -77,46 +77,39 @@ pub fn is_hf_dir(path: &Path) -> bool {
         "pytorch_model.bin.index.json",
     ]
     .iter()
-    .any(|f| path.join(f).is_file())
+    .any(|f| fs::is_file(&path.join(f)))
 }
 
 impl HfDir {
     /// Opens a model directory: reads config.json and finds the weight files.
     pub fn open(path: &Path) -> Result<HfDir> {
-        let config = match std::fs::read_to_string(path.join("config.json")) {
-            Ok(text) => Some(serde_json::from_str(&text).map_err(|e| {
+        let config = match fs::read_optional(&path.join("config.json"))? {
+            Some(text) => Some(serde_json::from_slice(&text).map_err(|e| {
                 Error::corrupt(path.join("config.json"), format!("not a JSON object: {e}"))
             })?),
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
-            Err(e) => return Err(Error::io("read", path.join("config.json"), e)),
+            None => None,
         };
         let (weight_format, weight_files) = find_weights(path)?;
         let mut extra_files = Vec::new();
         let mut skipped = Vec::new();
-        let mut entries: Vec<_> = std::fs::read_dir(path)
-            .map_err(|e| Error::io("list", path, e))?
-            .filter_map(|e| e.ok())
-            .collect();
-        entries.sort_by_key(|e| e.file_name());
-        for entry in entries {
-            let p = entry.path();
-            let name = entry.file_name().to_string_lossy().into_owned();
+        for entry in fs::list(path)? {
+            let p = entry.path;
+            let name = entry.name;
             if name == "config.json" || name.starts_with('.') {
                 continue;
             }
-            let meta = std::fs::metadata(&p).map_err(|e| Error::io("read the size of", &p, e))?;
-            if meta.is_dir() {
+            if entry.is_dir {
                 skipped.push((p, "a directory".into()));
             } else if is_training_state(&name) {
                 skipped.push((p, "training state, not part of a model".into()));
             } else if is_weight_file(&name) {
                 continue;
-            } else if meta.len() > MAX_EXTRA_FILE {
+            } else if entry.len > MAX_EXTRA_FILE {
                 skipped.push((
                     p,
                     format!(
                         "{} bytes, larger than the {} MiB limit for extra files",
-                        meta.len(),
+                        entry.len,
                         MAX_EXTRA_FILE >> 20
                     ),
                 ));
@@ -145,7 +138,7 @@ impl HfDir {
         let mut notes = Vec::new();
         let mut unsafe_calls = Vec::new();
         for (id, f) in self.weight_files.iter().enumerate() {
-            let blob = Arc::new(Blob::open(f)?);
+            let blob = Arc::new(fs::open(f)?);
             match format {
                 WeightFormat::Safetensors => {
                     let header = safetensors::read_header_from(&blob)?;
@@ -220,10 +213,9 @@ fn find_weights(path: &Path) -> Result<(Option<WeightFormat>, Vec<PathBuf>)> {
         ),
     ] {
         let index_path = path.join(index);
-        if index_path.is_file() {
-            let text = std::fs::read_to_string(&index_path)
-                .map_err(|e| Error::io("read", &index_path, e))?;
-            let json: serde_json::Value = serde_json::from_str(&text)
+        if fs::is_file(&index_path) {
+            let text = fs::read(&index_path)?;
+            let json: serde_json::Value = serde_json::from_slice(&text)
                 .map_err(|e| Error::corrupt(&index_path, format!("not valid JSON: {e}")))?;
             let map = json
                 .get("weight_map")
@@ -250,7 +242,7 @@ fn find_weights(path: &Path) -> Result<(Option<WeightFormat>, Vec<PathBuf>)> {
             files.sort();
             let files: Vec<PathBuf> = files.into_iter().map(|f| path.join(f)).collect();
             for f in &files {
-                if !f.is_file() {
+                if !fs::is_file(f) {
                     return Err(Error::corrupt(
                         &index_path,
                         format!("lists {} but the file is missing", f.display()),
@@ -259,7 +251,7 @@ fn find_weights(path: &Path) -> Result<(Option<WeightFormat>, Vec<PathBuf>)> {
             }
             return Ok((Some(format), files));
         }
-        if path.join(single).is_file() {
+        if fs::is_file(&path.join(single)) {
             return Ok((Some(format), vec![path.join(single)]));
         }
     }

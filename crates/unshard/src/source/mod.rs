@@ -44,6 +44,7 @@ pub mod bytes;
 pub mod dcp;
 pub mod deepspeed;
 pub mod detect;
+pub mod fs;
 pub mod hf_dir;
 pub mod hints;
 pub mod legacy;
@@ -374,13 +375,13 @@ fn first_overlap(boxes: &[(&[u64], Vec<u64>)]) -> Option<(usize, usize)> {
 /// when `--base` is not given: verl writes one as `huggingface/` beside its rank files,
 /// the HF Trainer writes config.json into a DeepSpeed `checkpoint-N/`.
 pub fn config_dir_for(checkpoint: &Path) -> Option<PathBuf> {
-    let dir = if checkpoint.is_dir() {
+    let dir = if fs::is_dir(checkpoint) {
         checkpoint
     } else {
         checkpoint.parent()?
     };
     let hf = dir.join("huggingface");
-    if hf.join("config.json").is_file() {
+    if fs::is_file(&hf.join("config.json")) {
         return Some(hf);
     }
     // An HF Trainer `checkpoint-N/` of a DeepSpeed run holds its config.json.

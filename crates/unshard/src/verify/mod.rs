@@ -66,7 +66,7 @@ use structure::{check_config, read_output, Located, Written};
 /// Re-derives the plan from `opts` (checkpoint, base, dtype, renames...) and checks
 /// the directory `opts.dir` against it.
 pub fn verify(opts: &VerifyOptions, progress: &dyn Progress) -> Result<VerifyReport> {
-    if !opts.dir.is_dir() {
+    if !crate::source::fs::is_dir(&opts.dir) {
         return Err(Error::Usage(format!(
             "{} is not a directory; pass the model directory a merge wrote",
             opts.dir.display()

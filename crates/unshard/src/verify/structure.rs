@@ -5,8 +5,6 @@
 
 use std::collections::{HashMap, HashSet};
 use std::fmt;
-use std::fs::File;
-use std::os::unix::fs::FileExt;
 use std::path::Path;
 
 use serde::de::{Deserialize, Deserializer, IgnoredAny, MapAccess, Visitor};
@@ -14,7 +12,7 @@ use serde::de::{Deserialize, Deserializer, IgnoredAny, MapAccess, Visitor};
 use super::report::{problem, Problem};
 use crate::plan::Plan;
 use crate::report::list_some;
-use crate::source::{safetensors, Blob};
+use crate::source::{fs, safetensors, Blob};
 use crate::{DType, Error, Result};
 
 const INDEX: &str = "model.safetensors.index.json";
@@ -35,8 +33,9 @@ pub(crate) struct Written {
 
 pub(crate) struct Shard {
     pub(crate) name: String,
-    /// Open for reading; `None` when the file is missing or its header is invalid.
-    pub(crate) file: Option<File>,
+    /// Open for reading (a local file or an object); `None` when the file is
+    /// missing or its header is invalid.
+    pub(crate) file: Option<Blob>,
 }
 
 #[derive(Debug)]
@@ -62,8 +61,8 @@ impl Written {
             tensors: HashMap::new(),
             in_unreadable: HashSet::new(),
         };
-        let has_single = dir.join(SINGLE).is_file();
-        let index = if dir.join(INDEX).is_file() {
+        let has_single = fs::is_file(&dir.join(SINGLE));
+        let index = if fs::is_file(&dir.join(INDEX)) {
             Some(read_index(&dir.join(INDEX), problems)?)
         } else {
             None
@@ -97,10 +96,9 @@ impl Written {
         names.retain(|n| !n.is_empty());
 
         // Left-over shards of another write confuse loaders and users alike.
-        let mut stale: Vec<String> = std::fs::read_dir(dir)
-            .map_err(|e| Error::io("list", dir, e))?
-            .filter_map(|e| e.ok())
-            .map(|e| e.file_name().to_string_lossy().into_owned())
+        let mut stale: Vec<String> = fs::list(dir)?
+            .into_iter()
+            .map(|e| e.name)
             .filter(|n| n.starts_with("model") && n.ends_with(".safetensors"))
             .filter(|n| !names.contains(n))
             .collect();
@@ -116,7 +114,7 @@ impl Written {
 
         for name in names {
             let path = dir.join(&name);
-            let file = if !path.is_file() {
+            let file = if !fs::is_file(&path) {
                 problems.push(problem(
                     Some(INDEX),
                     None,
@@ -264,8 +262,8 @@ pub(crate) fn read_shard(
     path: &Path,
     name: &str,
     problems: &mut Vec<Problem>,
-) -> Result<(File, safetensors::Header)> {
-    let blob = Blob::open(path)?;
+) -> Result<(Blob, safetensors::Header)> {
+    let blob = fs::open(path)?;
     let prefix = safetensors::header_bytes(&blob)?;
     let header = safetensors::parse_header(path, &prefix, blob.len())?;
     let text = prefix
@@ -292,26 +290,20 @@ pub(crate) fn read_shard(
             ));
         }
     }
-    let file = File::open(path).map_err(|e| Error::io("open", path, e))?;
-    Ok((file, header))
+    Ok((blob, header))
 }
 
-/// Reads output bytes at `offset`, first asking the kernel (Linux) to start reading
-/// the bytes that follow, so that the disk works while this window is compared.
-pub(crate) fn read_output(f: &File, offset: u64, buf: &mut [u8]) -> std::io::Result<()> {
-    #[cfg(target_os = "linux")]
-    if let Ok(next) = i64::try_from(offset + buf.len() as u64) {
-        use std::os::fd::AsRawFd;
-        let len = buf.len() as i64;
-        // SAFETY: fadvise only reads the descriptor, which is open for the call.
-        let _ =
-            unsafe { libc::posix_fadvise(f.as_raw_fd(), next, 2 * len, libc::POSIX_FADV_WILLNEED) };
-    }
-    f.read_exact_at(buf, offset)
+/// Reads output bytes at `offset`, first asking the source to start reading the
+/// bytes that follow, so that the disk (or the network) works while this window is
+/// compared.
+pub(crate) fn read_output(f: &Blob, offset: u64, buf: &mut [u8]) -> Result<()> {
+    f.will_need(offset + buf.len() as u64, 2 * buf.len() as u64);
+    f.read_at(offset, buf)
 }
 
 pub(crate) fn read_index(path: &Path, problems: &mut Vec<Problem>) -> Result<Index> {
-    let text = std::fs::read_to_string(path).map_err(|e| Error::io("read", path, e))?;
+    let text = String::from_utf8(fs::read(path)?)
+        .map_err(|e| Error::corrupt(path, format!("not UTF-8 text: {e}")))?;
     let mut ix = Index {
         weight_map: Vec::new(),
         total_size: None,
@@ -413,9 +405,17 @@ pub(crate) fn check_config(
     problems: &mut Vec<Problem>,
 ) {
     let path = dir.join("config.json");
-    let text = match std::fs::read_to_string(&path) {
-        Ok(t) => t,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+    let text = match fs::read_optional(&path).map(|b| b.map(String::from_utf8)) {
+        Ok(Some(Ok(t))) => t,
+        Ok(Some(Err(e))) => {
+            problems.push(problem(
+                Some("config.json"),
+                None,
+                format!("cannot be read: not UTF-8 text: {e}"),
+            ));
+            return;
+        }
+        Ok(None) => {
             if plan.config.is_some() {
                 problems.push(problem(
                     Some("config.json"),

@@ -63,8 +63,15 @@ pub(crate) fn write_blocks(
             })
             .collect::<Result<Vec<Vec<(usize, ConvertStats)>>>>()
     };
+    // Inputs that wait on the network (object storage) want more reads in flight.
+    let readers = inputs
+        .all()
+        .flat_map(|c| &c.files)
+        .map(|b| b.source().readers())
+        .max()
+        .unwrap_or(0);
     let workers = rayon::ThreadPoolBuilder::new()
-        .num_threads(worker_threads())
+        .num_threads(worker_threads().max(readers))
         .thread_name(|i| format!("unshard-write-{i}"))
         .build();
     let per_block = match workers {

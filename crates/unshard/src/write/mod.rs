@@ -41,9 +41,11 @@ pub mod sink;
 mod staging;
 
 pub use crate::prepare::Inputs;
+pub(crate) use direct::OutFile;
 pub use read::{read_tensor, read_tensor_range, windows};
 pub use sink::{ShardFile, Sink, StagingDir};
 pub use staging::check_output;
+pub(crate) use staging::{sync_dir, write_file};
 
 use engine::write_blocks;
 

@@ -93,7 +93,12 @@ impl Sink for StagingDir {
         if dst.exists() {
             return Ok(false);
         }
-        std::fs::copy(from, &dst).map_err(|e| crate::Error::io("copy", from, e))?;
+        if crate::source::fs::is_url(from) {
+            // A base in object storage: extra files are small (`MAX_EXTRA_FILE`).
+            write_file(&dst, &crate::source::fs::read(from)?)?;
+        } else {
+            std::fs::copy(from, &dst).map_err(|e| crate::Error::io("copy", from, e))?;
+        }
         File::open(&dst)
             .and_then(|f| f.sync_all())
             .map_err(|e| crate::Error::io("flush", &dst, e))?;

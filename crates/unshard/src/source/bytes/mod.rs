@@ -70,6 +70,13 @@ pub trait ByteSource: Send + Sync + fmt::Debug {
         let _ = (offset, len);
     }
 
+    /// How many reads of this source should be in flight at once to get its bandwidth:
+    /// 0 (the default) for a local file, whose readers the engine sizes by cores; an
+    /// object store, where each request waits for the network, asks for more.
+    fn readers(&self) -> usize {
+        0
+    }
+
     /// Fills `out` with elements of `elem` bytes, the first at `offset` and each
     /// `stride` bytes after the previous: a strided view (a transposed or expanded
     /// tensor), rare in checkpoints. Its elements are scattered, and neighbouring

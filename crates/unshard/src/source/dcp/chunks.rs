@@ -124,7 +124,7 @@ impl<'a> Reader<'a> {
             ));
         }
         let path = self.dir.join(name);
-        let blob = Blob::open(&path)?;
+        let blob = crate::source::fs::open(&path)?;
         let id = self.files.len();
         self.files.push(Arc::new(blob));
         self.by_name.insert(name.to_string(), id);

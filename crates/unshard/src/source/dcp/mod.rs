@@ -44,7 +44,7 @@ const OPTIMIZER_KEYS: &[&str] = &[
 
 /// Whether a directory is a DCP checkpoint.
 pub fn is_dcp_dir(path: &Path) -> bool {
-    path.join(".metadata").is_file()
+    super::fs::is_file(&path.join(".metadata"))
 }
 
 /// Hands memory freed by the allocator back to the system. The `.metadata` of a
@@ -67,7 +67,7 @@ pub fn open(dir: &Path, opts: &OpenOptions) -> Result<Checkpoint> {
 /// [`open`], reading `ends` bytes at each end of every chunk archive up front.
 fn open_with(dir: &Path, opts: &OpenOptions, ends: u64) -> Result<Checkpoint> {
     let meta_path = dir.join(".metadata");
-    let raw = std::fs::read(&meta_path).map_err(|e| Error::io("read", &meta_path, e))?;
+    let raw = super::fs::read(&meta_path)?;
     let md = parse_metadata(&meta_path, &raw)?;
     drop(raw);
     release_freed_memory();
@@ -109,13 +109,12 @@ fn open_with(dir: &Path, opts: &OpenOptions, ends: u64) -> Result<Checkpoint> {
 pub fn find_model_subdir(dir: &Path) -> Result<Option<(PathBuf, Vec<String>)>> {
     let mut models = Vec::new();
     let mut optimizers = Vec::new();
-    let rd = std::fs::read_dir(dir).map_err(|e| Error::io("list", dir, e))?;
-    for entry in rd.flatten() {
-        let p = entry.path();
-        if !p.is_dir() || !is_dcp_dir(&p) {
+    for entry in super::fs::list(dir)? {
+        let p = entry.path;
+        if !entry.is_dir || !is_dcp_dir(&p) {
             continue;
         }
-        let name = entry.file_name().to_string_lossy().into_owned();
+        let name = entry.name;
         if name.starts_with("optim") {
             optimizers.push(name);
         } else {

@@ -55,7 +55,7 @@ pub fn open(set: &RankSet, opts: &OpenOptions) -> Result<Checkpoint> {
     let mut unsafe_calls = Vec::new();
     for (_, name) in &set.ranks {
         let path = set.dir.join(name);
-        let blob = Arc::new(Blob::open(&path)?);
+        let blob = Arc::new(crate::source::fs::open(&path)?);
         let mut payload = read_payload(&path, &blob)?;
         unsafe_calls.append(&mut payload.unsafe_calls);
         let found = torch::find_tensors(&payload.pickle, &path, opts.key.as_deref())?;

@@ -62,13 +62,12 @@ pub fn find_rank_files(dir: &Path) -> Result<Option<RankSet>> {
         return Ok(None);
     };
     let mut groups: Vec<(NamePattern, Vec<(usize, String)>)> = Vec::new();
-    let rd = std::fs::read_dir(dir).map_err(|e| Error::io("list", dir, e))?;
-    for entry in rd.flatten() {
-        let name = entry.file_name().to_string_lossy().into_owned();
+    for entry in crate::source::fs::list(dir)? {
+        let name = entry.name;
         let Some(c) = re.captures(&name) else {
             continue;
         };
-        if !entry.path().is_file() {
+        if entry.is_dir {
             continue;
         }
         let (Some(pre), Some(num), Some(suf)) = (c.get(1), c.get(2), c.get(3)) else {

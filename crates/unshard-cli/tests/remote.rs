@@ -1,0 +1,557 @@
+//! Object storage: every input format read from a real S3-compatible server
+//! (moto_server, started by `.ci/run`), outputs byte-identical to merging the same
+//! files from the local disk; `inspect`, `verify` and `diff` on URLs; a missing or
+//! vanishing object fails cleanly, naming it.
+#![allow(clippy::unwrap_used)]
+
+mod common;
+
+use std::path::Path;
+use std::process::{Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use common::s3::{bucket_name, endpoint, Bucket};
+use common::{big_checkpoint, fixtures, names};
+
+fn bin() -> &'static str {
+    env!("CARGO_BIN_EXE_unshard")
+}
+
+fn run(bucket: Option<&Bucket>, args: &[&str]) -> Output {
+    let mut cmd = Command::new(bin());
+    cmd.args(args);
+    if let Some(b) = bucket {
+        b.env(&mut cmd);
+    }
+    cmd.output().unwrap()
+}
+
+fn ok(o: &Output) -> String {
+    let err = String::from_utf8_lossy(&o.stderr).into_owned();
+    assert!(o.status.success(), "{:?}\n{err}", o.status);
+    String::from_utf8_lossy(&o.stdout).into_owned()
+}
+
+/// Asserts two output directories hold the same files with the same bytes.
+fn same_dirs(a: &Path, b: &Path) {
+    assert_eq!(names(a), names(b));
+    for n in names(a) {
+        let (x, y) = (
+            std::fs::read(a.join(&n)).unwrap(),
+            std::fs::read(b.join(&n)).unwrap(),
+        );
+        assert!(
+            x == y,
+            "{n} differs between {} and {}",
+            a.display(),
+            b.display()
+        );
+    }
+}
+
+/// Merges `ckpt` (and `base`), given relative to fixtures/, once from the local disk
+/// and once from the bucket, and compares the outputs byte for byte.
+fn merge_both_ways(test: &str, ckpt: &str, base: Option<&str>, extra: &[&str]) {
+    let Some(ep) = endpoint(test) else {
+        return;
+    };
+    let b = Bucket::create(&ep, &bucket_name(test));
+    let fx = fixtures();
+    b.upload(&fx.join(ckpt), ckpt);
+    if let Some(base) = base {
+        b.upload(&fx.join(base), base);
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let (local, remote) = (tmp.path().join("local"), tmp.path().join("remote"));
+    let local_ckpt = fx.join(ckpt);
+    let local_base = base.map(|x| fx.join(x));
+    let mut args: Vec<String> = vec!["merge".into(), local_ckpt.to_str().unwrap().into()];
+    if let Some(lb) = &local_base {
+        args.extend(["--base".into(), lb.to_str().unwrap().into()]);
+    }
+    args.extend(extra.iter().map(|s| s.to_string()));
+    args.extend(["-o".into(), local.to_str().unwrap().into()]);
+    ok(&run(
+        None,
+        &args.iter().map(|s| s.as_str()).collect::<Vec<_>>(),
+    ));
+
+    let mut args: Vec<String> = vec!["merge".into(), b.url(ckpt)];
+    if let Some(base) = base {
+        args.extend(["--base".into(), b.url(base)]);
+    }
+    args.extend(extra.iter().map(|s| s.to_string()));
+    args.extend(["-o".into(), remote.to_str().unwrap().into()]);
+    ok(&run(
+        Some(&b),
+        &args.iter().map(|s| s.as_str()).collect::<Vec<_>>(),
+    ));
+    same_dirs(&local, &remote);
+}
+
+#[test]
+fn a_torch_save_file_and_an_hf_base_from_a_bucket_merge_as_from_disk() {
+    merge_both_ways(
+        "pt-and-base",
+        "ckpt/llama_policy.pt",
+        Some("models/llama-bf16"),
+        &[],
+    );
+}
+
+#[test]
+fn a_sharded_hf_base_and_small_shards_from_a_bucket() {
+    merge_both_ways(
+        "pt-sharded-base",
+        "ckpt/qwen2_policy.pt",
+        Some("models/qwen2-fp16-sharded"),
+        &["--max-shard-size", "100KB"],
+    );
+}
+
+#[test]
+fn a_legacy_torch_save_file_from_a_bucket() {
+    merge_both_ways(
+        "legacy",
+        "ckpt/llama_policy_legacy.pt",
+        Some("models/llama-bf16"),
+        &[],
+    );
+}
+
+#[test]
+fn a_dcp_directory_from_a_bucket() {
+    merge_both_ways(
+        "dcp",
+        "sharded/llama_w2_dcp",
+        Some("models/llama-bf16"),
+        &[],
+    );
+}
+
+#[test]
+fn a_zstd_dcp_directory_from_a_bucket() {
+    merge_both_ways(
+        "dcp-zstd",
+        "sharded/llama_w2_dcp_zstd",
+        Some("models/llama-bf16"),
+        &[],
+    );
+}
+
+#[test]
+fn an_accelerate_checkpoint_dir_with_optimizer_state_from_a_bucket() {
+    merge_both_ways(
+        "accelerate",
+        "sharded/accelerate_dcp",
+        Some("models/llama-bf16"),
+        &[],
+    );
+}
+
+#[test]
+fn per_rank_files_with_their_config_dir_from_a_bucket() {
+    // No --base: the config comes from the `huggingface/` prefix beside the rank files.
+    merge_both_ways("ranks", "sharded/llama_w2_ranks", None, &[]);
+}
+
+#[test]
+fn an_hf_directory_as_the_checkpoint_from_a_bucket() {
+    merge_both_ways(
+        "hf-dir",
+        "models/llama-fp32-bin",
+        None,
+        &["--dtype", "bfloat16"],
+    );
+}
+
+#[test]
+fn a_converting_merge_of_multi_mib_tensors_from_a_bucket_matches_local() {
+    // 4 MiB float32 tensors cast to bfloat16: each block's input span is fetched
+    // ahead with one GET and read back in 1 MiB chunks.
+    let Some(ep) = endpoint("converting") else {
+        return;
+    };
+    let b = Bucket::create(&ep, &bucket_name("converting"));
+    let inputs = tempfile::tempdir().unwrap();
+    let ckpt = big_checkpoint(inputs.path(), 5);
+    b.upload(&ckpt, "big.safetensors");
+    let tmp = tempfile::tempdir().unwrap();
+    let (local, remote) = (tmp.path().join("local"), tmp.path().join("remote"));
+    let args = ["--dtype", "bfloat16", "--max-shard-size", "5MB", "-o"];
+    let mut a = vec!["merge", ckpt.to_str().unwrap()];
+    a.extend(args);
+    a.push(local.to_str().unwrap());
+    ok(&run(None, &a));
+    let url = b.url("big.safetensors");
+    let mut a = vec!["merge", url.as_str()];
+    a.extend(args);
+    a.push(remote.to_str().unwrap());
+    ok(&run(Some(&b), &a));
+    same_dirs(&local, &remote);
+}
+
+#[test]
+fn inspect_verify_and_diff_take_urls() {
+    let Some(ep) = endpoint("inspect-verify-diff") else {
+        return;
+    };
+    let b = Bucket::create(&ep, &bucket_name("inspect-verify-diff"));
+    let fx = fixtures();
+    b.upload(&fx.join("sharded/llama_w2_dcp"), "dcp");
+    b.upload(&fx.join("models/llama-bf16"), "base");
+    let local = ok(&run(
+        None,
+        &[
+            "inspect",
+            "--json",
+            fx.join("sharded/llama_w2_dcp").to_str().unwrap(),
+        ],
+    ));
+    let remote = ok(&run(Some(&b), &["inspect", "--json", &b.url("dcp")]));
+    let strip = |s: &str| -> serde_json::Value {
+        let mut v: serde_json::Value = serde_json::from_str(s).unwrap();
+        v.as_object_mut().unwrap().remove("path");
+        v
+    };
+    assert_eq!(strip(&local), strip(&remote));
+
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("out");
+    ok(&run(
+        Some(&b),
+        &[
+            "merge",
+            &b.url("dcp"),
+            "--base",
+            &b.url("base"),
+            "-o",
+            out.to_str().unwrap(),
+        ],
+    ));
+    let v = ok(&run(
+        Some(&b),
+        &[
+            "verify",
+            "--against",
+            &b.url("dcp"),
+            "--base",
+            &b.url("base"),
+            out.to_str().unwrap(),
+        ],
+    ));
+    assert!(!v.is_empty());
+    let d = run(
+        Some(&b),
+        &[
+            "diff",
+            &b.url("base/model.safetensors"),
+            out.join("model.safetensors").to_str().unwrap(),
+        ],
+    );
+    // The checkpoint changed the weights: diff runs and reports differences.
+    assert!(
+        d.status.code() == Some(0) || d.status.code() == Some(1),
+        "{d:?}"
+    );
+    assert!(!d.stdout.is_empty(), "{d:?}");
+}
+
+#[test]
+fn a_missing_object_is_a_clear_error_naming_it() {
+    let Some(ep) = endpoint("missing") else {
+        return;
+    };
+    let b = Bucket::create(&ep, &bucket_name("missing"));
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("out");
+    let o = run(
+        Some(&b),
+        &["merge", &b.url("nope.pt"), "-o", out.to_str().unwrap()],
+    );
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(1), "{err}");
+    assert!(err.contains(&b.url("nope.pt")), "{err}");
+    assert!(!out.exists());
+    // A DCP directory whose chunk file is gone: the error names that object.
+    b.upload(&fixtures().join("sharded/llama_w2_dcp"), "dcp");
+    b.delete("dcp/__1_0.distcp");
+    let o = run(
+        Some(&b),
+        &["merge", &b.url("dcp"), "-o", out.to_str().unwrap()],
+    );
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(1), "{err}");
+    assert!(err.contains("__1_0.distcp"), "{err}");
+    assert!(!out.exists());
+}
+
+#[test]
+fn an_object_deleted_during_the_merge_fails_cleanly_and_leaves_nothing() {
+    let Some(ep) = endpoint("deleted-mid-merge") else {
+        return;
+    };
+    let b = Bucket::create(&ep, &bucket_name("deleted-mid-merge"));
+    let inputs = tempfile::tempdir().unwrap();
+    let ckpt = big_checkpoint(inputs.path(), 24);
+    b.upload(&ckpt, "big.safetensors");
+    let parent = tempfile::tempdir().unwrap();
+    let out = parent.path().join("out");
+    let mut cmd = Command::new(bin());
+    b.env(&mut cmd);
+    let child = cmd
+        .args([
+            "merge",
+            &b.url("big.safetensors"),
+            "--dtype",
+            "bfloat16",
+            "-o",
+        ])
+        .arg(&out)
+        // One read in flight, and each block slowed down: the object is gone before
+        // most blocks are read.
+        .env("UNSHARD_REMOTE_READERS", "1")
+        .env("UNSHARD_TEST_WINDOW_DELAY_MS", "200")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let start = Instant::now();
+    while names(parent.path()).is_empty() {
+        assert!(
+            start.elapsed() < Duration::from_secs(60),
+            "no staging directory"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    b.delete("big.safetensors");
+    let o = child.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(1), "must fail cleanly: {err}");
+    assert!(err.contains(&b.url("big.safetensors")), "{err}");
+    assert!(
+        names(parent.path()).is_empty(),
+        "left behind: {:?}",
+        names(parent.path())
+    );
+}
+
+/// Downloads every object under `prefix/` into a local directory.
+fn download(b: &Bucket, prefix: &str, to: &Path) {
+    std::fs::create_dir_all(to).unwrap();
+    for k in b.keys() {
+        if let Some(rel) = k.strip_prefix(&format!("{prefix}/")) {
+            std::fs::write(to.join(rel), b.get(&k).unwrap()).unwrap();
+        }
+    }
+}
+
+fn keys_under(b: &Bucket, prefix: &str) -> Vec<String> {
+    b.keys()
+        .into_iter()
+        .filter(|k| k.starts_with(&format!("{prefix}/")))
+        .collect()
+}
+
+#[test]
+fn an_output_written_to_a_bucket_equals_the_local_one() {
+    let Some(ep) = endpoint("output") else {
+        return;
+    };
+    let b = Bucket::create(&ep, &bucket_name("output"));
+    let fx = fixtures();
+    let tmp = tempfile::tempdir().unwrap();
+    let local = tmp.path().join("local");
+    let (ckpt, base) = (
+        fx.join("ckpt/qwen2_policy.pt"),
+        fx.join("models/qwen2-fp16-sharded"),
+    );
+    let args = |out: &str| -> Vec<String> {
+        vec![
+            "merge".into(),
+            ckpt.to_str().unwrap().into(),
+            "--base".into(),
+            base.to_str().unwrap().into(),
+            "--max-shard-size".into(),
+            "100KB".into(),
+            "-o".into(),
+            out.into(),
+        ]
+    };
+    let a = args(local.to_str().unwrap());
+    ok(&run(
+        None,
+        &a.iter().map(|s| s.as_str()).collect::<Vec<_>>(),
+    ));
+    // --verify needs a local copy to read back: refused before any work.
+    let mut a = args(&b.url("out"));
+    a.push("--verify".into());
+    let o = run(Some(&b), &a.iter().map(|s| s.as_str()).collect::<Vec<_>>());
+    assert_eq!(
+        o.status.code(),
+        Some(2),
+        "{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    assert!(b.keys().is_empty(), "{:?}", b.keys());
+    let a = args(&b.url("out"));
+    ok(&run(
+        Some(&b),
+        &a.iter().map(|s| s.as_str()).collect::<Vec<_>>(),
+    ));
+    let got = tmp.path().join("got");
+    download(&b, "out", &got);
+    // No manifest left: the run finished.
+    same_dirs(&local, &got);
+    assert!(names(&local).len() > 3, "{:?}", names(&local));
+    // verify reads the output from the bucket, and notices a changed byte there.
+    let verify = |out: &str| {
+        let a = [
+            "verify",
+            "--against",
+            ckpt.to_str().unwrap(),
+            "--base",
+            base.to_str().unwrap(),
+            "--max-shard-size",
+            "100KB",
+            out,
+        ];
+        run(Some(&b), &a)
+    };
+    ok(&verify(&b.url("out")));
+    let shard = b
+        .keys()
+        .into_iter()
+        .find(|k| k.starts_with("out/model-00002"))
+        .unwrap();
+    let mut bytes = b.get(&shard).unwrap();
+    let last = bytes.len() - 1;
+    bytes[last] ^= 0x40;
+    b.put(&shard, bytes);
+    let o = verify(&b.url("out"));
+    assert_eq!(
+        o.status.code(),
+        Some(1),
+        "{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+
+    // Writing again needs --force; with it, objects of the old output that the new
+    // one lacks are gone.
+    b.put("out/stale-file.txt", b"old".to_vec());
+    let a = args(&b.url("out"));
+    let o = run(Some(&b), &a.iter().map(|s| s.as_str()).collect::<Vec<_>>());
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("--force") && err.contains("not empty"),
+        "{err}"
+    );
+    let mut a = args(&b.url("out"));
+    a.push("--force".into());
+    ok(&run(
+        Some(&b),
+        &a.iter().map(|s| s.as_str()).collect::<Vec<_>>(),
+    ));
+    assert!(b.get("out/stale-file.txt").is_none());
+    let again = tmp.path().join("again");
+    download(&b, "out", &again);
+    same_dirs(&local, &again);
+}
+
+/// Starts a slow merge of a 96 MiB checkpoint into `s3://bucket/out` and waits until
+/// its manifest appears (the sink is open and uploads are about to start).
+fn slow_upload(b: &Bucket, inputs: &Path) -> std::process::Child {
+    let ckpt = big_checkpoint(inputs, 24);
+    let mut cmd = Command::new(bin());
+    b.env(&mut cmd);
+    let child = cmd
+        .args([
+            "merge",
+            ckpt.to_str().unwrap(),
+            "--dtype",
+            "bfloat16",
+            "-o",
+            &b.url("out"),
+        ])
+        .env("UNSHARD_TEST_WINDOW_DELAY_MS", "300")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let start = Instant::now();
+    while b.get("out/.unshard-run.json").is_none() {
+        assert!(start.elapsed() < Duration::from_secs(60), "no manifest");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    child
+}
+
+#[test]
+fn an_interrupted_upload_leaves_no_object() {
+    let Some(ep) = endpoint("interrupted-upload") else {
+        return;
+    };
+    let b = Bucket::create(&ep, &bucket_name("interrupted-upload"));
+    let inputs = tempfile::tempdir().unwrap();
+    let child = slow_upload(&b, inputs.path());
+    std::thread::sleep(Duration::from_millis(400));
+    // SAFETY: signalling our own child.
+    unsafe { libc::kill(child.id() as i32, libc::SIGINT) };
+    let o = child.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(130), "{err}");
+    assert_eq!(keys_under(&b, "out"), Vec::<String>::new(), "{err}");
+}
+
+#[test]
+fn a_killed_upload_is_reported_as_a_stale_run_and_replaced_with_force() {
+    let Some(ep) = endpoint("stale-run") else {
+        return;
+    };
+    let b = Bucket::create(&ep, &bucket_name("stale-run"));
+    let inputs = tempfile::tempdir().unwrap();
+    let mut child = slow_upload(&b, inputs.path());
+    child.kill().unwrap();
+    child.wait().unwrap();
+    let manifest = String::from_utf8(b.get("out/.unshard-run.json").unwrap()).unwrap();
+    let run_id = serde_json::from_str::<serde_json::Value>(&manifest).unwrap()["run_id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let ckpt = inputs.path().join("big.safetensors");
+    let o = run(
+        Some(&b),
+        &[
+            "merge",
+            ckpt.to_str().unwrap(),
+            "--dtype",
+            "bfloat16",
+            "-o",
+            &b.url("out"),
+        ],
+    );
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("did not finish") && err.contains(&run_id),
+        "{err}"
+    );
+    ok(&run(
+        Some(&b),
+        &[
+            "merge",
+            ckpt.to_str().unwrap(),
+            "--dtype",
+            "bfloat16",
+            "-o",
+            &b.url("out"),
+            "--force",
+        ],
+    ));
+    assert_eq!(
+        keys_under(&b, "out"),
+        ["out/model.safetensors"],
+        "only the new output remains"
+    );
+}

@@ -1,0 +1,198 @@
+//! One merge split over N processes or machines: `--part I/N` (or `auto`, from the
+//! launcher's variables; see [`Part::from_env`]).
+//!
+//! Every part opens the same inputs and computes the same plan (planning is
+//! deterministic), so the parts agree on every output byte without talking. The
+//! shards are dealt out by size (`assign`); part I writes only its own. They meet
+//! in a staging directory beside the output, named by a hash of the plan
+//! (`.<out>.unshard-parts-<hash>`), on a filesystem every part sees:
+//!
+//! 1. part I writes its shards there under temporary names, fsyncs them, and
+//!    renames them to their final names (a shard present is a shard complete);
+//! 2. it then creates its done-marker `done-I-of-N` (written aside and renamed into
+//!    place: atomic);
+//! 3. a part that finds every marker present tries to create `commit` with
+//!    `O_EXCL`; the one that succeeds writes the index, the config and the base's
+//!    small files, and renames the staging directory into place as the output (as a
+//!    single-process merge does). Markers are created before they are counted, so
+//!    the last part to finish always sees them all: the output is committed exactly
+//!    once.
+//!
+//! A part that dies leaves the others' shards and markers: running it again (same
+//! command) writes its shards and finishes the job. A part whose plan differs
+//! (other inputs or options, another N) has another hash, and refuses to start
+//! while the staging directory of another plan for the same output exists.
+//!
+//! Reads stay local to a part only where its shards' tensors live in files it can
+//! read; every part opens every input file's metadata, so each must see all inputs
+//! (a shared filesystem, or object storage).
+
+mod assign;
+mod sink;
+
+use std::collections::hash_map::DefaultHasher;
+use std::hash::{Hash, Hasher};
+use std::path::{Path, PathBuf};
+
+pub use assign::{assign, Part};
+
+use crate::merge::MergeOptions;
+use crate::plan::Plan;
+use crate::prepare::{prepare, Prepared};
+use crate::source::fs;
+use crate::write::{self, Progress, WriteOptions};
+use crate::{Error, Result};
+use sink::PartDir;
+
+/// What one part did.
+#[derive(Debug)]
+pub struct PartOutcome {
+    /// The whole merge's plan (every part computes it).
+    pub plan: Plan,
+    /// The plan's hash, which names the staging directory.
+    pub plan_hash: String,
+    /// The shards this part wrote.
+    pub shards: Vec<String>,
+    /// Whether this part committed the output (it finished last).
+    pub committed: bool,
+    /// Parts not done yet when this one finished (empty when committed).
+    pub waiting_for: Vec<usize>,
+    /// The staging directory the parts share.
+    pub staging: PathBuf,
+}
+
+/// Runs part `part` of the merge `opts`.
+pub fn merge_part(opts: &MergeOptions, part: Part, progress: &dyn Progress) -> Result<PartOutcome> {
+    if fs::is_url(&opts.output) {
+        return Err(Error::Unsupported {
+            path: opts.output.clone(),
+            what: "--part with an output in object storage (it needs conditional puts)".into(),
+            hint: Some("write the parts to a shared filesystem, then upload the output".into()),
+        });
+    }
+    if opts.verify {
+        return Err(Error::Usage(
+            "--verify with --part: run `unshard verify` on the output once the last part has committed it".into(),
+        ));
+    }
+    let mut protected = vec![opts.checkpoint.clone()];
+    protected.extend(opts.base.clone());
+    let wopts = WriteOptions {
+        force: opts.force,
+        allow_overflow: opts.allow_overflow,
+        extra_files: Vec::new(),
+        protected,
+        cancel: opts.cancel.clone(),
+    };
+    write::check_output(&opts.output, &wopts)?;
+    progress.stage(&format!(
+        "reading {} (part {} of {})",
+        opts.checkpoint.display(),
+        part.index,
+        part.count
+    ));
+    let Prepared {
+        checkpoint: ckpt,
+        base,
+        plan,
+        adapter,
+    } = prepare(opts)?;
+    if adapter.is_some() {
+        return Err(Error::Usage(format!(
+            "{} is a LoRA adapter: a merge split into parts does not fuse adapters yet; merge it in one process",
+            opts.checkpoint.display()
+        )));
+    }
+    let inputs = Prepared::inputs_of(&ckpt, base.as_ref());
+    let hash = plan_hash(&plan, inputs, opts, part.count);
+    let dir = PartDir::open(&opts.output, &hash, part)?;
+
+    let sizes: Vec<u64> = plan.shards.iter().map(|s| s.file_size).collect();
+    let owner = assign(&sizes, part.count);
+    let mut mine = plan.clone();
+    mine.shards = plan
+        .shards
+        .iter()
+        .zip(&owner)
+        .filter(|(_, &o)| o == part.index)
+        .map(|(s, _)| s.clone())
+        .collect();
+    mine.index = None;
+    mine.config = None;
+    let shards: Vec<String> = mine.shards.iter().map(|s| s.file_name.clone()).collect();
+    write::write_into(&mine, inputs, &dir, &wopts, progress)?;
+    dir.publish_shards(&shards)?;
+    let waiting_for = dir.mark_done()?;
+    let mut committed = false;
+    if waiting_for.is_empty() && dir.claim_commit()? {
+        // The last part: index, config and the base's small files, then the rename.
+        let mut last = plan.clone();
+        last.shards.clear();
+        let extra = WriteOptions {
+            extra_files: base
+                .as_ref()
+                .map(|b| b.dir.extra_files.clone())
+                .unwrap_or_default(),
+            ..wopts
+        };
+        write::write_into(&last, inputs, &dir, &extra, &write::NoProgress)?;
+        dir.commit(&opts.output, opts.force)?;
+        committed = true;
+    }
+    Ok(PartOutcome {
+        plan,
+        plan_hash: hash,
+        shards,
+        committed,
+        waiting_for,
+        staging: dir.path().to_path_buf(),
+    })
+}
+
+/// A hash of everything that decides the output's bytes: the number of parts, the
+/// options, every shard's layout (names, sizes, headers), the index and config,
+/// and where each tensor's bytes come from (input files by path and length).
+/// Parts that disagree on any of it compute different hashes.
+pub fn plan_hash(
+    plan: &Plan,
+    inputs: crate::prepare::Inputs<'_>,
+    opts: &MergeOptions,
+    count: usize,
+) -> String {
+    let mut h = DefaultHasher::new();
+    count.hash(&mut h);
+    let p = &opts.plan;
+    let renames: Vec<(&str, &str)> = p
+        .renames
+        .iter()
+        .map(|(r, s)| (r.as_str(), s.as_str()))
+        .collect();
+    // Options by value (not by `Debug` of trait objects, which could differ between
+    // processes); what the mappings did is in the plan's tensors below.
+    format!(
+        "{:?}|{}|{renames:?}|{}|{:?}|{}",
+        p.dtype, p.strict, p.max_shard_size, opts.open.key, opts.allow_overflow
+    )
+    .hash(&mut h);
+    for s in &plan.shards {
+        (&s.file_name, s.file_size, &s.header).hash(&mut h);
+    }
+    plan.index.hash(&mut h);
+    serde_json::to_string(&plan.config)
+        .unwrap_or_default()
+        .hash(&mut h);
+    for t in &plan.tensors {
+        format!("{:?}|{:?}|{:?}", t.name, t.dtype, t.content).hash(&mut h);
+    }
+    for c in inputs.all() {
+        for f in &c.files {
+            (f.path.to_string_lossy(), f.len()).hash(&mut h);
+        }
+    }
+    format!("{:016x}", h.finish())
+}
+
+/// The staging directory of a split merge into `out` with plan hash `hash`.
+pub fn staging_dir(out: &Path, hash: &str) -> PathBuf {
+    sink::staging_dir(out, hash)
+}

@@ -1,0 +1,20 @@
+//! Object storage (the `remote` feature): checkpoints, base directories and outputs
+//! at `s3://`, `gs://`, `az://` / `abfss://` and `http(s)://` URLs, through the
+//! `object_store` crate.
+//!
+//! A URL stands wherever a path does: it travels through the library as a `PathBuf`
+//! holding the URL text (`Path::join` appends keys as it appends file names), and
+//! [`crate::source::fs`] sends each file-system question (what is this, list it,
+//! read it, open it) here when the path is a URL. A "directory" is a key prefix.
+//!
+//! - [`store`]: from a URL to a client and a key; the request runtime; listings.
+//! - [`source`]: an object as a [`crate::source::ByteSource`] (ranged GETs, many in flight).
+//! - [`sink`]: an output prefix as a [`crate::write::Sink`] (multipart uploads, the
+//!   index and config last, undone on failure).
+
+pub mod sink;
+pub mod source;
+pub mod store;
+
+pub use source::ObjectSource;
+pub use store::{locate, Location};

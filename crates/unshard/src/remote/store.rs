@@ -1,0 +1,308 @@
+//! From a URL to an object store client and a key; the runtime that drives them; the
+//! cache of directory listings; errors that name the object.
+//!
+//! Clients are built once per bucket (per `scheme://authority`) from the standard
+//! environment (`object_store`'s `from_env`: `AWS_*`, `GOOGLE_*`, `AZURE_*`), so a
+//! run of many files signs and connects once. Requests run on one small tokio runtime
+//! of our own; callers are plain threads that block on a request's result.
+
+use std::collections::{BTreeMap, HashMap};
+use std::future::Future;
+use std::io;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::Duration;
+
+use object_store::aws::AmazonS3Builder;
+use object_store::azure::MicrosoftAzureBuilder;
+use object_store::gcp::GoogleCloudStorageBuilder;
+use object_store::http::HttpBuilder;
+use object_store::multipart::MultipartStore;
+use object_store::path::Path as Key;
+use object_store::{ObjectStore, ObjectStoreExt, ObjectStoreScheme, RetryConfig};
+
+use crate::{Error, Result};
+
+/// An object (or a prefix) in a store.
+#[derive(Clone)]
+pub struct Location {
+    /// The client of its bucket.
+    pub store: Arc<dyn ObjectStore>,
+    /// The same client's multipart uploads, where the store has them.
+    pub multipart: Option<Arc<dyn MultipartStore>>,
+    /// Its key inside the bucket (no trailing `/`).
+    pub key: Key,
+    /// The URL messages name it by.
+    pub url: PathBuf,
+}
+
+impl Location {
+    /// The location `name` below this one.
+    pub fn child(&self, name: &str) -> Location {
+        Location {
+            store: self.store.clone(),
+            multipart: self.multipart.clone(),
+            key: self.key.clone().join(name),
+            url: self.url.join(name),
+        }
+    }
+}
+
+/// Requests retried on connection errors and 5xx answers: at most 4 times and for
+/// at most 30 s, so a server gone for good fails the run in seconds rather than the
+/// crate's default 3 minutes, while a throttled or briefly unreachable one recovers.
+fn retry() -> RetryConfig {
+    RetryConfig {
+        max_retries: 4,
+        retry_timeout: Duration::from_secs(30),
+        ..RetryConfig::default()
+    }
+}
+
+/// A bucket's client, as the two traits the crate splits it into.
+#[derive(Clone)]
+struct Client {
+    store: Arc<dyn ObjectStore>,
+    /// Multipart uploads with explicit part numbers (S3, GCS, Azure; not HTTP).
+    multipart: Option<Arc<dyn MultipartStore>>,
+}
+
+fn both<S: ObjectStore + MultipartStore>(s: S) -> Client {
+    let s = Arc::new(s);
+    Client {
+        store: s.clone(),
+        multipart: Some(s),
+    }
+}
+
+/// The client and key of a URL; clients are cached per bucket.
+pub fn locate(p: &Path) -> Result<Location> {
+    static STORES: OnceLock<Mutex<HashMap<String, Client>>> = OnceLock::new();
+    let text = p
+        .to_str()
+        .ok_or_else(|| bad_url(p, "it is not valid UTF-8"))?;
+    let trimmed = text.trim_end_matches('/');
+    let url = url::Url::parse(trimmed).map_err(|e| bad_url(p, &e.to_string()))?;
+    let (scheme, key) = ObjectStoreScheme::parse(&url).map_err(|e| bad_url(p, &e.to_string()))?;
+    let base = &url[..url::Position::BeforePath];
+    let stores = STORES.get_or_init(Default::default);
+    let mut stores = stores.lock().unwrap_or_else(|e| e.into_inner());
+    let client = match stores.get(base) {
+        Some(c) => c.clone(),
+        None => {
+            install_crypto();
+            let built: object_store::Result<Client> = match scheme {
+                ObjectStoreScheme::AmazonS3 => AmazonS3Builder::from_env()
+                    .with_url(trimmed)
+                    .with_retry(retry())
+                    .build()
+                    .map(both),
+                ObjectStoreScheme::GoogleCloudStorage => GoogleCloudStorageBuilder::from_env()
+                    .with_url(trimmed)
+                    .with_retry(retry())
+                    .build()
+                    .map(both),
+                ObjectStoreScheme::MicrosoftAzure => MicrosoftAzureBuilder::from_env()
+                    .with_url(trimmed)
+                    .with_retry(retry())
+                    .build()
+                    .map(both),
+                ObjectStoreScheme::Http => HttpBuilder::new()
+                    .with_url(base)
+                    .with_retry(retry())
+                    .build()
+                    .map(|s| Client {
+                        store: Arc::new(s),
+                        multipart: None,
+                    }),
+                _ => return Err(bad_url(p, "not an object store URL")),
+            };
+            let client = built.map_err(|e| Error::Unsupported {
+                path: p.to_path_buf(),
+                what: format!("this object store configuration ({e})"),
+                hint: Some(credentials_hint().into()),
+            })?;
+            stores.insert(base.to_string(), client.clone());
+            client
+        }
+    };
+    Ok(Location {
+        store: client.store,
+        multipart: client.multipart,
+        key,
+        url: PathBuf::from(trimmed),
+    })
+}
+
+/// What to set for credentials and endpoints.
+pub fn credentials_hint() -> &'static str {
+    "credentials come from the environment: AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY/AWS_REGION (AWS_ENDPOINT_URL and AWS_ALLOW_HTTP=true for an S3-compatible server), GOOGLE_APPLICATION_CREDENTIALS, or AZURE_STORAGE_ACCOUNT_NAME/AZURE_STORAGE_ACCOUNT_KEY"
+}
+
+fn bad_url(p: &Path, why: &str) -> Error {
+    Error::Unsupported {
+        path: p.to_path_buf(),
+        what: format!("this URL ({why})"),
+        hint: Some("write object storage locations as s3://bucket/key, gs://bucket/key, az://container/key or https://host/path".into()),
+    }
+}
+
+/// TLS uses rustls with ring; the provider is installed once for the process.
+fn install_crypto() {
+    static DONE: OnceLock<()> = OnceLock::new();
+    DONE.get_or_init(|| {
+        let _ = rustls::crypto::ring::default_provider().install_default();
+    });
+}
+
+/// The runtime every request runs on: two I/O threads are enough, requests spend
+/// their time waiting for the network.
+fn runtime() -> &'static tokio::runtime::Runtime {
+    static RT: OnceLock<tokio::runtime::Runtime> = OnceLock::new();
+    RT.get_or_init(|| {
+        tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .thread_name("unshard-io")
+            .enable_all()
+            .build()
+            .unwrap_or_else(|e| panic!("cannot start the I/O runtime: {e}"))
+    })
+}
+
+/// Runs a request to completion from a plain (non-runtime) thread.
+pub fn block_on<F: Future>(f: F) -> F::Output {
+    runtime().block_on(f)
+}
+
+/// Starts a request in the background.
+pub fn spawn<F>(f: F) -> tokio::task::JoinHandle<F::Output>
+where
+    F: Future + Send + 'static,
+    F::Output: Send + 'static,
+{
+    runtime().spawn(f)
+}
+
+/// An object-store error as the library's I/O error on `url`: missing objects keep
+/// the `NotFound` kind so callers can tell them apart.
+pub fn io_error(op: &'static str, url: &Path, e: object_store::Error) -> Error {
+    let kind = match e {
+        object_store::Error::NotFound { .. } => io::ErrorKind::NotFound,
+        object_store::Error::AlreadyExists { .. } | object_store::Error::Precondition { .. } => {
+            io::ErrorKind::AlreadyExists
+        }
+        object_store::Error::PermissionDenied { .. }
+        | object_store::Error::Unauthenticated { .. } => io::ErrorKind::PermissionDenied,
+        _ => io::ErrorKind::Other,
+    };
+    Error::io(op, url, io::Error::new(kind, e))
+}
+
+/// What a listing found directly under a prefix: objects with their sizes, and
+/// sub-prefixes ("directories").
+#[derive(Debug, Default)]
+pub struct Listing {
+    pub files: BTreeMap<String, u64>,
+    pub dirs: Vec<String>,
+}
+
+static LISTINGS: OnceLock<Mutex<HashMap<PathBuf, Arc<Listing>>>> = OnceLock::new();
+
+/// The listing of `url` if one was already made.
+pub fn cached_listing(url: &Path) -> Option<Arc<Listing>> {
+    let url = Path::new(url.to_str()?.trim_end_matches('/'));
+    LISTINGS
+        .get()?
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .get(url)
+        .cloned()
+}
+
+/// Lists the objects and sub-prefixes directly under `loc` (one request per 1000
+/// entries), cached for the run: format detection asks about the same directory
+/// several times.
+pub fn list(loc: &Location) -> Result<Arc<Listing>> {
+    let cache = LISTINGS.get_or_init(Default::default);
+    if let Some(l) = cache
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .get(&loc.url)
+    {
+        return Ok(l.clone());
+    }
+    let prefix = (!loc.key.as_ref().is_empty()).then_some(&loc.key);
+    let result = block_on(loc.store.list_with_delimiter(prefix))
+        .map_err(|e| io_error("list", &loc.url, e))?;
+    let mut listing = Listing::default();
+    for o in result.objects {
+        if let Some(name) = o.location.filename() {
+            listing.files.insert(name.to_string(), o.size);
+        }
+    }
+    for d in result.common_prefixes {
+        if let Some(name) = d.filename() {
+            listing.dirs.push(name.to_string());
+        }
+    }
+    listing.dirs.sort();
+    let listing = Arc::new(listing);
+    cache
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .insert(loc.url.clone(), listing.clone());
+    Ok(listing)
+}
+
+/// Lists every object below `loc`, recursively and uncached (for outputs, which this
+/// run changes): `(key relative to loc, size)`.
+pub fn list_all(loc: &Location) -> Result<Vec<(String, u64)>> {
+    use futures_util::StreamExt as _;
+    let prefix = (!loc.key.as_ref().is_empty()).then_some(&loc.key);
+    let store = loc.store.clone();
+    let prefix = prefix.cloned();
+    let base = loc.key.as_ref().to_string();
+    let metas = block_on(async move {
+        let mut out = Vec::new();
+        let mut s = store.list(prefix.as_ref());
+        while let Some(m) = s.next().await {
+            out.push(m?);
+        }
+        Ok::<_, object_store::Error>(out)
+    })
+    .map_err(|e| io_error("list", &loc.url, e))?;
+    Ok(metas
+        .into_iter()
+        .map(|m| {
+            let k = m.location.as_ref();
+            let rel = k
+                .strip_prefix(&base)
+                .unwrap_or(k)
+                .trim_start_matches('/')
+                .to_string();
+            (rel, m.size)
+        })
+        .collect())
+}
+
+/// The size of one object, or `None` if there is none at that key.
+pub fn head(loc: &Location) -> Result<Option<u64>> {
+    match block_on(loc.store.head(&loc.key)) {
+        Ok(m) => Ok(Some(m.size)),
+        Err(object_store::Error::NotFound { .. }) => Ok(None),
+        Err(e) => Err(io_error("read the size of", &loc.url, e)),
+    }
+}
+
+/// A whole object (a small file: config, index, `.metadata`), or `None` if missing.
+pub fn get_whole(loc: &Location) -> Result<Option<Vec<u8>>> {
+    let got = block_on(async {
+        let r = loc.store.get(&loc.key).await?;
+        r.bytes().await
+    });
+    match got {
+        Ok(b) => Ok(Some(b.to_vec())),
+        Err(object_store::Error::NotFound { .. }) => Ok(None),
+        Err(e) => Err(io_error("read", &loc.url, e)),
+    }
+}
