@@ -37,6 +37,25 @@ fn run_cli(py: Python<'_>, argv: Vec<String>) -> i32 {
     py.detach(|| i32::from(unshard_cli::run(argv)))
 }
 
+/// Runs `work` off the GIL with fresh progress counters and a cancel token; its
+/// JSON, or the error as `NativeError`, or the Python exception that stopped it.
+fn run_json<F>(py: Python<'_>, progress: Option<Bound<'_, PyAny>>, work: F) -> PyResult<String>
+where
+    F: FnOnce(&dyn unshard::Progress, &unshard::Cancel) -> Result<String, unshard::Error> + Send,
+{
+    let counters = job::Counters::default();
+    let cancel = unshard::Cancel::new();
+    let reporter = options::Reporter::new(&counters);
+    let result = job::run(
+        py,
+        &counters,
+        progress.as_ref(),
+        &|| cancel.cancel(),
+        || work(&reporter, &cancel),
+    )?;
+    result.map_err(|e| to_py(&e))
+}
+
 /// Merges; see `unshard.merge`.
 #[pyfunction]
 #[pyo3(signature = (checkpoint, output, options_json, progress))]
@@ -49,17 +68,7 @@ fn merge(
 ) -> PyResult<String> {
     let request =
         options::MergeRequest::parse(&checkpoint, &output, options_json).map_err(|e| to_py(&e))?;
-    let counters = job::Counters::default();
-    let cancel = unshard::Cancel::new();
-    let reporter = options::Reporter::new(&counters);
-    let result = job::run(
-        py,
-        &counters,
-        progress.as_ref(),
-        &|| cancel.cancel(),
-        || request.run(&reporter, &cancel),
-    )?;
-    result.map_err(|e| to_py(&e))
+    run_json(py, progress, |p, c| request.run(p, c))
 }
 
 /// Describes an input; see `unshard.inspect`.
@@ -73,16 +82,9 @@ fn inspect(
     stats: bool,
     progress: Option<Bound<'_, PyAny>>,
 ) -> PyResult<String> {
-    let counters = job::Counters::default();
-    let cancel = unshard::Cancel::new();
-    let result = job::run(
-        py,
-        &counters,
-        progress.as_ref(),
-        &|| cancel.cancel(),
-        || options::inspect(&path, key, tag, stats, &cancel),
-    )?;
-    result.map_err(|e| to_py(&e))
+    run_json(py, progress, |_, c| {
+        options::inspect(&path, key, tag, stats, c)
+    })
 }
 
 /// Verifies an output; see `unshard.verify`.
@@ -97,17 +99,7 @@ fn verify(
 ) -> PyResult<String> {
     let request =
         options::MergeRequest::parse(&against, &output, options_json).map_err(|e| to_py(&e))?;
-    let counters = job::Counters::default();
-    let cancel = unshard::Cancel::new();
-    let reporter = options::Reporter::new(&counters);
-    let result = job::run(
-        py,
-        &counters,
-        progress.as_ref(),
-        &|| cancel.cancel(),
-        || request.verify(&reporter, &cancel),
-    )?;
-    result.map_err(|e| to_py(&e))
+    run_json(py, progress, |p, c| request.verify(p, c))
 }
 
 /// Compares two inputs; see `unshard.diff`.
@@ -119,17 +111,7 @@ fn diff(
     b: String,
     progress: Option<Bound<'_, PyAny>>,
 ) -> PyResult<String> {
-    let counters = job::Counters::default();
-    let cancel = unshard::Cancel::new();
-    let reporter = options::Reporter::new(&counters);
-    let result = job::run(
-        py,
-        &counters,
-        progress.as_ref(),
-        &|| cancel.cancel(),
-        || options::diff(&a, &b, &reporter, &cancel),
-    )?;
-    result.map_err(|e| to_py(&e))
+    run_json(py, progress, |p, c| options::diff(&a, &b, p, c))
 }
 
 /// The module.
