@@ -134,7 +134,7 @@ impl Base {
     /// Its weights are the checkpoint itself, so none are opened as a base, and
     /// the trainer's own files are not carried into the output.
     pub fn own_config(checkpoint: &Path) -> Result<Option<Base>> {
-        if !checkpoint.join("config.json").is_file() {
+        if !source::fs::is_file(&checkpoint.join("config.json")) {
             return Ok(None);
         }
         let mut dir = HfDir::open(checkpoint)?;
