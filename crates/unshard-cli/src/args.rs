@@ -8,7 +8,7 @@ use clap::ValueEnum;
 use unshard::lora::AdapterOptions;
 use unshard::merge;
 use unshard::plan::{DtypeChoice, PlanOptions};
-use unshard::{DType, Error};
+use unshard::{DType, Error, RenameError};
 
 /// `--key`: where the state dict sits inside a pickle.
 #[derive(clap::Args, Debug)]
@@ -139,13 +139,14 @@ impl PlanArgs {
         })?;
         let mut renames = Vec::new();
         for r in &self.rename {
-            let (re, rep) = r
-                .split_once('=')
-                .ok_or_else(|| Error::Usage(format!("--rename '{r}' must be REGEX=REPLACEMENT")))?;
-            let re = regex::Regex::new(re).map_err(|e| {
-                Error::Usage(format!("--rename '{r}': invalid regular expression: {e}"))
-            })?;
-            renames.push((re, rep.to_string()));
+            renames.push(unshard::parse_rename(r).map_err(|e| match e {
+                RenameError::MissingEquals => {
+                    Error::Usage(format!("--rename '{r}' must be REGEX=REPLACEMENT"))
+                }
+                RenameError::Regex(e) => {
+                    Error::Usage(format!("--rename '{r}': invalid regular expression: {e}"))
+                }
+            })?);
         }
         Ok(PlanOptions {
             dtype: self.dtype.choice(),

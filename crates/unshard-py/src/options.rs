@@ -11,7 +11,7 @@ use std::time::Duration;
 use serde::Deserialize;
 use unshard::{
     AdapterOptions, Cancel, DiffOptions, Error, InspectOptions, MergeOptions, OpenOptions,
-    PlanOptions, Progress, VerifyOptions,
+    PlanOptions, Progress, RenameError, VerifyOptions,
 };
 
 use crate::job::Counters;
@@ -105,12 +105,14 @@ fn plan_options(k: &Kwargs) -> Result<PlanOptions, Error> {
         })?;
     let mut renames = Vec::new();
     for r in &k.rename {
-        let (re, rep) = r
-            .split_once('=')
-            .ok_or_else(|| Error::Usage(format!("rename {r:?} must be \"REGEX=REPLACEMENT\"")))?;
-        let re = regex::Regex::new(re)
-            .map_err(|e| Error::Usage(format!("rename {r:?}: invalid regular expression: {e}")))?;
-        renames.push((re, rep.to_string()));
+        renames.push(unshard::parse_rename(r).map_err(|e| match e {
+            RenameError::MissingEquals => {
+                Error::Usage(format!("rename {r:?} must be \"REGEX=REPLACEMENT\""))
+            }
+            RenameError::Regex(e) => {
+                Error::Usage(format!("rename {r:?}: invalid regular expression: {e}"))
+            }
+        })?);
     }
     Ok(PlanOptions {
         dtype,

@@ -96,7 +96,7 @@ pub use inspect::{inspect, InspectReport, InspectedTensor, NonTensor};
 pub use lora::input::AdapterOptions;
 pub use merge::{merge, merge_into, parse_size, MergeOutcome};
 pub use options::{DiffOptions, InspectOptions, MergeOptions, UnsafePolicy, VerifyOptions};
-pub use plan::{DtypeChoice, PlanOptions};
+pub use plan::{parse_rename, DtypeChoice, PlanOptions, RenameError};
 pub use scan::{scan_paths, FileScan, UnsafeCall};
 pub use source::OpenOptions;
 pub use stats::TensorStats;

@@ -61,6 +61,23 @@ pub enum DtypeChoice {
     Fixed(DType),
 }
 
+/// Why a rename rule could not be read (see [`parse_rename`]).
+#[derive(Debug)]
+pub enum RenameError {
+    /// No `=` between the expression and its replacement.
+    MissingEquals,
+    /// The part before the first `=` is not a regular expression.
+    Regex(regex::Error),
+}
+
+/// Reads a rename rule `REGEX=REPLACEMENT` (split at the first `=`; `$1` in the
+/// replacement names a group): the one syntax every front end accepts.
+pub fn parse_rename(rule: &str) -> std::result::Result<(Regex, String), RenameError> {
+    let (re, rep) = rule.split_once('=').ok_or(RenameError::MissingEquals)?;
+    let re = Regex::new(re).map_err(RenameError::Regex)?;
+    Ok((re, rep.to_string()))
+}
+
 /// Options that shape a plan.
 #[derive(Clone, Debug)]
 pub struct PlanOptions {
