@@ -14,7 +14,7 @@ use std::path::Path;
 use unshard_pickle::{parse_partial, ErrorKind, Limits};
 
 use super::{audit_pickle, FileScan};
-use crate::source::zip::{Archive, ZipIndex};
+use crate::source::zip::{le32, le64, Archive, ZipIndex};
 use crate::source::{legacy, safetensors, Blob};
 
 /// Pickles read back to back from a bare pickle file.
@@ -346,16 +346,6 @@ impl Reader<'_> {
         self.blob.read_at(at, &mut buf).ok()?;
         Some(buf)
     }
-}
-
-fn le32(b: &[u8], at: usize) -> u32 {
-    u32::from_le_bytes([b[at], b[at + 1], b[at + 2], b[at + 3]])
-}
-
-fn le64(b: &[u8], at: usize) -> u64 {
-    let mut a = [0u8; 8];
-    a.copy_from_slice(&b[at..at + 8]);
-    u64::from_le_bytes(a)
 }
 
 #[cfg(test)]
