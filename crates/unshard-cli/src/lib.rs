@@ -71,8 +71,9 @@ enum Command {
     /// states, persistent ids, dict keys), is checked against what torch, DeepSpeed
     /// and the checkpoint formats legitimately use; everything else is listed with
     /// its full name or the chain producing it, the opcode route, the byte offset and
-    /// the record. Exits 1 if anything is listed (or a file cannot be read fully), 0
-    /// if every file is clean.
+    /// the record. A Trainer's training_args.bin (arguments rebuilt without running a
+    /// constructor) is listed as recognised, not unsafe. Exits 1 if anything unsafe is
+    /// listed (or a file cannot be read fully), 0 if every file is clean.
     Scan(cmd::scan::ScanArgs),
     /// Print a shell completion script: `unshard completions bash > /etc/bash_completion.d/unshard`.
     Completions(cmd::completions::CompletionsArgs),

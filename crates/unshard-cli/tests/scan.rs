@@ -196,3 +196,67 @@ fn control_characters_in_names_are_escaped_in_text() {
     assert!(!o.stdout.contains(&0x1b));
     assert!(String::from_utf8_lossy(&o.stdout).contains("posix.system\\u{1b}[1A"));
 }
+
+#[test]
+fn a_trainers_arguments_are_recognised_and_a_constructor_call_is_not() {
+    // training_args.bin as transformers' Trainer and TRL's trainers save it
+    // (fixtures/gen_trainer_args.py): the expected globals and which file must be
+    // flagged come from the generator's manifest (pickletools' reading of the bytes).
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/trainer_args");
+    let text = std::fs::read_to_string(root.join("manifest.json")).unwrap();
+    let manifest: serde_json::Value = serde_json::from_str(&text).unwrap();
+    let cwd = tempfile::tempdir().unwrap();
+    let mut cases = 0;
+    for (name, case) in manifest["files"].as_object().unwrap() {
+        let file = root.join(name).join("training_args.bin");
+        let o = unshard(&["scan", "--json", file.to_str().unwrap()], cwd.path());
+        let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+        let f = &v["files"][0];
+        let listed = |key: &str| -> Vec<String> {
+            f[key]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|c| c["callable"].as_str().unwrap().to_string())
+                .collect()
+        };
+        let (unsafe_calls, recognised) = (listed("unsafe"), listed("recognised"));
+        let class = case["class"].as_str().unwrap().to_string();
+        if case["flagged"].as_bool().unwrap() {
+            assert_eq!(o.status.code(), Some(1), "{name}");
+            assert!(unsafe_calls.contains(&class), "{name}: {unsafe_calls:?}");
+            assert!(!recognised.contains(&class), "{name}: {recognised:?}");
+        } else {
+            assert_eq!(o.status.code(), Some(0), "{name}: {unsafe_calls:?}");
+            assert!(unsafe_calls.is_empty(), "{name}: {unsafe_calls:?}");
+            assert!(recognised.contains(&class), "{name}: {recognised:?}");
+            // Every global the file names other than torch's own is accounted for.
+            for g in case["globals"].as_array().unwrap() {
+                let g = g.as_str().unwrap();
+                assert!(
+                    g.starts_with("torch.") || recognised.iter().any(|r| r == g),
+                    "{name}: {g} not listed"
+                );
+            }
+            let text = unshard(&["scan", file.to_str().unwrap()], cwd.path());
+            let out = String::from_utf8_lossy(&text.stdout);
+            assert!(out.contains("recognised: a Trainer's arguments"), "{out}");
+            assert!(out.contains(&class), "{out}");
+        }
+        cases += 1;
+    }
+    assert_eq!(cases, 8);
+}
+
+#[test]
+fn a_trainer_checkpoint_folder_scans_clean() {
+    // A Trainer's checkpoint-N/ (fixtures/arch_cases: weights, configs, trainer state
+    // and training_args.bin) passes as a pre-upload check.
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/arch_cases/run");
+    let cwd = tempfile::tempdir().unwrap();
+    let o = unshard(&["scan", dir.to_str().unwrap()], cwd.path());
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert_eq!(o.status.code(), Some(0), "{out}");
+    assert!(out.contains("; clean"), "{out}");
+    assert!(out.contains("checkpoint-2/training_args.bin"), "{out}");
+}

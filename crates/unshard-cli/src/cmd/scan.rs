@@ -1,7 +1,8 @@
 //! `unshard scan PATH...`: report every callable a pickle would run under
 //! `torch.load`, in files and directories (recursively), without running anything.
 //! Exit 1 if anything is outside the allowlist or unreadable, 0 if every file is
-//! clean: usable as a pre-upload or CI check, as picklescan is.
+//! clean: usable as a pre-upload or CI check, as picklescan is. A Trainer's
+//! `training_args.bin` is listed as recognised, not unsafe (see `scan::trainer`).
 
 use std::io::Write;
 use std::path::PathBuf;
@@ -50,6 +51,7 @@ fn to_json(files: &[FileScan]) -> serde_json::Value {
                 "pickles": f.pickles,
                 "clean": f.is_clean(),
                 "unsafe": f.unsafe_calls,
+                "recognised": f.recognised,
                 "omitted": f.omitted,
                 "problems": f.problems,
             })
@@ -68,10 +70,22 @@ fn print_text(w: &mut dyn Write, files: &[FileScan]) -> std::io::Result<()> {
     let mut pickles = 0;
     for f in files {
         pickles += f.pickles;
-        if f.is_clean() {
+        if f.is_clean() && f.recognised.is_empty() {
             continue;
         }
         writeln!(w, "{}: {}", escape(&f.path.display().to_string()), f.kind)?;
+        if !f.recognised.is_empty() {
+            let names: std::collections::BTreeSet<&str> =
+                f.recognised.iter().map(|c| c.callable.as_str()).collect();
+            let names: Vec<&str> = names.into_iter().collect();
+            writeln!(
+                w,
+                "  recognised: a Trainer's arguments (training_args.bin): torch.load imports \
+                 {} and sets their fields without running a constructor; nothing the file \
+                 chooses runs, and unshard never reads it",
+                escape(&names.join(", "))
+            )?;
+        }
         for c in &f.unsafe_calls {
             writeln!(w, "  unsafe: {}", escape(&c.describe()))?;
         }

@@ -32,7 +32,13 @@ const PICKLE_EXTENSIONS: &[&str] = &[
 /// Scans one file (see the module docs). Never fails: what cannot be read is a
 /// problem of the result.
 pub fn scan_file(path: &Path) -> FileScan {
-    scan_file_with(path, FIRST_READ)
+    let mut scan = scan_file_with(path, FIRST_READ);
+    let (recognised, calls) = std::mem::take(&mut scan.unsafe_calls)
+        .into_iter()
+        .partition(super::trainer::is_trainer_arguments);
+    scan.recognised = recognised;
+    scan.unsafe_calls = calls;
+    scan
 }
 
 /// [`scan_file`], reading a stream of pickles from a first prefix of `first_read`

@@ -13,6 +13,7 @@
 //! reading commands report the same findings without parsing twice.
 
 mod files;
+mod trainer;
 
 use std::path::{Path, PathBuf};
 
@@ -118,6 +119,10 @@ pub struct FileScan {
     pub pickles: usize,
     /// What its pickles would run under `torch.load`.
     pub unsafe_calls: Vec<UnsafeCall>,
+    /// Calls that run under `torch.load` but only rebuild a Trainer's arguments
+    /// (`training_args.bin`: dataclasses created without their constructors, enum
+    /// lookups): listed, not counted as unsafe.
+    pub recognised: Vec<UnsafeCall>,
     /// Findings beyond the per-pickle bound, not listed.
     pub omitted: usize,
     /// Why part of the file could not be read, or an ambiguity that makes two readers
