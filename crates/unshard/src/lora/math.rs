@@ -76,17 +76,6 @@ pub struct Factors<'a> {
 /// only fails the debug assertions.
 pub fn fuse(w: &mut [f32], rows: usize, cols: usize, f: &Factors<'_>) {
     debug_assert_eq!(w.len(), rows * cols);
-    let r = f.rank;
-    debug_assert_eq!(
-        f.a.len(),
-        r * if f.layout.transposed() { rows } else { cols }
-    );
-    debug_assert_eq!(
-        f.b.len(),
-        r * if f.layout.transposed() { cols } else { rows }
-    );
-    // torch multiplies a float32 tensor by a Python float in float32.
-    let scale = f.scale as f32;
     if rows == 0 || cols == 0 {
         return;
     }
@@ -96,17 +85,71 @@ pub fn fuse(w: &mut [f32], rows: usize, cols: usize, f: &Factors<'_>) {
     w.par_chunks_mut(block_rows * cols)
         .enumerate()
         .for_each_init(Vec::new, |delta, (i, wblock)| {
-            let row0 = i * block_rows;
-            let n_rows = wblock.len() / cols;
-            delta.resize(n_rows * cols, 0f32);
-            product_rows(f, rows, cols, row0, n_rows, delta);
-            for (wv, d) in wblock.iter_mut().zip(delta.iter()) {
-                // Two roundings, as peft: delta = (B@A) * scale, then W += delta.
-                *wv += *d * scale;
-            }
+            add_update(wblock, rows, cols, i * block_rows, f, delta);
         });
     if let Some(m) = f.magnitude {
         apply_dora(w, rows, cols, f.layout, m);
+    }
+}
+
+/// Fuses the factors into some rows of a weight `[rows, cols]`: `w` holds rows
+/// `[row0, row0 + w.len() / cols)`, and becomes exactly what [`fuse`] makes of
+/// them (each element's update is the same dot product over the rank, whichever
+/// rows are computed with it). `delta` is scratch, as long as `w` once grown. A
+/// DoRA update of a transposed layout rescales columns, whose norms run over every
+/// row: the caller passes them as `column_factors` ([`dora_column_factors`]).
+pub fn fuse_rows(
+    w: &mut [f32],
+    rows: usize,
+    cols: usize,
+    row0: usize,
+    f: &Factors<'_>,
+    column_factors: Option<&[f32]>,
+    delta: &mut Vec<f32>,
+) {
+    if cols == 0 || w.is_empty() {
+        return;
+    }
+    add_update(w, rows, cols, row0, f, delta);
+    match (f.magnitude, f.layout.transposed()) {
+        (Some(m), false) => {
+            let n = w.len() / cols;
+            dora_rows(w, cols, &m[row0.min(m.len())..(row0 + n).min(m.len())]);
+        }
+        (Some(_), true) => {
+            if let Some(factors) = column_factors {
+                scale_columns(w, cols, factors);
+            }
+        }
+        (None, _) => {}
+    }
+}
+
+/// `w += scale * update` for rows `[row0, row0 + w.len() / cols)`.
+fn add_update(
+    w: &mut [f32],
+    rows: usize,
+    cols: usize,
+    row0: usize,
+    f: &Factors<'_>,
+    delta: &mut Vec<f32>,
+) {
+    debug_assert_eq!(
+        f.a.len(),
+        f.rank * if f.layout.transposed() { rows } else { cols }
+    );
+    debug_assert_eq!(
+        f.b.len(),
+        f.rank * if f.layout.transposed() { cols } else { rows }
+    );
+    // torch multiplies a float32 tensor by a Python float in float32.
+    let scale = f.scale as f32;
+    let n_rows = w.len() / cols;
+    delta.resize(n_rows * cols, 0f32);
+    product_rows(f, rows, cols, row0, n_rows, delta);
+    for (wv, d) in w.iter_mut().zip(delta.iter()) {
+        // Two roundings, as peft: delta = (B@A) * scale, then W += delta.
+        *wv += *d * scale;
     }
 }
 
@@ -188,28 +231,51 @@ fn apply_dora(w: &mut [f32], rows: usize, cols: usize, layout: Layout, m: &[f32]
     if layout.transposed() {
         // Output channels are columns.
         let mut sums = vec![0f64; cols];
-        for row in w.chunks_exact(cols) {
-            for (s, &v) in sums.iter_mut().zip(row) {
-                *s += (v as f64) * (v as f64);
-            }
-        }
-        let factors: Vec<f32> = sums
-            .iter()
-            .zip(m)
-            .map(|(&s, &mag)| mag / (s.sqrt() as f32))
-            .collect();
-        for row in w.chunks_exact_mut(cols) {
-            for (v, &f) in row.iter_mut().zip(&factors) {
-                *v *= f;
-            }
-        }
+        dora_column_sums(&mut sums, w);
+        scale_columns(w, cols, &dora_column_factors(&sums, m));
     } else {
-        for (row, &mag) in w.chunks_exact_mut(cols).zip(m).take(rows) {
-            let s: f64 = row.iter().map(|&v| (v as f64) * (v as f64)).sum();
-            let factor = mag / (s.sqrt() as f32);
-            for v in row {
-                *v *= factor;
-            }
+        dora_rows(&mut w[..rows * cols], cols, m);
+    }
+}
+
+/// Adds the squares of `w`'s rows (fused values, `sums.len()` columns) to `sums`, a
+/// row at a time in order: the column norms of a transposed DoRA update, summed the
+/// same way whether the rows come at once or a block at a time.
+pub fn dora_column_sums(sums: &mut [f64], w: &[f32]) {
+    if sums.is_empty() {
+        return;
+    }
+    for row in w.chunks_exact(sums.len()) {
+        for (s, &v) in sums.iter_mut().zip(row) {
+            *s += (v as f64) * (v as f64);
+        }
+    }
+}
+
+/// `m / ||column||` from the column sums of [`dora_column_sums`].
+pub fn dora_column_factors(sums: &[f64], m: &[f32]) -> Vec<f32> {
+    sums.iter()
+        .zip(m)
+        .map(|(&s, &mag)| mag / (s.sqrt() as f32))
+        .collect()
+}
+
+fn scale_columns(w: &mut [f32], cols: usize, factors: &[f32]) {
+    for row in w.chunks_exact_mut(cols) {
+        for (v, &f) in row.iter_mut().zip(factors) {
+            *v *= f;
+        }
+    }
+}
+
+/// Each row of `w` rescaled to its magnitude in `m` (a linear layout's output
+/// channels are rows).
+fn dora_rows(w: &mut [f32], cols: usize, m: &[f32]) {
+    for (row, &mag) in w.chunks_exact_mut(cols).zip(m) {
+        let s: f64 = row.iter().map(|&v| (v as f64) * (v as f64)).sum();
+        let factor = mag / (s.sqrt() as f32);
+        for v in row {
+            *v *= factor;
         }
     }
 }
