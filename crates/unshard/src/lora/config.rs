@@ -19,7 +19,7 @@ use std::path::{Path, PathBuf};
 use regex::Regex;
 use serde_json::{Map, Value};
 
-use super::adapter_error;
+use super::{adapter_error, remedy_error, AdapterRemedy};
 use crate::Result;
 
 /// The file name peft writes.
@@ -130,10 +130,10 @@ impl AdapterConfig {
     /// Reads and checks `path` (an `adapter_config.json`).
     pub fn read(path: &Path) -> Result<AdapterConfig> {
         let text = std::fs::read_to_string(path).map_err(|e| {
-            adapter_error(
+            remedy_error(
                 path,
                 format!("cannot read the adapter config ({e})"),
-                "pass the adapter_config.json peft wrote for this adapter with --adapter-config",
+                AdapterRemedy::ConfigUnreadable,
             )
         })?;
         let value: Value = serde_json::from_str(&text).map_err(|e| {

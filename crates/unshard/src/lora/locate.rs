@@ -9,8 +9,8 @@
 
 use std::path::{Path, PathBuf};
 
-use super::adapter_error;
 use super::config::CONFIG_FILE;
+use super::{adapter_error, remedy_error, AdapterOption, AdapterRemedy};
 use crate::Result;
 
 /// The weight files peft writes, in the order it prefers them.
@@ -94,10 +94,10 @@ pub fn select_in_dir(dir: &Path, wanted: Option<&str>) -> Result<DirAdapter> {
     };
     match wanted {
         Some(w) => all.iter().find(|a| a.name == w).cloned().ok_or_else(|| {
-            adapter_error(
+            remedy_error(
                 dir,
                 format!("no adapter named '{w}' (adapters here: {})", names()),
-                "pass one of those names with --adapter",
+                AdapterRemedy::PickListed,
             )
         }),
         None => match all.as_slice() {
@@ -107,10 +107,10 @@ pub fn select_in_dir(dir: &Path, wanted: Option<&str>) -> Result<DirAdapter> {
                 format!("no adapter here: {CONFIG_FILE} with adapter_model.safetensors or adapter_model.bin"),
                 "pass the directory peft's save_pretrained wrote",
             )),
-            _ => Err(adapter_error(
+            _ => Err(remedy_error(
                 dir,
                 format!("holds several adapters: {}", names()),
-                "choose one with --adapter NAME",
+                AdapterRemedy::NameOne,
             )),
         },
     }
@@ -132,10 +132,10 @@ pub fn config_for_checkpoint(
         if file.is_file() {
             return Ok(file);
         }
-        return Err(adapter_error(
+        return Err(remedy_error(
             p,
-            format!("--adapter-config: no {CONFIG_FILE} here"),
-            "pass the adapter_config.json the adapter was trained with (or its directory)",
+            format!("{}: no {CONFIG_FILE} here", AdapterOption::Config.words()),
+            AdapterRemedy::ConfigAbsent,
         ));
     }
     let beside = if checkpoint.is_dir() {
@@ -163,12 +163,12 @@ pub fn config_for_checkpoint(
         }
         looked.push(dir.display().to_string());
     }
-    Err(adapter_error(
+    Err(remedy_error(
         checkpoint,
         format!(
             "holds LoRA weights but no {CONFIG_FILE} was found (looked in: {}); the scale lora_alpha / r is not in the weights",
             looked.join(", ")
         ),
-        "pass the adapter config the run used with --adapter-config PATH (never guess lora_alpha)",
+        AdapterRemedy::ConfigNotFound,
     ))
 }
