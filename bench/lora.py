@@ -33,6 +33,7 @@ def main():
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--work", default="/tmp/unshard-lora-bench")
     ap.add_argument("--peft", action="store_true")
+    ap.add_argument("--peft-out", help="where peft writes (default: under --work)")
     ap.add_argument("--python", default=sys.executable)
     ap.add_argument("--json")
     ap.add_argument("--note", default="")
@@ -56,11 +57,14 @@ def main():
                   flush=True)
     shutil.rmtree(out, ignore_errors=True)
     if a.peft:
-        cmd = [a.python, os.path.join(os.path.dirname(__file__), "peft_merge.py"), base, adapter, out]
+        peft_out = a.peft_out or out
+        cmd = [a.python, os.path.join(os.path.dirname(__file__), "peft_merge.py"), base, adapter,
+               peft_out]
         wall, rss, flush, _ = measure(cmd)
-        runs["peft"] = [{"wall_s": round(wall, 3), "sync_s": round(flush, 3), "peak_rss": rss}]
+        runs["peft"] = [{"wall_s": round(wall, 3), "sync_s": round(flush, 3), "peak_rss": rss,
+                         "output": peft_out}]
         print("peft: %.2f s (+%.2f s sync), %.0f MB" % (wall, flush, rss / 1e6), flush=True)
-        shutil.rmtree(out, ignore_errors=True)
+        shutil.rmtree(peft_out, ignore_errors=True)
     med = {k: {"wall_s": statistics.median(r["wall_s"] for r in v),
                "peak_rss": statistics.median(r["peak_rss"] for r in v)} for k, v in runs.items()}
     ratio = med["lora"]["wall_s"] / med["plain"]["wall_s"]
