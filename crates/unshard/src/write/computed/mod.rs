@@ -16,15 +16,17 @@
 //!
 //! So computed tensors are evaluated in parallel, block by block, on the engine's
 //! workers, overlapping with the copies, and no tensor is ever held whole. Memory
-//! per worker: a batch of at most [`BATCH_ELEMS`] float32 values (or one row, if a
-//! row is longer) for each level of the expression being evaluated (a fuse: the
-//! rows and their update), plus a fuse's factors A and B (and DoRA's magnitude)
-//! whole in float32, which are rank-sized. With the default 8 MiB blocks and up to
-//! 16 workers, that is 16 × (2 × 4 MiB + the factors) at most, whatever the model.
+//! per worker: a batch of at most [`BATCH_ELEMS`] float32 values (256 KiB; one row,
+//! if a row is longer) for each level of the expression being evaluated, one tile
+//! of a fuse's update (256 KiB), and the factors A and B (and DoRA's magnitude) of
+//! the fuse it evaluated last, whole in float32 (rank-sized); the buffers are kept
+//! for reuse (`buffers`, at most 8 per worker). With up to 16 workers that is a few
+//! MiB each plus the factors, whatever the model: the TinyLlama-1.1B fuse of the
+//! README peaks at 61 MB of RSS, against 43 MB for a plain merge.
 //!
-//! A tensor that spans several blocks reads its factors once per block (small), and
-//! rows cut by a block's edge are computed by both blocks; the cost is a few rows
-//! per block.
+//! The factors are read once per worker and tensor (a thread keeps the last
+//! fuse's), and rows cut by a block's edge are computed by both blocks; the cost is
+//! a few rows per block.
 
 use std::cell::RefCell;
 use std::collections::HashMap;
