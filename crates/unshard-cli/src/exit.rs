@@ -88,7 +88,11 @@ fn is_broken_pipe(e: &anyhow::Error) -> bool {
 /// Prints `error: ...`, each cause, and a hint when there is one.
 pub fn print_error(e: &anyhow::Error) {
     let mut err = std::io::stderr().lock();
-    let _ = writeln!(err, "error: {}", escape_lines(&e.to_string()));
+    let msg = e
+        .downcast_ref::<Error>()
+        .and_then(crate::hints::message_for_flags)
+        .unwrap_or_else(|| e.to_string());
+    let _ = writeln!(err, "error: {}", escape_lines(&msg));
     for cause in e.chain().skip(1).take(8) {
         let _ = writeln!(err, "  caused by: {}", escape_lines(&cause.to_string()));
     }

@@ -2,6 +2,7 @@
 //! command line's speak of its flags. This maps the typed errors whose remedy is a
 //! flag to the flag's words; any other error keeps the library's hint.
 
+use unshard::lora::{AdapterOption, AdapterRemedy};
 use unshard::Error;
 
 /// The hint for `e` in terms of this command's flags, when it has one.
@@ -40,6 +41,51 @@ pub fn for_flags(e: &Error) -> Option<String> {
         ),
         Error::Io { source, .. } if source.raw_os_error() == Some(libc::ENOSPC) => {
             "the disk is full; free space or choose another --output".into()
+        }
+        Error::Adapter { remedy, .. } => adapter_hint(*remedy)?.into(),
+        _ => return None,
+    })
+}
+
+/// The message of `e` in terms of this command's flags, when the library's names
+/// one of its options.
+pub fn message_for_flags(e: &Error) -> Option<String> {
+    match e {
+        Error::Adapter { msg, remedy } => remedy
+            .option_in_message()
+            .map(|o| msg.replacen(o.words(), adapter_flag(o), 1)),
+        _ => None,
+    }
+}
+
+fn adapter_flag(o: AdapterOption) -> &'static str {
+    match o {
+        AdapterOption::Name => "--adapter",
+        AdapterOption::Config => "--adapter-config",
+        AdapterOption::NoFuse => "--no-fuse",
+    }
+}
+
+fn adapter_hint(remedy: AdapterRemedy) -> Option<&'static str> {
+    Some(match remedy {
+        AdapterRemedy::PickListed => "pass one of those names with --adapter",
+        AdapterRemedy::NameOne => "choose one with --adapter NAME",
+        AdapterRemedy::ConfigUnreadable => {
+            "pass the adapter_config.json peft wrote for this adapter with --adapter-config"
+        }
+        AdapterRemedy::ConfigAbsent => {
+            "pass the adapter_config.json the adapter was trained with (or its directory)"
+        }
+        AdapterRemedy::ConfigNotFound => {
+            "pass the adapter config the run used with --adapter-config PATH (never guess lora_alpha)"
+        }
+        AdapterRemedy::CheckBase => "check that --base is the model the adapter was trained on",
+        AdapterRemedy::NoBase => "pass the model the adapter was trained on with --base DIR",
+        AdapterRemedy::BaseLacksWeight => {
+            "pass the base model the adapter was trained on with --base"
+        }
+        AdapterRemedy::NotAnAdapter(_) => {
+            "pass a peft adapter directory or a checkpoint of a peft-wrapped model, or drop the flag"
         }
         _ => return None,
     })

@@ -257,6 +257,83 @@ fn errors_name_the_field_the_adapter_or_the_missing_config() {
     assert!(String::from_utf8_lossy(&r.stderr).contains("--no-fuse applies to LoRA adapters"));
 }
 
+/// The library's hints name its options; the command line shows its flags, in the
+/// message as in the hint.
+#[test]
+fn adapter_errors_show_the_flags_to_pass() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("out");
+    let o = out.to_str().unwrap();
+    let two = fx("lora/adapters/llama_two_adapters");
+    let base = fx("models/llama-bf16");
+    let (policy, lora) = (fx("ckpt/llama_policy.pt"), fx("lora/adapters/llama_lora"));
+    let trained = fx("lora/train/llama_lora_pt/policy.pt");
+    let cases: [(Vec<&str>, &[&str]); 5] = [
+        (
+            vec!["merge", &two, "--base", &base, "--output", o],
+            &["hint: choose one with --adapter NAME"],
+        ),
+        (
+            vec![
+                "merge",
+                &two,
+                "--base",
+                &base,
+                "--adapter",
+                "third",
+                "--output",
+                o,
+            ],
+            &["hint: pass one of those names with --adapter"],
+        ),
+        (
+            vec![
+                "merge",
+                &trained,
+                "--base",
+                &base,
+                "--adapter-config",
+                &base,
+                "--output",
+                o,
+            ],
+            &[
+                "--adapter-config: no adapter_config.json here",
+                "hint: pass the adapter_config.json",
+            ],
+        ),
+        (
+            vec![
+                "merge",
+                &policy,
+                "--base",
+                &base,
+                "--no-fuse",
+                "--output",
+                o,
+            ],
+            &[
+                "error: ",
+                "--no-fuse applies to LoRA adapters",
+                "or drop the flag",
+            ],
+        ),
+        (vec!["merge", &lora, "--output", o], &["--base"]),
+    ];
+    for (args, says) in cases {
+        let r = unshard(&args);
+        let stderr = String::from_utf8_lossy(&r.stderr);
+        assert!(!r.status.success(), "{args:?}");
+        for s in says {
+            assert!(stderr.contains(s), "{args:?}: {s:?} not in {stderr}");
+        }
+        assert!(
+            !stderr.contains('`'),
+            "{args:?}: a library option name in {stderr}"
+        );
+    }
+}
+
 /// verl's merger writes `lora_alpha: 0`: fusing with that config gives the base
 /// again, and unshard says so loudly.
 #[test]

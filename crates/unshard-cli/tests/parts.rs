@@ -30,6 +30,10 @@ fn finish(c: Child) -> Output {
 fn same_dirs(a: &Path, b: &Path) {
     assert_eq!(names(a), names(b));
     for n in names(a) {
+        if a.join(&n).is_dir() {
+            same_dirs(&a.join(&n), &b.join(&n));
+            continue;
+        }
         let (x, y) = (
             std::fs::read(a.join(&n)).unwrap(),
             std::fs::read(b.join(&n)).unwrap(),
@@ -91,6 +95,33 @@ fn two_three_and_seven_parts_with_more_shards_than_parts_equal_one_process() {
             "the fixture must have more shards than parts: {shards}"
         );
     }
+}
+
+/// A LoRA adapter (DoRA, whose fuse rescales each row) and a training checkpoint
+/// of a peft-wrapped model: every part plans the same fuses and the owner of a
+/// shard computes its weights, so 2 and 3 parts write what one process writes;
+/// with `--no-fuse`, the adapter directory too.
+#[test]
+fn lora_adapters_split_into_parts_equal_one_process() {
+    let fx = fixtures();
+    let lora = |adapter: &str, more: &[&str]| {
+        let mut args: Vec<String> = vec![
+            fx.join(adapter).to_str().unwrap().into(),
+            "--base".into(),
+            fx.join("models/llama-bf16").to_str().unwrap().into(),
+            "--max-shard-size".into(),
+            "40KB".into(),
+        ];
+        args.extend(more.iter().map(|s| s.to_string()));
+        args
+    };
+    for n in [2, 3] {
+        let shards = split_equals_single(&lora("lora/adapters/llama_dora", &[]), n);
+        assert!(shards > n, "more shards than parts: {shards}");
+        split_equals_single(&lora("lora/train/llama_lora_pt/policy.pt", &[]), n);
+    }
+    let args = lora("lora/adapters/llama_lora", &["--no-fuse"]);
+    split_equals_single(&args, 2);
 }
 
 #[test]

@@ -135,6 +135,16 @@ pub enum Error {
         candidates: Vec<String>,
     },
 
+    /// A LoRA adapter cannot be fused as the options stand; `remedy` says which
+    /// option to change (its hint names the library's options).
+    #[error("{msg}")]
+    Adapter {
+        /// What is wrong, naming the file or the weight.
+        msg: String,
+        /// What to change.
+        remedy: crate::lora::AdapterRemedy,
+    },
+
     /// The merge plan is invalid: the checkpoint does not fit the base.
     #[error("{msg}")]
     Plan {
@@ -341,6 +351,7 @@ impl Error {
             | Error::Check { hint, .. }
             | Error::Output { hint, .. } => hint.clone(),
             Error::WrongInput { hint, .. } => Some(hint.clone()),
+            Error::Adapter { remedy, .. } => Some(remedy.hint().into()),
             Error::KeyNotFound { available, .. } if !available.is_empty() => Some(format!(
                 "keys at that level: {}",
                 list_some(available, 12)

@@ -180,6 +180,22 @@ fn error_cases_name_what_is_wrong() {
     }
 }
 
+/// The library's errors about adapters speak of its options, never of flags.
+#[test]
+fn adapter_error_hints_name_library_options() {
+    let all = cases();
+    let mut with_options = 0;
+    for case in all["error_cases"].as_array().unwrap() {
+        let base_dir = fixtures().join(case["base"].as_str().unwrap());
+        let err = open_adapter(case, &base_dir).unwrap_err();
+        let text = format!("{err} {}", err.hint().unwrap_or_default());
+        assert!(!text.contains("--"), "{}: {text}", case["name"]);
+        with_options +=
+            usize::from(text.contains("`config` option") || text.contains("`name` option"));
+    }
+    assert!(with_options >= 2, "{with_options}");
+}
+
 /// `--no-fuse` from a training checkpoint writes what peft's own `save_pretrained`
 /// wrote for the same adapter: the same names, the same bytes, the same config.
 #[test]

@@ -1,4 +1,5 @@
-//! The hot loops: float32 to bfloat16/float16 and the NaN/inf scan of a copy.
+//! The hot loops: float32 to bfloat16/float16, back (the widening that computed
+//! tensors read their inputs with), and the NaN/inf scan of a copy.
 //!
 //! Each has one portable body that the compiler vectorises: a block of [`LANES`]
 //! elements is converted with plain integer arithmetic while an OR-reduction notes
@@ -127,6 +128,72 @@ macro_rules! variants {
 
 variants!(f32_to_bf16_variants, f32_to_bf16_body);
 variants!(f32_to_f16_variants, f32_to_f16_body);
+variants!(bf16_to_f32_variants, bf16_to_f32_body);
+
+/// bf16 -> f32: exact (the bits moved up a half-word, NaN payloads kept), with the
+/// input's NaN/inf counts: blocks of [`LANES`] are widened while an OR-reduction
+/// notes an all-ones exponent, and only such a block is counted element by element.
+#[inline(always)]
+fn bf16_to_f32_body(src: &[u8], dst: &mut [u8]) -> ConvertStats {
+    let mut stats = ConvertStats::default();
+    let mut src_blocks = src.chunks_exact(2 * LANES);
+    let mut dst_blocks = dst.chunks_exact_mut(4 * LANES);
+    for (s, d) in (&mut src_blocks).zip(&mut dst_blocks) {
+        // Fixed-size views: no bounds checks, so the three loops vectorise.
+        let (Ok(s), Ok(d)) = (
+            <&[u8; 2 * LANES]>::try_from(s),
+            <&mut [u8; 4 * LANES]>::try_from(d),
+        ) else {
+            continue;
+        };
+        let mut u = [0u16; LANES];
+        for i in 0..LANES {
+            u[i] = u16::from_le_bytes([s[2 * i], s[2 * i + 1]]);
+        }
+        let mut care = false;
+        for x in u {
+            care |= (x & 0x7f80) == 0x7f80;
+        }
+        for i in 0..LANES {
+            d[4 * i..4 * i + 4].copy_from_slice(&((u[i] as u32) << 16).to_le_bytes());
+        }
+        if care {
+            stats.add(scan_16(s, 0x7f80));
+        }
+    }
+    let (s, d) = (src_blocks.remainder(), dst_blocks.into_remainder());
+    for (s, d) in s.chunks_exact(2).zip(d.chunks_exact_mut(4)) {
+        d.copy_from_slice(&[0, 0, s[0], s[1]]);
+    }
+    stats.add(scan_16(s, 0x7f80));
+    stats
+}
+
+pub fn bf16_to_f32(src: &[u8], dst: &mut [u8]) -> ConvertStats {
+    static BEST: std::sync::OnceLock<Kernel> = std::sync::OnceLock::new();
+    BEST.get_or_init(|| bf16_to_f32_variants()[0].1)(src, dst)
+}
+
+/// f16 -> f32 through `half`'s slice conversion (F16C where the CPU has it, the
+/// same instructions `half`'s scalar conversion picks, so the bits are the scalar
+/// path's), a stack buffer at a time; with the input's NaN/inf counts.
+pub fn f16_to_f32(src: &[u8], dst: &mut [u8]) -> ConvertStats {
+    use half::slice::HalfFloatSliceExt;
+    const N: usize = 256;
+    let mut h = [half::f16::ZERO; N];
+    let mut f = [0f32; N];
+    for (s, d) in src.chunks(2 * N).zip(dst.chunks_mut(4 * N)) {
+        let n = s.len() / 2;
+        for (x, c) in h[..n].iter_mut().zip(s.chunks_exact(2)) {
+            *x = half::f16::from_bits(u16::from_le_bytes([c[0], c[1]]));
+        }
+        h[..n].convert_to_f32_slice(&mut f[..n]);
+        for (v, c) in f[..n].iter().zip(d.chunks_exact_mut(4)) {
+            c.copy_from_slice(&v.to_le_bytes());
+        }
+    }
+    scan_16(src, 0x7c00)
+}
 
 pub fn f32_to_bf16(src: &[u8], dst: &mut [u8]) -> ConvertStats {
     static BEST: std::sync::OnceLock<Kernel> = std::sync::OnceLock::new();

@@ -291,6 +291,8 @@ pub fn convert(src: &[u8], from: DType, dst: &mut [u8], to: DType) -> ConvertSta
     match (from, to) {
         (DType::F32, DType::BF16) => kernels::f32_to_bf16(src, dst),
         (DType::F32, DType::F16) => kernels::f32_to_f16(src, dst),
+        (DType::BF16, DType::F32) => kernels::bf16_to_f32(src, dst),
+        (DType::F16, DType::F32) => kernels::f16_to_f32(src, dst),
         (_, DType::F64) => {
             let mut stats = ConvertStats::default();
             for i in 0..n {

@@ -284,3 +284,49 @@ fn float8_decodes() {
     assert_eq!(f8e5m2_to_f32(0x3c), 1.0);
     assert_eq!(f8e5m2_to_f32(0x7b), 57344.0);
 }
+
+/// Widening bf16/f16 to f32 (how computed tensors read their inputs): every
+/// variant gives the scalar path's bits, NaN payloads included, and its counts.
+#[test]
+fn widening_kernels_are_bit_identical_to_the_scalar_path() {
+    for (round, n) in [0usize, 1, 15, 16, 17, 255, 256, 257, 1000, 65_537]
+        .into_iter()
+        .enumerate()
+    {
+        // Every 16-bit pattern class: random halves of tricky f32s, plus all NaN/inf edges.
+        let mut src: Vec<u8> = tricky_f32s(n, 0x85eb_ca6b ^ round as u32)
+            .chunks_exact(4)
+            .flat_map(|c| [c[2], c[3]])
+            .collect();
+        for (i, e) in [
+            0x7f80u16, 0xff80, 0x7fc1, 0x7c00, 0xfc00, 0x7c01, 0x0001, 0x8000,
+        ]
+        .iter()
+        .enumerate()
+        {
+            if 2 * i + 1 < src.len() {
+                src[2 * i..2 * i + 2].copy_from_slice(&e.to_le_bytes());
+            }
+        }
+        for from in [DType::BF16, DType::F16] {
+            let mut want = vec![0u8; 2 * src.len()];
+            let mut want_stats = ConvertStats::default();
+            for i in 0..n {
+                let v = load_f32(&src, from, i);
+                count(&mut want_stats, v.is_nan(), v.is_infinite(), false);
+                want[4 * i..4 * i + 4].copy_from_slice(&v.to_bits().to_le_bytes());
+            }
+            let mut got = vec![0u8; 2 * src.len()];
+            let stats = convert(&src, from, &mut got, DType::F32);
+            assert_eq!(got, want, "{from} -> F32, {n} elements");
+            assert_eq!(stats, want_stats, "{from} -> F32 counts, {n} elements");
+            if from == DType::BF16 {
+                for (name, kernel) in kernels::bf16_to_f32_variants() {
+                    let mut got = vec![0u8; 2 * src.len()];
+                    assert_eq!(kernel(&src, &mut got), want_stats, "{name}");
+                    assert_eq!(got, want, "{name} kernel, {n} elements");
+                }
+            }
+        }
+    }
+}

@@ -19,8 +19,8 @@ use std::path::{Path, PathBuf};
 use regex::Regex;
 use serde_json::{Map, Value};
 
-use super::adapter_error;
-use crate::Result;
+use super::{adapter_error, remedy_error, AdapterRemedy};
+use crate::{Error, Result};
 
 /// The file name peft writes.
 pub const CONFIG_FILE: &str = "adapter_config.json";
@@ -129,11 +129,17 @@ const UNSUPPORTED: &[(&str, &str)] = &[
 impl AdapterConfig {
     /// Reads and checks `path` (an `adapter_config.json`).
     pub fn read(path: &Path) -> Result<AdapterConfig> {
-        let text = std::fs::read_to_string(path).map_err(|e| {
-            adapter_error(
+        // Local or in object storage; the reason is the system's (or the store's).
+        let text = match crate::source::fs::read(path) {
+            Ok(b) => String::from_utf8(b).map_err(|e| e.to_string()),
+            Err(Error::Io { source, .. }) => Err(source.to_string()),
+            Err(e) => Err(e.to_string()),
+        };
+        let text = text.map_err(|e| {
+            remedy_error(
                 path,
                 format!("cannot read the adapter config ({e})"),
-                "pass the adapter_config.json peft wrote for this adapter with --adapter-config",
+                AdapterRemedy::ConfigUnreadable,
             )
         })?;
         let value: Value = serde_json::from_str(&text).map_err(|e| {

@@ -7,6 +7,7 @@ use super::config::AdapterConfig;
 use super::locate;
 use super::names;
 use super::resolve::{resolve, Resolved};
+use super::{AdapterOption, AdapterRemedy};
 use crate::plan::strip_wrappers;
 use crate::source::{self, Checkpoint, OpenOptions};
 use crate::Result;
@@ -59,18 +60,21 @@ pub fn open(
         let input = from_checkpoint(ckpt, base, opts)?;
         return Ok((input.checkpoint, Some(input.resolved)));
     }
-    let flag = [
-        (opts.name.is_some(), "--adapter"),
-        (opts.config.is_some(), "--adapter-config"),
-        (opts.no_fuse, "--no-fuse"),
+    let option = [
+        (opts.name.is_some(), AdapterOption::Name),
+        (opts.config.is_some(), AdapterOption::Config),
+        (opts.no_fuse, AdapterOption::NoFuse),
     ]
     .into_iter()
-    .find_map(|(set, f)| set.then_some(f));
-    if let Some(flag) = flag {
-        return Err(super::adapter_error(
+    .find_map(|(set, o)| set.then_some(o));
+    if let Some(option) = option {
+        return Err(super::remedy_error(
             path,
-            format!("{flag} applies to LoRA adapters, and this input holds none (no lora_A / lora_B tensors)"),
-            "pass a peft adapter directory or a checkpoint of a peft-wrapped model, or drop the flag",
+            format!(
+                "{} applies to LoRA adapters, and this input holds none (no lora_A / lora_B tensors)",
+                option.words()
+            ),
+            AdapterRemedy::NotAnAdapter(option),
         ));
     }
     Ok((ckpt, None))

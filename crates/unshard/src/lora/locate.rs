@@ -9,8 +9,9 @@
 
 use std::path::{Path, PathBuf};
 
-use super::adapter_error;
 use super::config::CONFIG_FILE;
+use super::{adapter_error, remedy_error, AdapterOption, AdapterRemedy};
+use crate::source::fs;
 use crate::Result;
 
 /// The weight files peft writes, in the order it prefers them.
@@ -33,18 +34,18 @@ pub struct DirAdapter {
 /// Whether `path` is a peft adapter directory (an adapter at the top, or in a
 /// subdirectory).
 pub fn is_adapter_dir(path: &Path) -> bool {
-    path.is_dir() && (adapter_at(path).is_some() || !adapters_in(path).is_empty())
+    fs::is_dir(path) && (adapter_at(path).is_some() || !adapters_in(path).is_empty())
 }
 
 fn adapter_at(dir: &Path) -> Option<(PathBuf, PathBuf)> {
     let config = dir.join(CONFIG_FILE);
-    if !config.is_file() {
+    if !fs::is_file(&config) {
         return None;
     }
     let weights = WEIGHT_FILES
         .iter()
         .map(|f| dir.join(f))
-        .find(|p| p.is_file())?;
+        .find(|p| fs::is_file(p))?;
     Some((config, weights))
 }
 
@@ -59,11 +60,12 @@ pub fn adapters_in(dir: &Path) -> Vec<DirAdapter> {
             weights,
         });
     }
-    let mut subs: Vec<PathBuf> = std::fs::read_dir(dir)
-        .map(|rd| {
-            rd.filter_map(|e| e.ok())
-                .map(|e| e.path())
-                .filter(|p| p.is_dir())
+    let mut subs: Vec<PathBuf> = fs::list(dir)
+        .map(|entries| {
+            entries
+                .into_iter()
+                .filter(|e| e.is_dir)
+                .map(|e| e.path)
                 .collect()
         })
         .unwrap_or_default();
@@ -94,10 +96,10 @@ pub fn select_in_dir(dir: &Path, wanted: Option<&str>) -> Result<DirAdapter> {
     };
     match wanted {
         Some(w) => all.iter().find(|a| a.name == w).cloned().ok_or_else(|| {
-            adapter_error(
+            remedy_error(
                 dir,
                 format!("no adapter named '{w}' (adapters here: {})", names()),
-                "pass one of those names with --adapter",
+                AdapterRemedy::PickListed,
             )
         }),
         None => match all.as_slice() {
@@ -107,10 +109,10 @@ pub fn select_in_dir(dir: &Path, wanted: Option<&str>) -> Result<DirAdapter> {
                 format!("no adapter here: {CONFIG_FILE} with adapter_model.safetensors or adapter_model.bin"),
                 "pass the directory peft's save_pretrained wrote",
             )),
-            _ => Err(adapter_error(
+            _ => Err(remedy_error(
                 dir,
                 format!("holds several adapters: {}", names()),
-                "choose one with --adapter NAME",
+                AdapterRemedy::NameOne,
             )),
         },
     }
@@ -124,21 +126,21 @@ pub fn config_for_checkpoint(
     explicit: Option<&Path>,
 ) -> Result<PathBuf> {
     if let Some(p) = explicit {
-        let file = if p.is_dir() {
+        let file = if fs::is_dir(p) {
             p.join(CONFIG_FILE)
         } else {
             p.to_path_buf()
         };
-        if file.is_file() {
+        if fs::is_file(&file) {
             return Ok(file);
         }
-        return Err(adapter_error(
+        return Err(remedy_error(
             p,
-            format!("--adapter-config: no {CONFIG_FILE} here"),
-            "pass the adapter_config.json the adapter was trained with (or its directory)",
+            format!("{}: no {CONFIG_FILE} here", AdapterOption::Config.words()),
+            AdapterRemedy::ConfigAbsent,
         ));
     }
-    let beside = if checkpoint.is_dir() {
+    let beside = if fs::is_dir(checkpoint) {
         Some(checkpoint.to_path_buf())
     } else {
         checkpoint.parent().map(Path::to_path_buf)
@@ -158,17 +160,17 @@ pub fn config_for_checkpoint(
             dir
         };
         let file = dir.join(CONFIG_FILE);
-        if file.is_file() {
+        if fs::is_file(&file) {
             return Ok(file);
         }
         looked.push(dir.display().to_string());
     }
-    Err(adapter_error(
+    Err(remedy_error(
         checkpoint,
         format!(
             "holds LoRA weights but no {CONFIG_FILE} was found (looked in: {}); the scale lora_alpha / r is not in the weights",
             looked.join(", ")
         ),
-        "pass the adapter config the run used with --adapter-config PATH (never guess lora_alpha)",
+        AdapterRemedy::ConfigNotFound,
     ))
 }

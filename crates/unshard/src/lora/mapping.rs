@@ -11,6 +11,7 @@
 use std::collections::HashSet;
 
 use super::resolve::Resolved;
+use super::AdapterRemedy;
 use crate::plan::{Candidate, Content, Expr, MapInputs, Mapping, Origin};
 use crate::{Error, Result};
 
@@ -76,26 +77,26 @@ impl Mapping for LoraFuse {
                 },
                 None => {
                     if inputs.base.is_none() {
-                        return Err(Error::plan(
-                            format!(
+                        return Err(Error::Adapter {
+                            msg: format!(
                                 "the adapter changes '{}' and {} other weight(s), and there is no base model to fuse it into",
                                 f.target,
                                 r.fuses.len() - 1
                             ),
-                            Some("pass the model the adapter was trained on with --base DIR".into()),
-                        ));
+                            remedy: AdapterRemedy::NoBase,
+                        });
                     }
                     let t = inputs
                         .base
                         .and_then(|b| b.tensors.iter().find(|t| t.name == f.target))
                         .ok_or_else(|| {
-                            Error::plan(
-                                format!(
+                            Error::Adapter {
+                                msg: format!(
                                     "the adapter changes '{}', but neither it nor the base model has that weight",
                                     f.target
                                 ),
-                                Some("pass the base model the adapter was trained on with --base".into()),
-                            )
+                                remedy: AdapterRemedy::BaseLacksWeight,
+                            }
                         })?;
                     Expr::leaf(Origin::Base, t.clone())
                 }

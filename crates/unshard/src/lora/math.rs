@@ -8,8 +8,8 @@
 //! order, so results differ from peft's only by the summation order of the matrix
 //! product (matrixmultiply's blocked kernel instead of torch's) and of the norm.
 //!
-//! Memory: the weight being fused (float32) plus, per thread, one block of the
-//! update of at most [`BLOCK_ELEMS`] elements; the adapter's A and B are small (rank r).
+//! Memory: the weight being fused (float32) plus, per thread, one tile of the
+//! update (256 KiB); the adapter's A and B are small (rank r).
 
 use rayon::prelude::*;
 
@@ -76,96 +76,165 @@ pub struct Factors<'a> {
 /// only fails the debug assertions.
 pub fn fuse(w: &mut [f32], rows: usize, cols: usize, f: &Factors<'_>) {
     debug_assert_eq!(w.len(), rows * cols);
-    let r = f.rank;
-    debug_assert_eq!(
-        f.a.len(),
-        r * if f.layout.transposed() { rows } else { cols }
-    );
-    debug_assert_eq!(
-        f.b.len(),
-        r * if f.layout.transposed() { cols } else { rows }
-    );
-    // torch multiplies a float32 tensor by a Python float in float32.
-    let scale = f.scale as f32;
     if rows == 0 || cols == 0 {
         return;
     }
     // Blocks of rows are independent: each thread computes its block of the update
-    // into its own buffer and adds it (one buffer of BLOCK_ELEMS per thread).
+    // into its own tiles and adds them (one tile buffer per thread).
     let block_rows = (BLOCK_ELEMS / cols).clamp(1, rows);
     w.par_chunks_mut(block_rows * cols)
         .enumerate()
         .for_each_init(Vec::new, |delta, (i, wblock)| {
-            let row0 = i * block_rows;
-            let n_rows = wblock.len() / cols;
-            delta.resize(n_rows * cols, 0f32);
-            product_rows(f, rows, cols, row0, n_rows, delta);
-            for (wv, d) in wblock.iter_mut().zip(delta.iter()) {
-                // Two roundings, as peft: delta = (B@A) * scale, then W += delta.
-                *wv += *d * scale;
-            }
+            add_update(wblock, rows, cols, i * block_rows, f, delta);
         });
     if let Some(m) = f.magnitude {
         apply_dora(w, rows, cols, f.layout, m);
     }
 }
 
-/// Rows `[row0, row0 + n_rows)` of the unscaled update, in the stored weight's layout.
-fn product_rows(
-    f: &Factors<'_>,
+/// Fuses the factors into some rows of a weight `[rows, cols]`: `w` holds rows
+/// `[row0, row0 + w.len() / cols)`, and becomes exactly what [`fuse`] makes of
+/// them (each element's update is the same dot product over the rank, whichever
+/// rows are computed with it). `delta` is scratch (one tile, grown once). A
+/// DoRA update of a transposed layout rescales columns, whose norms run over every
+/// row: the caller passes them as `column_factors` ([`dora_column_factors`]).
+pub fn fuse_rows(
+    w: &mut [f32],
     rows: usize,
     cols: usize,
     row0: usize,
-    n_rows: usize,
+    f: &Factors<'_>,
+    column_factors: Option<&[f32]>,
+    delta: &mut Vec<f32>,
+) {
+    if cols == 0 || w.is_empty() {
+        return;
+    }
+    add_update(w, rows, cols, row0, f, delta);
+    match (f.magnitude, f.layout.transposed()) {
+        (Some(m), false) => {
+            let n = w.len() / cols;
+            dora_rows(w, cols, &m[row0.min(m.len())..(row0 + n).min(m.len())]);
+        }
+        (Some(_), true) => {
+            if let Some(factors) = column_factors {
+                scale_columns(w, cols, factors);
+            }
+        }
+        (None, _) => {}
+    }
+}
+
+/// `w += scale * update` for rows `[row0, row0 + w.len() / cols)`.
+fn add_update(
+    w: &mut [f32],
+    rows: usize,
+    cols: usize,
+    row0: usize,
+    f: &Factors<'_>,
+    delta: &mut Vec<f32>,
+) {
+    debug_assert_eq!(
+        f.a.len(),
+        f.rank * if f.layout.transposed() { rows } else { cols }
+    );
+    debug_assert_eq!(
+        f.b.len(),
+        f.rank * if f.layout.transposed() { cols } else { rows }
+    );
+    // torch multiplies a float32 tensor by a Python float in float32.
+    let scale = f.scale as f32;
+    let n_rows = w.len() / cols;
+    // The update is computed a tile at a time and added while the tile is still in
+    // the core's cache (each element's sum over the rank is the same whatever the
+    // tile: the rank is far below the kernel's depth block).
+    let tile_cols = cols.min(TILE_COLS);
+    let tile_rows = (TILE_ELEMS / tile_cols).max(1);
+    // Grown once and reused: sgemm overwrites what it uses (beta = 0).
+    if delta.len() < tile_rows * tile_cols {
+        delta.resize(tile_rows * tile_cols, 0f32);
+    }
+    for r in (0..n_rows).step_by(tile_rows) {
+        let nr = tile_rows.min(n_rows - r);
+        for c in (0..cols).step_by(tile_cols) {
+            let nc = tile_cols.min(cols - c);
+            let tile = &mut delta[..nr * nc];
+            product_tile(f, rows, cols, (row0 + r, nr), (c, nc), tile);
+            for (i, d) in tile.chunks_exact(nc).enumerate() {
+                let at = (r + i) * cols + c;
+                for (wv, d) in w[at..at + nc].iter_mut().zip(d) {
+                    // Two roundings, as peft: delta = (B@A) * scale, then W += delta.
+                    *wv += *d * scale;
+                }
+            }
+        }
+    }
+}
+
+/// Elements of the update computed at a time (256 KiB of float32, which stays in a
+/// core's cache between the product and the add), and the widest tile.
+const TILE_ELEMS: usize = 1 << 16;
+const TILE_COLS: usize = 2048;
+
+/// A tile of the unscaled update, in the stored weight's layout: rows
+/// `[row0, row0 + n_rows)` by columns `[col0, col0 + n_cols)`, into `out` (row-major,
+/// `n_cols` wide).
+fn product_tile(
+    f: &Factors<'_>,
+    rows: usize,
+    cols: usize,
+    (row0, n_rows): (usize, usize),
+    (col0, n_cols): (usize, usize),
     out: &mut [f32],
 ) {
     let r = f.rank;
+    if r == 0 || n_rows == 0 || n_cols == 0 {
+        out.fill(0.0);
+        return;
+    }
     // out[i][j] = sum_k lhs[i][k] * rhs[k][j], with strides in elements.
     let (lhs, rsa, csa, rhs, rsb, csb) = if f.layout.transposed() {
-        // out = A^T[row0.., :] @ B^T: lhs(i, k) = A[k][row0 + i], rhs(k, j) = B[j][k].
+        // out = A^T[row0.., :] @ B^T[:, col0..]: lhs(i, k) = A[k][row0 + i],
+        // rhs(k, j) = B[col0 + j][k].
         (
             &f.a[row0.min(f.a.len())..],
             1isize,
             rows as isize,
-            f.b,
+            &f.b[(col0 * r).min(f.b.len())..],
             1isize,
             r as isize,
         )
     } else {
-        // out = B[row0.., :] @ A: lhs(i, k) = B[row0 + i][k], rhs(k, j) = A[k][j].
+        // out = B[row0.., :] @ A[:, col0..]: lhs(i, k) = B[row0 + i][k],
+        // rhs(k, j) = A[k][col0 + j].
         (
             &f.b[(row0 * r).min(f.b.len())..],
             r as isize,
             1isize,
-            f.a,
+            &f.a[col0.min(f.a.len())..],
             cols as isize,
             1isize,
         )
     };
-    debug_assert!(out.len() >= n_rows * cols);
-    if r == 0 {
-        out.fill(0.0);
-        return;
-    }
     // Bounds the last element each operand is read at, so the unsafe call below
     // stays inside the slices whatever the caller passed.
     let lhs_last = (n_rows - 1) as isize * rsa + (r - 1) as isize * csa;
-    let rhs_last = (r - 1) as isize * rsb + (cols - 1) as isize * csb;
+    let rhs_last = (r - 1) as isize * rsb + (n_cols - 1) as isize * csb;
     assert!(
         (lhs_last as usize) < lhs.len()
             && (rhs_last as usize) < rhs.len()
-            && out.len() >= n_rows * cols,
+            && out.len() >= n_rows * n_cols,
         "lora factors do not fit the weight"
     );
     // SAFETY: the assert above proves every element sgemm reads (lhs at
-    // i*rsa + k*csa, rhs at k*rsb + j*csb for i < n_rows, k < r, j < cols) and
-    // writes (out at i*cols + j) lies inside its slice; the slices do not overlap
+    // i*rsa + k*csa, rhs at k*rsb + j*csb for i < n_rows, k < r, j < n_cols) and
+    // writes (out at i*n_cols + j) lies inside its slice; the slices do not overlap
     // (out is a separate buffer), and beta = 0 means out is not read.
     unsafe {
         matrixmultiply::sgemm(
             n_rows,
             r,
-            cols,
+            n_cols,
             1.0,
             lhs.as_ptr(),
             rsa,
@@ -175,7 +244,7 @@ fn product_rows(
             csb,
             0.0,
             out.as_mut_ptr(),
-            cols as isize,
+            n_cols as isize,
             1,
         );
     }
@@ -188,28 +257,51 @@ fn apply_dora(w: &mut [f32], rows: usize, cols: usize, layout: Layout, m: &[f32]
     if layout.transposed() {
         // Output channels are columns.
         let mut sums = vec![0f64; cols];
-        for row in w.chunks_exact(cols) {
-            for (s, &v) in sums.iter_mut().zip(row) {
-                *s += (v as f64) * (v as f64);
-            }
-        }
-        let factors: Vec<f32> = sums
-            .iter()
-            .zip(m)
-            .map(|(&s, &mag)| mag / (s.sqrt() as f32))
-            .collect();
-        for row in w.chunks_exact_mut(cols) {
-            for (v, &f) in row.iter_mut().zip(&factors) {
-                *v *= f;
-            }
-        }
+        dora_column_sums(&mut sums, w);
+        scale_columns(w, cols, &dora_column_factors(&sums, m));
     } else {
-        for (row, &mag) in w.chunks_exact_mut(cols).zip(m).take(rows) {
-            let s: f64 = row.iter().map(|&v| (v as f64) * (v as f64)).sum();
-            let factor = mag / (s.sqrt() as f32);
-            for v in row {
-                *v *= factor;
-            }
+        dora_rows(&mut w[..rows * cols], cols, m);
+    }
+}
+
+/// Adds the squares of `w`'s rows (fused values, `sums.len()` columns) to `sums`, a
+/// row at a time in order: the column norms of a transposed DoRA update, summed the
+/// same way whether the rows come at once or a block at a time.
+pub fn dora_column_sums(sums: &mut [f64], w: &[f32]) {
+    if sums.is_empty() {
+        return;
+    }
+    for row in w.chunks_exact(sums.len()) {
+        for (s, &v) in sums.iter_mut().zip(row) {
+            *s += (v as f64) * (v as f64);
+        }
+    }
+}
+
+/// `m / ||column||` from the column sums of [`dora_column_sums`].
+pub fn dora_column_factors(sums: &[f64], m: &[f32]) -> Vec<f32> {
+    sums.iter()
+        .zip(m)
+        .map(|(&s, &mag)| mag / (s.sqrt() as f32))
+        .collect()
+}
+
+fn scale_columns(w: &mut [f32], cols: usize, factors: &[f32]) {
+    for row in w.chunks_exact_mut(cols) {
+        for (v, &f) in row.iter_mut().zip(factors) {
+            *v *= f;
+        }
+    }
+}
+
+/// Each row of `w` rescaled to its magnitude in `m` (a linear layout's output
+/// channels are rows).
+fn dora_rows(w: &mut [f32], cols: usize, m: &[f32]) {
+    for (row, &mag) in w.chunks_exact_mut(cols).zip(m) {
+        let s: f64 = row.iter().map(|&v| (v as f64) * (v as f64)).sum();
+        let factor = mag / (s.sqrt() as f32);
+        for v in row {
+            *v *= factor;
         }
     }
 }
@@ -261,6 +353,46 @@ mod tests {
             },
         );
         assert_eq!(w, [0.6, 0.8, 0.0, 10.0]);
+    }
+
+    /// Tiles of rows and columns, edges included, put every element of the update
+    /// at its place: small integers make every product and sum exact, so the tiled
+    /// fuse must equal a plain triple loop in any layout.
+    #[test]
+    fn tiles_cover_every_row_and_column() {
+        let (rows, cols, r) = (150usize, 2 * TILE_COLS + 77, 3usize);
+        let int = |i: usize, m: usize| ((i * 7919 + m) % 9) as f32 - 4.0;
+        for layout in [Layout::Linear, Layout::FanInFanOut, Layout::Embedding] {
+            let (sa, sb) = layout.factor_shapes(rows as u64, cols as u64, r as u64);
+            let a: Vec<f32> = (0..(sa[0] * sa[1]) as usize).map(|i| int(i, 1)).collect();
+            let b: Vec<f32> = (0..(sb[0] * sb[1]) as usize).map(|i| int(i, 2)).collect();
+            let w0: Vec<f32> = (0..rows * cols).map(|i| int(i, 3)).collect();
+            let mut w = w0.clone();
+            let f = Factors {
+                layout,
+                a: &a,
+                b: &b,
+                rank: r,
+                scale: 0.5,
+                magnitude: None,
+            };
+            fuse(&mut w, rows, cols, &f);
+            for i in 0..rows {
+                for j in 0..cols {
+                    let d: f32 = (0..r)
+                        .map(|k| match layout {
+                            Layout::Linear => b[i * r + k] * a[k * cols + j],
+                            _ => a[k * rows + i] * b[j * r + k],
+                        })
+                        .sum();
+                    assert_eq!(
+                        w[i * cols + j],
+                        w0[i * cols + j] + d * 0.5,
+                        "{layout:?} [{i}][{j}]"
+                    );
+                }
+            }
+        }
     }
 
     #[test]

@@ -11,10 +11,10 @@
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::path::Path;
 
-use super::adapter_error;
 use super::config::AdapterConfig;
 use super::math::Layout;
 use super::names::{self, Adapted, PeftName};
+use super::{adapter_error, remedy_error, AdapterRemedy};
 use crate::plan::strip_wrappers;
 use crate::source::{Checkpoint, TensorSource};
 use crate::Result;
@@ -49,14 +49,12 @@ impl Fuse {
     /// sees shapes only, so a weight that fits one orientation alone takes it, and
     /// a square one follows the config.
     pub fn layout_for(&self, shape: &[u64]) -> Result<Layout> {
-        let bad = |why: String| {
-            crate::Error::plan(
-                format!(
-                    "adapter weights of '{}' do not fit '{}' {shape:?}: {why}",
-                    self.module, self.target
-                ),
-                Some("check that --base is the model the adapter was trained on".into()),
-            )
+        let bad = |why: String| crate::Error::Adapter {
+            msg: format!(
+                "adapter weights of '{}' do not fit '{}' {shape:?}: {why}",
+                self.module, self.target
+            ),
+            remedy: AdapterRemedy::CheckBase,
         };
         let [rows, cols] = shape else {
             return Err(bad("LoRA can only be fused into a 2-D weight".into()));
@@ -294,15 +292,15 @@ fn choose(
     let list = || found.iter().cloned().collect::<Vec<_>>().join(", ");
     match (wanted, implied) {
         (Some(w), _) if found.is_empty() || found.contains(w) => Ok(w.to_string()),
-        (Some(w), _) => Err(adapter_error(
+        (Some(w), _) => Err(remedy_error(
             path,
             format!("no adapter named '{w}' (adapters here: {})", list()),
-            "pass one of those names with --adapter",
+            AdapterRemedy::PickListed,
         )),
-        (None, _) if found.len() > 1 => Err(adapter_error(
+        (None, _) if found.len() > 1 => Err(remedy_error(
             path,
             format!("holds several adapters: {}", list()),
-            "choose one with --adapter NAME",
+            AdapterRemedy::NameOne,
         )),
         (None, _) if found.len() == 1 => Ok(found.iter().next().cloned().unwrap_or_default()),
         (None, Some(i)) => Ok(i.to_string()),

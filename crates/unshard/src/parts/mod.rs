@@ -23,6 +23,11 @@
 //! (other inputs or options, another N) has another hash, and refuses to start
 //! while the staging directory of another plan for the same output exists.
 //!
+//! A LoRA adapter's fused weights are computed tensors like any other: every part
+//! plans the same fuses, and the part that owns a shard computes the tensors in it
+//! (the engine evaluates them block by block); with `--no-fuse`, the committing
+//! part writes the adapter directory with the small files.
+//!
 //! Reads stay local to a part only where its shards' tensors live in files it can
 //! read; every part opens every input file's metadata, so each must see all inputs
 //! (a shared filesystem, or object storage).
@@ -97,12 +102,6 @@ pub fn merge_part(opts: &MergeOptions, part: Part, progress: &dyn Progress) -> R
         plan,
         adapter,
     } = prepare(opts)?;
-    if adapter.is_some() {
-        return Err(Error::Usage(format!(
-            "{} is a LoRA adapter: a merge split into parts does not fuse adapters yet; merge it in one process",
-            opts.checkpoint.display()
-        )));
-    }
     let inputs = Prepared::inputs_of(&ckpt, base.as_ref());
     let hash = plan_hash(&plan, inputs, opts, part.count);
     let dir = PartDir::open(&opts.output, &hash, part)?;
@@ -136,6 +135,14 @@ pub fn merge_part(opts: &MergeOptions, part: Part, progress: &dyn Progress) -> R
             ..wopts
         };
         write::write_into(&last, inputs, &dir, &extra, &write::NoProgress)?;
+        if let Some(a) = adapter.as_deref().filter(|a| a.no_fuse()) {
+            // `--no-fuse`: the adapter directory goes in with the small files.
+            crate::lora::export::write_adapter_dir(
+                &dir.path().join("adapter"),
+                a.resolved(),
+                &ckpt.files,
+            )?;
+        }
         dir.commit(&opts.output, opts.force)?;
         committed = true;
     }

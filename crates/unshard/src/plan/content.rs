@@ -6,9 +6,9 @@
 //! converted, with no per-element dispatch. [`Content::Computed`] is an [`Expr`]:
 //! a tree whose leaves are tensors of the inputs (the checkpoint, the base, or a
 //! further input such as an adapter, by [`Origin`]) and whose nodes rearrange or
-//! combine them. The engine evaluates a computed tensor whole, in float32, one
-//! tensor at a time (see `write::computed` for the memory bound), and converts it
-//! once to the output dtype with the same kernels as a copy. `verify` evaluates
+//! combine them. The engine evaluates, in float32, the rows of a computed tensor
+//! that each block holds (see `write::computed` for the memory bound), and converts
+//! them once to the output dtype with the same kernels as a copy. `verify` evaluates
 //! the same expression with its own code (`verify::reference`), so an evaluation
 //! bug shows up as a mismatch rather than being reproduced.
 //!
@@ -16,7 +16,8 @@
 //! points at each, as every `match` on [`Expr`] is exhaustive):
 //! 1. a variant of [`Expr`] here, with its arm in [`Expr::shape`] (the shape rule
 //!    and its checks) and in [`Expr::leaves`];
-//! 2. its evaluation in the engine, `write::computed::eval`;
+//! 2. its evaluation in the engine, `write::computed` (`Computed::rows`: the rows
+//!    `[ra, rb)` of the node's value);
 //! 3. its reference evaluation in `verify::reference` (`node` and `locate` for a
 //!    node that moves elements; an arithmetic node such as `Fuse` computes each
 //!    element from its leaves' elements at the traced coordinates there);

@@ -25,8 +25,9 @@
 //! deletes them. Incomplete multipart uploads of a killed run are invisible to
 //! readers; a bucket lifecycle rule (`AbortIncompleteMultipartUpload`) reclaims them.
 //!
-//! Computed tensors (adapters fused, remaps) are written after the blocks, at
-//! arbitrary offsets, which uploaded parts cannot take back: such merges are
+//! Computed tensors (adapters fused, remaps) are filled into the blocks that hold
+//! them, like copies, so they are uploaded with their parts. [`ShardFile::write_at`]
+//! (a write at an arbitrary offset, which an uploaded part cannot take back) is
 //! refused with a hint to write locally and upload.
 
 use std::path::Path;

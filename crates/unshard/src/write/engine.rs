@@ -1,12 +1,14 @@
 //! The block engine: fills aligned blocks of output files from the pieces of the
 //! tensors they overlap, reading with positioned reads, byte-swapping and
-//! converting on the way, and writes each block with one positioned write.
+//! converting on the way (computed tensors: the rows a block covers are evaluated
+//! there, see `computed`), and writes each block with one positioned write.
 
 use std::path::Path;
 use std::sync::Arc;
 
 use rayon::prelude::*;
 
+use super::computed::Computed;
 use super::direct::BufferPool;
 use super::geometry::PieceRuns;
 use super::sink::ShardFile;
@@ -15,7 +17,7 @@ use super::NoProgress;
 use super::{Inputs, Progress};
 use crate::cancel::Cancel;
 use crate::dtype::{self, ConvertStats};
-use crate::plan::{Origin, Plan};
+use crate::plan::{Content, Origin, Plan};
 use crate::source::{Blob, FileId, Piece, TensorSource};
 use crate::{DType, Error, Result};
 
@@ -48,6 +50,7 @@ pub(crate) fn write_blocks(
     // jumping about (a DCP file holds its chunks largest first, not by name).
     blocks.sort_by_cached_key(|b| input_position(plan, b));
     let pool = BufferPool::new(block_bytes as usize);
+    let computed = Computed::new(inputs);
     let run = || {
         blocks
             .par_iter()
@@ -55,7 +58,8 @@ pub(crate) fn write_blocks(
                 cancel.check()?;
                 let mut bufs = pool.take();
                 let out = bufs.block.slice_mut(b.len as usize);
-                let (stats, tensor_bytes) = fill_block(plan, inputs, b, out, &mut bufs.scratch)?;
+                let (stats, tensor_bytes) =
+                    fill_block(plan, inputs, &computed, b, out, &mut bufs.scratch)?;
                 files[b.shard].write_block(out, b.start)?;
                 pool.give(bufs);
                 progress.advance(tensor_bytes);
@@ -99,7 +103,14 @@ pub(crate) fn input_position(plan: &Plan, b: &Block) -> Option<(bool, FileId, u6
         .find(|&&(ti, _)| plan.tensors[ti].nbytes() > 0)?;
     let t = &plan.tensors[ti];
     let e = (b.start.max(off) - off) / t.dtype.size() as u64;
-    let source = t.copied()?;
+    // A computed tensor: where its first leaf (a fuse's base weight) lies.
+    let (source, origin) = match &t.content {
+        Content::Copy(s) => (s, t.origin),
+        Content::Computed(expr) => {
+            let leaf = *expr.leaves().first()?;
+            (&leaf.source, leaf.input)
+        }
+    };
     source.pieces.iter().find_map(|p| {
         let runs = PieceRuns::new(p, &source.shape);
         let j = runs.first_ending_after(e);
@@ -110,7 +121,7 @@ pub(crate) fn input_position(plan: &Plan, b: &Block) -> Option<(bool, FileId, u6
         (r.out <= e).then(|| {
             let src = r.src + (e - r.out) * runs.stride;
             (
-                t.origin == Origin::Base,
+                origin == Origin::Base,
                 p.file,
                 p.byte_offset + src * p.dtype.size() as u64,
             )
@@ -145,6 +156,7 @@ pub(crate) const CHUNK_BYTES: usize = 1 << 20;
 pub(crate) fn fill_block(
     plan: &Plan,
     inputs: Inputs<'_>,
+    computed: &Computed<'_>,
     block: &Block,
     out: &mut [u8],
     scratch: &mut Vec<u8>,
@@ -176,11 +188,13 @@ pub(crate) fn fill_block(
             out[filled as usize..(lo - b0) as usize].fill(0);
         }
         let dst = &mut out[(lo - b0) as usize..(hi - b0) as usize];
-        let Some(source) = t.copied() else {
-            // Computed: written by its own pass once the blocks are done.
-            dst.fill(0);
-            filled = hi - b0;
-            continue;
+        let source = match &t.content {
+            Content::Copy(source) => source,
+            Content::Computed(expr) => {
+                stats.push((ti, computed.fill(t, expr, lo - off, hi - off, dst)?));
+                filled = hi - b0;
+                continue;
+            }
         };
         let copy = Copied {
             name: &t.name,

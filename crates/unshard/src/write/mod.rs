@@ -20,7 +20,7 @@
 //! The jobs are split by file: [`sink`] (where the files go: the seam, and the
 //! staging directory that is its local implementation), `staging` (the staging
 //! directory and its atomic commit), `engine` (blocks: what each output byte is,
-//! read and converted), `computed` (computed tensors),
+//! read and converted), `computed` (the rows of computed tensors a block holds),
 //! `direct` (the output file with direct I/O and the buffer pool), `geometry`
 //! (a piece's runs of elements inside its tensor), and [`read`] (reading tensor
 //! values into memory, for `verify`, `diff` and `stats`).
@@ -117,10 +117,7 @@ pub fn write_into(
         .sum();
     progress.start(total);
     let cancel = &opts.cancel;
-    let mut stats = write_blocks(plan, inputs, &files, WINDOW_BYTES, progress, cancel)?;
-    for (ti, s) in computed::write_computed(plan, inputs, &files, cancel)? {
-        stats[ti].add(s);
-    }
+    let stats = write_blocks(plan, inputs, &files, WINDOW_BYTES, progress, cancel)?;
     // A cancellation that came while the last blocks were in flight still stops the run.
     cancel.check()?;
     if !opts.allow_overflow {

@@ -47,7 +47,8 @@ pub trait ShardFile: Send + Sync {
     /// except a file's last one.
     fn write_block(&self, buf: &[u8], offset: u64) -> Result<()>;
 
-    /// Writes `buf` at any `offset` (a computed tensor's bytes).
+    /// Writes `buf` at any `offset`, for writers outside the block engine (the
+    /// engine writes every byte, computed tensors included, as blocks).
     fn write_at(&self, buf: &[u8], offset: u64) -> Result<()>;
 
     /// Makes what was written durable.
