@@ -15,6 +15,8 @@
 pub mod sink;
 pub mod source;
 pub mod store;
+#[cfg(test)]
+mod tests;
 
 pub use source::ObjectSource;
 pub use store::{locate, Location};

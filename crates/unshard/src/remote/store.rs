@@ -75,9 +75,23 @@ fn both<S: ObjectStore + MultipartStore>(s: S) -> Client {
     }
 }
 
+/// Clients built so far, by `scheme://authority`.
+static STORES: OnceLock<Mutex<HashMap<String, Client>>> = OnceLock::new();
+
+/// Makes `base` (`scheme://bucket`) resolve to `store` (tests: an in-memory store).
+#[cfg(test)]
+pub(crate) fn register<S: ObjectStore + MultipartStore>(base: &str, store: Arc<S>) {
+    let client = Client {
+        store: store.clone(),
+        multipart: Some(store),
+    };
+    let stores = STORES.get_or_init(Default::default);
+    let mut stores = stores.lock().unwrap_or_else(|e| e.into_inner());
+    stores.insert(base.to_string(), client);
+}
+
 /// The client and key of a URL; clients are cached per bucket.
 pub fn locate(p: &Path) -> Result<Location> {
-    static STORES: OnceLock<Mutex<HashMap<String, Client>>> = OnceLock::new();
     let text = p
         .to_str()
         .ok_or_else(|| bad_url(p, "it is not valid UTF-8"))?;
