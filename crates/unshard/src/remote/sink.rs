@@ -159,6 +159,24 @@ impl BucketSink {
         Ok(sink)
     }
 
+    /// Opens `dest` for one part of a merge split over several processes
+    /// (`crate::parts`): no emptiness check and no manifest (the parts keep their
+    /// own bookkeeping). `replaced`: objects of an older output, deleted by
+    /// [`Sink::commit`] unless the new output has them.
+    pub fn for_part(dest_url: &Path, replaced: Vec<String>) -> Result<BucketSink> {
+        let dest = store::locate(dest_url)?;
+        let multipart = dest.multipart.clone().ok_or_else(|| read_only(dest_url))?;
+        Ok(BucketSink {
+            dest,
+            multipart,
+            run_id: run_id(),
+            undo: Arc::default(),
+            small: Mutex::new(Vec::new()),
+            replaced,
+            committed: AtomicBool::new(false),
+        })
+    }
+
     /// The run id written in the manifest.
     pub fn run_id(&self) -> &str {
         &self.run_id
