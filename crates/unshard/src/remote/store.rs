@@ -106,7 +106,7 @@ pub fn locate(p: &Path) -> Result<Location> {
         None => {
             install_crypto();
             let built: object_store::Result<Client> = match scheme {
-                ObjectStoreScheme::AmazonS3 => AmazonS3Builder::from_env()
+                ObjectStoreScheme::AmazonS3 => s3_from_env()?
                     .with_url(trimmed)
                     .with_retry(retry())
                     .build()
@@ -148,9 +148,28 @@ pub fn locate(p: &Path) -> Result<Location> {
     })
 }
 
+/// An S3 client builder from the `AWS_*` variables, completed by the AWS profile
+/// (`AWS_PROFILE`, `~/.aws/credentials`, `~/.aws/config`; see [`super::profile`]).
+fn s3_from_env() -> Result<AmazonS3Builder> {
+    let env = |k: &str| std::env::var(k).ok();
+    let mut b = AmazonS3Builder::from_env();
+    if let Some(p) = super::profile::load(&env)? {
+        for (key, value) in super::profile::settings(&p, &env) {
+            if let Ok(key) = key.parse::<object_store::aws::AmazonS3ConfigKey>() {
+                b = b.with_config(key, value);
+            }
+        }
+    }
+    // The AWS CLI's S3-only endpoint variable, which object_store does not read.
+    if let Some(e) = env("AWS_ENDPOINT_URL_S3").filter(|e| !e.is_empty()) {
+        b = b.with_endpoint(e);
+    }
+    Ok(b)
+}
+
 /// What to set for credentials and endpoints.
 pub fn credentials_hint() -> &'static str {
-    "credentials come from the environment: AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY/AWS_REGION (AWS_ENDPOINT_URL and AWS_ALLOW_HTTP=true for an S3-compatible server), GOOGLE_APPLICATION_CREDENTIALS, or AZURE_STORAGE_ACCOUNT_NAME/AZURE_STORAGE_ACCOUNT_KEY"
+    "credentials come from the environment (AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY/AWS_REGION, with AWS_ENDPOINT_URL and AWS_ALLOW_HTTP=true for an S3-compatible server), an AWS profile (AWS_PROFILE, ~/.aws/credentials, ~/.aws/config), GOOGLE_APPLICATION_CREDENTIALS, or AZURE_STORAGE_ACCOUNT_NAME/AZURE_STORAGE_ACCOUNT_KEY"
 }
 
 fn bad_url(p: &Path, why: &str) -> Error {
