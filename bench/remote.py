@@ -107,6 +107,7 @@ def main():
     ap.add_argument("--parts", default="", help="part counts for the --part rows (e.g. 2,4)")
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--json", help="write the results here")
+    ap.add_argument("--skip-s3", action="store_true", help="only the --part rows")
     args = ap.parse_args()
     data = os.path.abspath(args.data)
     unshard = os.path.abspath(args.unshard)
@@ -132,12 +133,13 @@ def main():
         os.environ.update({k: env[k] for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_REGION")})
         import boto3
 
-        s3 = boto3.client("s3", endpoint_url=endpoint)
-        s3.create_bucket(Bucket="bench")
         policy = os.path.join(data, "policy.pt")
-        s3.upload_file(policy, "bench", "policy.pt")
-        for name in os.listdir(os.path.join(data, "base")):
-            s3.upload_file(os.path.join(data, "base", name), "bench", f"base/{name}")
+        if not args.skip_s3:
+            s3 = boto3.client("s3", endpoint_url=endpoint)
+            s3.create_bucket(Bucket="bench")
+            s3.upload_file(policy, "bench", "policy.pt")
+            for name in os.listdir(os.path.join(data, "base")):
+                s3.upload_file(os.path.join(data, "base", name), "bench", f"base/{name}")
         size = os.path.getsize(policy)
         rows = {}
 
@@ -155,7 +157,7 @@ def main():
                 "import boto3,sys; from boto3.s3.transfer import TransferConfig;"
                 f"boto3.client('s3', endpoint_url='{endpoint}').download_file('bench','policy.pt',sys.argv[1], Config=TransferConfig())"
             )
-            for i in range(args.repeat):
+            for i in range(0 if args.skip_s3 else args.repeat):
                 record("boto3 download_file (default TransferConfig: 10 threads, 8 MiB)",
                        [sys.executable, "-c", down_script, dl])
                 os.remove(dl)

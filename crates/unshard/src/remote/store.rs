@@ -19,7 +19,7 @@ use object_store::gcp::GoogleCloudStorageBuilder;
 use object_store::http::HttpBuilder;
 use object_store::multipart::MultipartStore;
 use object_store::path::Path as Key;
-use object_store::{ObjectStore, ObjectStoreExt, ObjectStoreScheme, RetryConfig};
+use object_store::{ClientConfigKey, ObjectStore, ObjectStoreExt, ObjectStoreScheme, RetryConfig};
 
 use crate::{Error, Result};
 
@@ -58,6 +58,18 @@ fn retry() -> RetryConfig {
         ..RetryConfig::default()
     }
 }
+
+/// Timeouts of one request. The crate's default, 30 s for a whole request, fails
+/// GETs that are merely queued: 32 GETs of 16 MiB in flight take 43 s over a
+/// 100 Mbit link, and a server that answers one request at a time (moto) keeps the
+/// last in line waiting as long. So a request may take 10 minutes as long as bytes
+/// keep coming: a read that waits 2 minutes for the next byte (a stalled
+/// connection) fails and is retried, as is a connection not made in 5 s.
+const TIMEOUTS: [(ClientConfigKey, &str); 3] = [
+    (ClientConfigKey::Timeout, "10m"),
+    (ClientConfigKey::ReadTimeout, "2m"),
+    (ClientConfigKey::ConnectTimeout, "5s"),
+];
 
 /// A bucket's client, as the two traits the crate splits it into.
 #[derive(Clone)]
@@ -106,22 +118,36 @@ pub fn locate(p: &Path) -> Result<Location> {
         None => {
             install_crypto();
             let built: object_store::Result<Client> = match scheme {
-                ObjectStoreScheme::AmazonS3 => s3_from_env()?
+                ObjectStoreScheme::AmazonS3 => TIMEOUTS
+                    .iter()
+                    .fold(s3_from_env()?, |b, &(k, v)| {
+                        b.with_config(object_store::aws::AmazonS3ConfigKey::Client(k), v)
+                    })
                     .with_url(trimmed)
                     .with_retry(retry())
                     .build()
                     .map(both),
-                ObjectStoreScheme::GoogleCloudStorage => GoogleCloudStorageBuilder::from_env()
+                ObjectStoreScheme::GoogleCloudStorage => TIMEOUTS
+                    .iter()
+                    .fold(GoogleCloudStorageBuilder::from_env(), |b, &(k, v)| {
+                        b.with_config(object_store::gcp::GoogleConfigKey::Client(k), v)
+                    })
                     .with_url(trimmed)
                     .with_retry(retry())
                     .build()
                     .map(both),
-                ObjectStoreScheme::MicrosoftAzure => MicrosoftAzureBuilder::from_env()
+                ObjectStoreScheme::MicrosoftAzure => TIMEOUTS
+                    .iter()
+                    .fold(MicrosoftAzureBuilder::from_env(), |b, &(k, v)| {
+                        b.with_config(object_store::azure::AzureConfigKey::Client(k), v)
+                    })
                     .with_url(trimmed)
                     .with_retry(retry())
                     .build()
                     .map(both),
-                ObjectStoreScheme::Http => HttpBuilder::new()
+                ObjectStoreScheme::Http => TIMEOUTS
+                    .iter()
+                    .fold(HttpBuilder::new(), |b, &(k, v)| b.with_config(k, v))
                     .with_url(base)
                     .with_retry(retry())
                     .build()
