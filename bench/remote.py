@@ -172,7 +172,14 @@ def main():
                 record("unshard merge from local disk",
                        [unshard, "merge", policy, "--base", os.path.join(data, "base"), "-o", out, "-q"])
                 shutil.rmtree(out)
-            # --part: N processes at once against one.
+            # --part: N processes at once against one, and what every part pays
+            # before its share of the bytes (opening the inputs and planning): a
+            # part of 64 that gets no shard.
+            for i in range(args.repeat if args.parts else 0):
+                out = os.path.join(tmp, "open-only")
+                record("open and plan only (part 63/64, no shard of its own)",
+                       [unshard, "merge", policy, "--base", os.path.join(data, "base"),
+                        "-o", out, "-q", "--max-shard-size", "200MB", "--part", "63/64"])
             for n in [int(x) for x in args.parts.split(",") if x]:
                 for i in range(args.repeat):
                     out = os.path.join(tmp, f"parts{n}-{i}")
