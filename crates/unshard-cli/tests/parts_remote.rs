@@ -227,3 +227,61 @@ fn parts_refuse_an_older_output_without_force_and_replace_it_with_force() {
     single(&args, &tmp.path().join("single"));
     same_as_dir(&b, "out", &tmp.path().join("single"));
 }
+
+#[test]
+fn a_part_stopped_with_ctrl_c_keeps_its_completed_shards_and_a_rerun_commits() {
+    let Some(ep) = endpoint("parts-bucket-sigint") else {
+        return;
+    };
+    let b = Bucket::create(&ep, &bucket_name("parts-bucket-sigint"));
+    let tmp = tempfile::tempdir().unwrap();
+    // 24 shards of 2 MiB, 12 per part, completed one after another once written.
+    let ckpt = big_checkpoint(tmp.path(), 24);
+    let args: Vec<String> = vec![
+        ckpt.to_str().unwrap().into(),
+        "--dtype".into(),
+        "bfloat16".into(),
+        "--max-shard-size".into(),
+        "3MB".into(),
+    ];
+    let out = b.url("out");
+    let o = part(&b, &args, &out, "0/2");
+    assert!(o.status.success(), "{}", stderr(&o));
+    let shards_now = || {
+        b.keys()
+            .into_iter()
+            .filter(|k| k.ends_with(".safetensors"))
+            .count()
+    };
+    let first = shards_now();
+    let slow = merge_cmd(&b, &args, &out)
+        .args(["--part", "1/2"])
+        .env("UNSHARD_TEST_WINDOW_DELAY_MS", "1500")
+        .spawn()
+        .unwrap();
+    let start = Instant::now();
+    while shards_now() == first {
+        assert!(
+            start.elapsed() < Duration::from_secs(60),
+            "part 1 never finished a shard"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let seen = shards_now();
+    // SAFETY: signalling our own child.
+    unsafe { libc::kill(slow.id() as i32, libc::SIGINT) };
+    let o = slow.wait_with_output().unwrap();
+    let err = stderr(&o);
+    // Stopped (130), or done already if the signal came after its last step.
+    assert!(matches!(o.status.code(), Some(130) | Some(0)), "{err}");
+    let kept = shards_now();
+    assert!(
+        kept >= seen && kept > first,
+        "completed shards were deleted: {seen} seen, {kept} kept\n{err}"
+    );
+    assert!(b.get("out/config.json").is_none());
+    let o = part(&b, &args, &out, "1/2");
+    assert!(stderr(&o).contains("committed"), "{}", stderr(&o));
+    single(&args, &tmp.path().join("single"));
+    same_as_dir(&b, "out", &tmp.path().join("single"));
+}

@@ -18,10 +18,13 @@
 //! `config.json` last (what loaders open first), deletes objects of an older output
 //! (`--force`), then the bookkeeping: `plan` first, so that a part started after
 //! that finds a complete output and refuses to write over it without `--force`.
+//! A commit that fails (an error, Ctrl-C) deletes the claim again, so running any
+//! part again commits.
 //!
-//! Shards go straight to their final keys: a part that dies leaves the shards it
-//! completed; run again, it rewrites the same bytes. A failing part (an error,
-//! Ctrl-C) aborts its uploads and deletes the shards it completed in that run.
+//! Shards go straight to their final keys: a part that dies or fails (an error,
+//! Ctrl-C) aborts its open uploads and leaves the shards it completed (another run
+//! of the same part may have written the same objects); run again, it rewrites
+//! the same bytes.
 
 use std::path::{Path, PathBuf};
 
@@ -194,7 +197,7 @@ impl Meeting {
 
     /// The sink this part writes its shards through (straight to their keys).
     pub fn shard_sink(&self) -> Result<BucketSink> {
-        BucketSink::for_part(&self.dest.url, Vec::new())
+        BucketSink::for_part(&self.dest.url, Vec::new(), true)
     }
 
     fn done_markers(&self) -> Result<Vec<String>> {
@@ -214,7 +217,21 @@ impl Meeting {
             self.part.count,
             std::process::id()
         );
-        create(&self.dir().child(&marker(self.part)), text.into_bytes())?;
+        let mine = self.dir().child(&marker(self.part));
+        create(&mine, text.into_bytes())?;
+        if store::head(&self.dest.child(DIR).child(PLAN))?.is_none() {
+            // Another run of this part finished and the output was committed while
+            // this one was writing (the same bytes): leave no marker behind.
+            delete(&mine)?;
+            return Err(Error::Output {
+                path: self.dest.url.clone(),
+                msg: format!(
+                    "part {}/{}: the output was committed while this run was writing (another run of the same part finished first)",
+                    self.part.index, self.part.count
+                ),
+                hint: Some("nothing to do: the output is complete".into()),
+            });
+        }
         let done = self.done_markers()?;
         Ok((0..self.part.count)
             .filter(|&i| {
@@ -235,12 +252,18 @@ impl Meeting {
         )
     }
 
+    /// Gives the commit claim back (the commit failed): the next part to find every
+    /// marker commits.
+    pub fn release_claim(&self) {
+        let _ = delete(&self.dir().child(COMMIT));
+    }
+
     /// The sink the committing part writes the small files through: `commit`
     /// writes the index and `config.json` last and deletes the older output's
     /// objects that the new one does not have.
     pub fn commit_sink(&self) -> Result<BucketSink> {
         let old = self.foreign.iter().filter(|k| !self.shards.contains(k));
-        BucketSink::for_part(&self.dest.url, old.cloned().collect())
+        BucketSink::for_part(&self.dest.url, old.cloned().collect(), false)
     }
 
     /// Removes the bookkeeping once the output is complete: the plan first (see the
@@ -366,8 +389,12 @@ mod tests {
             err.contains("another plan") && err.contains("done-0-of-2, done-1-of-2"),
             "{err}"
         );
-        // Once finished, nothing of the bookkeeping is left.
+        // Once finished, nothing of the bookkeeping is left, and a run of a part
+        // that ends after the commit leaves no marker either.
         a.finish().unwrap();
+        assert!(store::list_all(&out).unwrap().is_empty());
+        let err = b.mark_done().unwrap_err().to_string();
+        assert!(err.contains("committed while"), "{err}");
         assert!(store::list_all(&out).unwrap().is_empty());
     }
 }

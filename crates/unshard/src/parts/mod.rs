@@ -148,10 +148,15 @@ pub fn merge_part(opts: &MergeOptions, part: Part, progress: &dyn Progress) -> R
         let waiting_for = meeting.mark_done()?;
         let mut committed = false;
         if waiting_for.is_empty() && meeting.claim_commit()? {
-            let sink = meeting.commit_sink()?;
-            write::write_into(&last, inputs, &sink, &extra, &write::NoProgress)?;
-            write::Sink::commit(Box::new(sink))?;
-            meeting.finish()?;
+            let commit = || -> Result<()> {
+                let sink = meeting.commit_sink()?;
+                write::write_into(&last, inputs, &sink, &extra, &write::NoProgress)?;
+                write::Sink::commit(Box::new(sink))?;
+                meeting.finish()
+            };
+            // A commit that fails (an error, Ctrl-C) gives the claim back, so that
+            // running any part again commits.
+            commit().inspect_err(|_| meeting.release_claim())?;
             committed = true;
         }
         return Ok(PartOutcome {
