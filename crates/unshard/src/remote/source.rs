@@ -9,8 +9,9 @@
 //!   started in the background; the worker's reads of the pieces, in any order and
 //!   1 MiB at a time when it converts, are served from that response, which is
 //!   dropped when the block is done ([`ByteSource::done_with`]). So a block costs
-//!   one GET per input file it reads, and each input byte is fetched once (the gaps,
-//!   a few hundred bytes of headers, are all that may be fetched twice).
+//!   one GET per input file it reads (two where it holds the end of one tensor and
+//!   the start of another stored apart), and each input byte is fetched once (the
+//!   gaps, a few hundred bytes of headers, are all that may be fetched twice).
 //! - **In flight**: [`READERS`] = 32 workers when any input is remote, each waiting
 //!   on its block's GET, so 32 GETs of 8-16 MiB are in flight. One S3 stream
 //!   delivers ~80-100 MB/s: 14 streams fill a 10 Gbit NIC (1.25 GB/s), 32 fill 25
