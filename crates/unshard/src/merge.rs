@@ -154,6 +154,11 @@ fn merge_to_bucket(opts: &MergeOptions, _: &dyn Progress) -> Result<MergeOutcome
     })
 }
 
+/// Why `no_fuse` cannot write into a bucket: the adapter directory is written with
+/// local file calls.
+pub(crate) const NO_FUSE_NEEDS_A_DIRECTORY: &str =
+    "--no-fuse writes the adapter into a local output directory, and this output has none: write to a local directory and upload it";
+
 /// Runs a merge into the [`Sink`] that `open_sink` makes once the plan is ready
 /// (`opts.output` is then only used in messages). What the sink wrote is
 /// committed only when everything succeeded, verification included.
@@ -179,6 +184,10 @@ pub fn merge_into(
         ..write_options(opts)
     };
     let sink = open_sink()?;
+    // Refused before anything is written, not after the shards.
+    if adapter.as_deref().is_some_and(|a| a.no_fuse()) && sink.staged_dir().is_none() {
+        return Err(Error::Usage(NO_FUSE_NEEDS_A_DIRECTORY.into()));
+    }
     let inputs = Prepared::inputs_of(&ckpt, base.as_ref());
     // With an adapter, lora::report says whether the fuse changes anything.
     let unchanged = match adapter {
@@ -193,9 +202,7 @@ pub fn merge_into(
     let summary = write::write_into(&plan, inputs, sink.as_ref(), &wopts, progress)?;
     if let Some(a) = adapter.as_deref().filter(|a| a.no_fuse()) {
         let Some(dir) = sink.staged_dir() else {
-            return Err(Error::Usage(
-                "--no-fuse writes the adapter into a local output directory, and this output has none".into(),
-            ));
+            return Err(Error::Usage(NO_FUSE_NEEDS_A_DIRECTORY.into()));
         };
         lora::export::write_adapter_dir(&dir.join("adapter"), a.resolved(), &ckpt.files)?;
     }

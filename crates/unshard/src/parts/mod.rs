@@ -28,11 +28,16 @@
 //! (the engine evaluates them block by block); with `--no-fuse`, the committing
 //! part writes the adapter directory with the small files.
 //!
+//! With the output in object storage the parts meet in the bucket instead, through
+//! conditional puts (`bucket`).
+//!
 //! Reads stay local to a part only where its shards' tensors live in files it can
 //! read; every part opens every input file's metadata, so each must see all inputs
 //! (a shared filesystem, or object storage).
 
 mod assign;
+#[cfg(feature = "remote")]
+mod bucket;
 mod sink;
 
 use std::collections::hash_map::DefaultHasher;
@@ -68,11 +73,15 @@ pub struct PartOutcome {
 
 /// Runs part `part` of the merge `opts`.
 pub fn merge_part(opts: &MergeOptions, part: Part, progress: &dyn Progress) -> Result<PartOutcome> {
-    if fs::is_url(&opts.output) {
+    let remote = fs::is_url(&opts.output);
+    if remote && !cfg!(feature = "remote") {
         return Err(Error::Unsupported {
             path: opts.output.clone(),
-            what: "--part with an output in object storage (it needs conditional puts)".into(),
-            hint: Some("write the parts to a shared filesystem, then upload the output".into()),
+            what: "writing to object storage in this build".into(),
+            hint: Some(
+                "build unshard with the `remote` feature (the default for the command-line tool)"
+                    .into(),
+            ),
         });
     }
     if opts.verify {
@@ -89,7 +98,9 @@ pub fn merge_part(opts: &MergeOptions, part: Part, progress: &dyn Progress) -> R
         protected,
         cancel: opts.cancel.clone(),
     };
-    write::check_output(&opts.output, &wopts)?;
+    if !remote {
+        write::check_output(&opts.output, &wopts)?;
+    }
     progress.stage(&format!(
         "reading {} (part {} of {})",
         opts.checkpoint.display(),
@@ -104,8 +115,6 @@ pub fn merge_part(opts: &MergeOptions, part: Part, progress: &dyn Progress) -> R
     } = prepare(opts)?;
     let inputs = Prepared::inputs_of(&ckpt, base.as_ref());
     let hash = plan_hash(&plan, inputs, opts, part.count);
-    let dir = PartDir::open(&opts.output, &hash, part)?;
-
     let sizes: Vec<u64> = plan.shards.iter().map(|s| s.file_size).collect();
     let owner = assign(&sizes, part.count);
     let mut mine = plan.clone();
@@ -119,21 +128,57 @@ pub fn merge_part(opts: &MergeOptions, part: Part, progress: &dyn Progress) -> R
     mine.index = None;
     mine.config = None;
     let shards: Vec<String> = mine.shards.iter().map(|s| s.file_name.clone()).collect();
+    let extra = WriteOptions {
+        extra_files: base
+            .as_ref()
+            .map(|b| b.dir.extra_files.clone())
+            .unwrap_or_default(),
+        ..wopts.clone()
+    };
+    let mut last = plan.clone();
+    last.shards.clear();
+    #[cfg(feature = "remote")]
+    if remote {
+        if adapter.as_deref().is_some_and(|a| a.no_fuse()) {
+            return Err(Error::Usage(
+                crate::merge::NO_FUSE_NEEDS_A_DIRECTORY.into(),
+            ));
+        }
+        let all: Vec<String> = plan.shards.iter().map(|s| s.file_name.clone()).collect();
+        let meeting = bucket::Meeting::open(&opts.output, &hash, part, &all, opts.force)?;
+        let sink = meeting.shard_sink()?;
+        write::write_into(&mine, inputs, &sink, &wopts, progress)?;
+        write::Sink::commit(Box::new(sink))?;
+        let waiting_for = meeting.mark_done()?;
+        let mut committed = false;
+        if waiting_for.is_empty() && meeting.claim_commit()? {
+            let commit = || -> Result<()> {
+                let sink = meeting.commit_sink()?;
+                write::write_into(&last, inputs, &sink, &extra, &write::NoProgress)?;
+                write::Sink::commit(Box::new(sink))?;
+                meeting.finish()
+            };
+            // A commit that fails (an error, Ctrl-C) gives the claim back, so that
+            // running any part again commits.
+            commit().inspect_err(|_| meeting.release_claim())?;
+            committed = true;
+        }
+        return Ok(PartOutcome {
+            plan,
+            plan_hash: hash,
+            shards,
+            committed,
+            waiting_for,
+            staging: meeting.path(),
+        });
+    }
+    let dir = PartDir::open(&opts.output, &hash, part)?;
     write::write_into(&mine, inputs, &dir, &wopts, progress)?;
     dir.publish_shards(&shards)?;
     let waiting_for = dir.mark_done()?;
     let mut committed = false;
     if waiting_for.is_empty() && dir.claim_commit()? {
         // The last part: index, config and the base's small files, then the rename.
-        let mut last = plan.clone();
-        last.shards.clear();
-        let extra = WriteOptions {
-            extra_files: base
-                .as_ref()
-                .map(|b| b.dir.extra_files.clone())
-                .unwrap_or_default(),
-            ..wopts
-        };
         write::write_into(&last, inputs, &dir, &extra, &write::NoProgress)?;
         if let Some(a) = adapter.as_deref().filter(|a| a.no_fuse()) {
             // `--no-fuse`: the adapter directory goes in with the small files.

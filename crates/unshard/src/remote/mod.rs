@@ -8,13 +8,17 @@
 //! read it, open it) here when the path is a URL. A "directory" is a key prefix.
 //!
 //! - [`store`]: from a URL to a client and a key; the request runtime; listings.
+//! - [`profile`]: AWS profiles (`~/.aws/credentials`, `~/.aws/config`).
 //! - [`source`]: an object as a [`crate::source::ByteSource`] (ranged GETs, many in flight).
 //! - [`sink`]: an output prefix as a [`crate::write::Sink`] (multipart uploads, the
 //!   index and config last, undone on failure).
 
+pub mod profile;
 pub mod sink;
 pub mod source;
 pub mod store;
+#[cfg(test)]
+mod tests;
 
 pub use source::ObjectSource;
 pub use store::{locate, Location};

@@ -66,6 +66,9 @@ pub struct BucketSink {
     /// Objects of an older output to delete once the new one is complete (`--force`).
     replaced: Vec<String>,
     committed: AtomicBool,
+    /// On failure, keep the objects completed (a part's shards: another run of the
+    /// same part may have written the same objects, and a rerun rewrites them).
+    keep_completed: bool,
 }
 
 /// What is under an output prefix before a run writes there.
@@ -145,6 +148,7 @@ impl BucketSink {
             small: Mutex::new(Vec::new()),
             replaced: found.keys,
             committed: AtomicBool::new(false),
+            keep_completed: false,
         };
         let manifest = serde_json::json!({
             "run_id": sink.run_id,
@@ -158,6 +162,30 @@ impl BucketSink {
         manifest.push('\n');
         sink.put(MANIFEST, manifest.into_bytes())?;
         Ok(sink)
+    }
+
+    /// Opens `dest` for one part of a merge split over several processes
+    /// (`crate::parts`): no emptiness check and no manifest (the parts keep their
+    /// own bookkeeping). `replaced`: objects of an older output, deleted by
+    /// [`Sink::commit`] unless the new output has them. `keep_completed`: a failure
+    /// aborts the open uploads but leaves the objects already completed.
+    pub fn for_part(
+        dest_url: &Path,
+        replaced: Vec<String>,
+        keep_completed: bool,
+    ) -> Result<BucketSink> {
+        let dest = store::locate(dest_url)?;
+        let multipart = dest.multipart.clone().ok_or_else(|| read_only(dest_url))?;
+        Ok(BucketSink {
+            dest,
+            multipart,
+            run_id: run_id(),
+            undo: Arc::default(),
+            small: Mutex::new(Vec::new()),
+            replaced,
+            committed: AtomicBool::new(false),
+            keep_completed,
+        })
     }
 
     /// The run id written in the manifest.
@@ -277,7 +305,10 @@ impl Drop for BucketSink {
         if self.committed.load(Ordering::SeqCst) {
             return;
         }
-        let undo = std::mem::take(&mut *lock(&self.undo));
+        let mut undo = std::mem::take(&mut *lock(&self.undo));
+        if self.keep_completed {
+            undo.written.clear();
+        }
         let (store, multipart) = (self.dest.store.clone(), self.multipart.clone());
         block_on(async move {
             for (key, id) in &undo.open {

@@ -1,28 +1,34 @@
 //! An object in a bucket as a [`ByteSource`]: ranged GETs, many in flight.
 //!
 //! The numbers, and why:
-//! - **Reads of tensor data** come from the engine's blocks: each worker asks for
-//!   the input span of one output block (at most 8 MiB of output, at most 16 MiB of
-//!   input when widening is undone) with [`ByteSource::will_need`], which starts one
-//!   ranged GET for the span in the background, then reads it front to back (in 1 MiB
-//!   chunks when it converts), served from that response. One GET per span: each
-//!   input byte is fetched once.
-//! - **In flight**: [`READERS`] = 32 workers when any input is remote (a single S3
-//!   stream delivers ~80-100 MB/s, so 32 streams of 8-16 MiB fill a 25 Gbit NIC;
-//!   the engine keeps 2 per core for local inputs). Memory while merging from a
-//!   bucket is therefore bounded by 32 × (8 MiB block + 1 MiB chunk + 16 MiB span)
-//!   = 800 MiB in the worst case (a converting merge), 288 MiB when nothing is
-//!   converted (the span is read straight into the block), plus the read-ahead cap
-//!   below.
-//! - **Read-ahead cap**: spans fetched ahead and not yet consumed hold at most
-//!   [`AHEAD_LIMIT`] = 256 MiB over the whole process, at most [`IN_FLIGHT`] = 32
-//!   of them in flight; past the byte cap a hint is ignored and the read goes
-//!   straight to the store.
+//! - **Reads of tensor data** come from the engine's blocks: before a worker fills
+//!   an output block (8 MiB), it announces every input range the block reads
+//!   ([`ByteSource::will_need_together`], from `write::fetch`). Ranges of one object
+//!   less than [`BLOCK_GAP`] = 64 KiB apart (neighbouring tensors: a zip's local
+//!   header, a safetensors file's nothing) become one ranged GET of at most 32 MiB,
+//!   started in the background; the worker's reads of the pieces, in any order and
+//!   1 MiB at a time when it converts, are served from that response, which is
+//!   dropped when the block is done ([`ByteSource::done_with`]). So a block costs
+//!   one GET per input file it reads (two where it holds the end of one tensor and
+//!   the start of another stored apart), and each input byte is fetched once (the
+//!   gaps, a few hundred bytes of headers, are all that may be fetched twice).
+//! - **In flight**: [`READERS`] = 32 workers when any input is remote, each waiting
+//!   on its block's GET, so 32 GETs of 8-16 MiB are in flight. One S3 stream
+//!   delivers ~80-100 MB/s: 14 streams fill a 10 Gbit NIC (1.25 GB/s), 32 fill 25
+//!   Gbit (3.1 GB/s); `UNSHARD_REMOTE_READERS` changes it (1-256). The engine keeps 2
+//!   per core for local inputs.
+//! - **Memory** while merging from a bucket is bounded by 32 × (16 MiB fetched
+//!   for a block + 8 MiB block + 1 MiB chunk) = 800 MiB in the worst case (a
+//!   float32 to bfloat16 merge), 32 × (8 + 8) = 512 MiB when nothing is converted.
+//!   The fetched bytes are capped process-wide by [`ahead_limit`] ([`AHEAD_PER_READER`]
+//!   = 16 MiB per worker, 512 MiB with 32) with at most [`readers`] fetches in flight;
+//!   past the cap a hint is ignored and reads go to the store one by one.
 //! - **Metadata**: [`ByteSource::read_ranges`] (zip local headers, both ends of DCP
 //!   chunk archives) coalesces ranges less than [`GAP`] = 1 MiB apart into runs of at
 //!   most [`MAX_RUN`] = 16 MiB (one request costs ~10-50 ms; 1 MiB streams in ~10 ms)
 //!   and fetches up to [`IN_FLIGHT`] = 32 runs at once. Small whole files (a
 //!   `.metadata`, a config, an index) are one GET each.
+//! - [`fetched`] counts the GETs and bytes, for tests and benchmarks.
 
 use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -31,7 +37,7 @@ use std::sync::{Arc, Condvar, Mutex};
 use object_store::ObjectStoreExt;
 
 use super::store::{self, io_error, Location};
-use crate::source::bytes::{coalesce, short_read, spans, ByteSource};
+use crate::source::bytes::{coalesce, short_read, spans, ByteSource, Run};
 use crate::{Error, Result};
 
 /// Workers the engine runs when an input is an object (see the module docs).
@@ -54,16 +60,47 @@ pub const GAP: u64 = 1 << 20;
 pub const MAX_RUN: u64 = 16 << 20;
 /// Requests [`ByteSource::read_ranges`] keeps in flight.
 pub const IN_FLIGHT: usize = 32;
-/// Bytes fetched ahead and not yet read, over all objects.
-pub const AHEAD_LIMIT: u64 = 256 << 20;
-/// The longest span one hint fetches ahead.
+/// Bytes fetched ahead and not yet read, per worker: the input of one output block
+/// (8 MiB of bfloat16 output from float32 input).
+pub const AHEAD_PER_READER: u64 = 16 << 20;
+/// Bytes fetched ahead and not yet read, over all objects: [`AHEAD_PER_READER`] for
+/// each of the [`readers`] (512 MiB with 32).
+pub fn ahead_limit() -> u64 {
+    (readers() as u64 * AHEAD_PER_READER).max(MAX_AHEAD)
+}
+/// The longest span one hint fetches ahead (a block's input read from float64).
 const MAX_AHEAD: u64 = 32 << 20;
+/// Ranges of one block closer than this are fetched by one request: what lies
+/// between two tensors of a file is a few hundred bytes of headers.
+pub const BLOCK_GAP: u64 = 64 << 10;
 
 static AHEAD_BYTES: AtomicU64 = AtomicU64::new(0);
 
-/// Fetches started by hints in flight at once, over all objects: a DCP checkpoint of
-/// thousands of chunk files asks for both ends of each when it is opened.
-static AHEAD_IN_FLIGHT: tokio::sync::Semaphore = tokio::sync::Semaphore::const_new(IN_FLIGHT);
+/// GET requests made for object contents, and the bytes they asked for.
+static GETS: AtomicU64 = AtomicU64::new(0);
+static GOT_BYTES: AtomicU64 = AtomicU64::new(0);
+
+fn count_get(range: &std::ops::Range<u64>) {
+    GETS.fetch_add(1, Ordering::Relaxed);
+    GOT_BYTES.fetch_add(range.end - range.start, Ordering::Relaxed);
+}
+
+/// Ranged GETs this process made for object contents so far, and the bytes they
+/// asked for (listings and small whole objects are not counted).
+pub fn fetched() -> (u64, u64) {
+    (
+        GETS.load(Ordering::Relaxed),
+        GOT_BYTES.load(Ordering::Relaxed),
+    )
+}
+
+/// Fetches started by hints in flight at once, over all objects ([`readers`] of
+/// them): a DCP checkpoint of thousands of chunk files asks for both ends of each
+/// when it is opened, and each engine worker asks for its block's input.
+fn ahead_in_flight() -> &'static tokio::sync::Semaphore {
+    static S: std::sync::OnceLock<tokio::sync::Semaphore> = std::sync::OnceLock::new();
+    S.get_or_init(|| tokio::sync::Semaphore::new(readers().max(IN_FLIGHT)))
+}
 
 /// A fetch started by a hint: filled by a background task, read by a worker.
 #[derive(Default)]
@@ -76,6 +113,9 @@ struct Ahead {
     start: u64,
     end: u64,
     slot: Arc<Slot>,
+    /// Started for a block ([`ByteSource::will_need_together`]): kept until the block
+    /// is done, whatever order its pieces are read in.
+    block: bool,
 }
 
 impl Drop for Ahead {
@@ -128,6 +168,7 @@ impl ObjectSource {
             .checked_add(len)
             .filter(|&e| e <= self.len)
             .ok_or_else(|| short_read(&self.loc.url, offset, len))?;
+        count_get(&(offset..end));
         let body = store::block_on(self.loc.store.get_range(&self.loc.key, offset..end))
             .map_err(|e| io_error("read", &self.loc.url, e))?;
         if body.len() as u64 != len {
@@ -136,17 +177,62 @@ impl ObjectSource {
         Ok(body)
     }
 
+    /// The runs a block's ranges are fetched in (inside the object).
+    fn block_runs(&self, ranges: &[(u64, u64)]) -> Vec<Run> {
+        let inside: Vec<(u64, u64)> = ranges
+            .iter()
+            .map(|&(o, l)| (o.min(self.len), l.min(self.len.saturating_sub(o))))
+            .collect();
+        coalesce(&inside, BLOCK_GAP, MAX_AHEAD)
+    }
+
+    /// Starts fetching `[offset, end)` in the background, unless a fetch already
+    /// covers it, it is too long, or the read-ahead cap is reached (the reads then go
+    /// to the store one by one).
+    fn fetch_ahead(&self, ahead: &mut Vec<Ahead>, offset: u64, end: u64, block: bool) {
+        let len = end.saturating_sub(offset);
+        if len == 0 || len > MAX_AHEAD || end > self.len {
+            return;
+        }
+        if ahead.iter().any(|a| a.start <= offset && end <= a.end) {
+            return;
+        }
+        if AHEAD_BYTES.fetch_add(len, Ordering::Relaxed) + len > ahead_limit() {
+            AHEAD_BYTES.fetch_sub(len, Ordering::Relaxed);
+            return;
+        }
+        let slot = Arc::new(Slot::default());
+        let (store, key, filled) = (self.loc.store.clone(), self.loc.key.clone(), slot.clone());
+        count_get(&(offset..end));
+        drop(store::spawn(async move {
+            let _permit = ahead_in_flight().acquire().await;
+            let got = store.get_range(&key, offset..end).await;
+            let got = match got {
+                Ok(b) if b.len() as u64 == len => Ok(b),
+                _ => Err(()),
+            };
+            *filled.data.lock().unwrap_or_else(|e| e.into_inner()) = Some(got);
+            filled.ready.notify_all();
+        }));
+        ahead.push(Ahead {
+            start: offset,
+            end,
+            slot,
+            block,
+        });
+    }
+
     /// The bytes at `offset` from a fetch started by a hint, if one covers them.
     fn take_ahead(&self, offset: u64, buf: &mut [u8]) -> bool {
         let end = offset + buf.len() as u64;
         let slot = {
             let ahead = self.ahead.lock().unwrap_or_else(|e| e.into_inner());
             match ahead.iter().find(|a| a.start <= offset && end <= a.end) {
-                Some(a) => (a.start, a.end, a.slot.clone()),
+                Some(a) => (a.start, a.end, a.slot.clone(), a.block),
                 None => return false,
             }
         };
-        let (start, a_end, slot) = slot;
+        let (start, a_end, slot, block) = slot;
         let mut data = slot.data.lock().unwrap_or_else(|e| e.into_inner());
         while data.is_none() {
             data = slot.ready.wait(data).unwrap_or_else(|e| e.into_inner());
@@ -166,9 +252,10 @@ impl ObjectSource {
             _ => false,
         };
         drop(data);
-        // Workers read their span front to back: the read that reaches its end is
-        // the last (a failed fetch is dropped at once).
-        if !served || end >= a_end {
+        // A piece's span is read front to back: the read that reaches its end is the
+        // last (a failed fetch is dropped at once). A block's fetch waits for
+        // `done_with`.
+        if !served || (end >= a_end && !block) {
             let mut ahead = self.ahead.lock().unwrap_or_else(|e| e.into_inner());
             ahead.retain(|a| !(a.start == start && a.end == a_end && Arc::ptr_eq(&a.slot, &slot)));
         }
@@ -209,6 +296,7 @@ impl ByteSource for ObjectSource {
                 let (store, key, limit) =
                     (self.loc.store.clone(), self.loc.key.clone(), limit.clone());
                 let range = r.start..r.end;
+                count_get(&range);
                 store::spawn(async move {
                     let _permit = limit.acquire_owned().await;
                     store.get_range(&key, range).await
@@ -247,32 +335,24 @@ impl ByteSource for ObjectSource {
         if len == 0 || len > MAX_AHEAD {
             return;
         }
-        let end = offset + len;
         let mut ahead = self.ahead.lock().unwrap_or_else(|e| e.into_inner());
-        if ahead.iter().any(|a| a.start <= offset && end <= a.end) {
-            return;
+        self.fetch_ahead(&mut ahead, offset, offset + len, false);
+    }
+
+    /// Coalesces the block's ranges (less than [`BLOCK_GAP`] apart, runs of at most
+    /// 32 MiB) and starts one fetch per run: one GET per block and input file.
+    fn will_need_together(&self, ranges: &[(u64, u64)]) {
+        let mut ahead = self.ahead.lock().unwrap_or_else(|e| e.into_inner());
+        for run in self.block_runs(ranges) {
+            self.fetch_ahead(&mut ahead, run.start, run.end, true);
         }
-        if AHEAD_BYTES.fetch_add(len, Ordering::Relaxed) + len > AHEAD_LIMIT {
-            AHEAD_BYTES.fetch_sub(len, Ordering::Relaxed);
-            return;
-        }
-        let slot = Arc::new(Slot::default());
-        let (store, key, filled) = (self.loc.store.clone(), self.loc.key.clone(), slot.clone());
-        drop(store::spawn(async move {
-            let _permit = AHEAD_IN_FLIGHT.acquire().await;
-            let got = store.get_range(&key, offset..end).await;
-            let got = match got {
-                Ok(b) if b.len() as u64 == len => Ok(b),
-                _ => Err(()),
-            };
-            *filled.data.lock().unwrap_or_else(|e| e.into_inner()) = Some(got);
-            filled.ready.notify_all();
-        }));
-        ahead.push(Ahead {
-            start: offset,
-            end,
-            slot,
-        });
+    }
+
+    /// Drops the fetches [`ByteSource::will_need_together`] started for `ranges`.
+    fn done_with(&self, ranges: &[(u64, u64)]) {
+        let runs = self.block_runs(ranges);
+        let mut ahead = self.ahead.lock().unwrap_or_else(|e| e.into_inner());
+        ahead.retain(|a| !(a.block && runs.iter().any(|r| r.start == a.start && r.end == a.end)));
     }
 
     /// Drops fetches that lie inside the released range.

@@ -10,6 +10,7 @@ use rayon::prelude::*;
 
 use super::computed::Computed;
 use super::direct::BufferPool;
+use super::fetch;
 use super::geometry::PieceRuns;
 use super::sink::ShardFile;
 #[cfg(test)]
@@ -51,11 +52,21 @@ pub(crate) fn write_blocks(
     blocks.sort_by_cached_key(|b| input_position(plan, b));
     let pool = BufferPool::new(block_bytes as usize);
     let computed = Computed::new(inputs);
+    // Inputs that wait on the network (object storage) want more reads in flight.
+    let readers = inputs
+        .all()
+        .flat_map(|c| &c.files)
+        .map(|b| b.source().readers())
+        .max()
+        .unwrap_or(0);
+    let together = readers > 0;
     let run = || {
         blocks
             .par_iter()
             .map(|b| {
                 cancel.check()?;
+                // Sources that pay per request fetch the block's input in one go.
+                let _fetch = together.then(|| fetch::announce(plan, inputs, b));
                 let mut bufs = pool.take();
                 let out = bufs.block.slice_mut(b.len as usize);
                 let (stats, tensor_bytes) =
@@ -67,13 +78,6 @@ pub(crate) fn write_blocks(
             })
             .collect::<Result<Vec<Vec<(usize, ConvertStats)>>>>()
     };
-    // Inputs that wait on the network (object storage) want more reads in flight.
-    let readers = inputs
-        .all()
-        .flat_map(|c| &c.files)
-        .map(|b| b.source().readers())
-        .max()
-        .unwrap_or(0);
     let workers = rayon::ThreadPoolBuilder::new()
         .num_threads(worker_threads().max(readers))
         .thread_name(|i| format!("unshard-write-{i}"))
@@ -142,9 +146,9 @@ pub(crate) fn worker_threads() -> usize {
 /// One unit of work: bytes `[start, start + len)` of shard `shard`'s file.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct Block {
-    shard: usize,
-    start: u64,
-    len: u64,
+    pub(super) shard: usize,
+    pub(super) start: u64,
+    pub(super) len: u64,
 }
 
 /// Input bytes read and converted at a time: small enough to stay in a core's cache
@@ -349,10 +353,19 @@ pub(crate) fn fill_window(
 /// (several threads reading different places of one file confuse the kernel's own
 /// readahead). Only for contiguous runs whose span is not mostly gaps.
 pub(crate) fn prefetch(blob: &Blob, p: &Piece, runs: &PieceRuns<'_>, e0: u64, e1: u64) {
+    if let Some((offset, len)) = piece_span(p, runs, e0, e1) {
+        blob.will_need(offset, len);
+    }
+}
+
+/// The `(offset, len)` of the input bytes of piece `p` that elements `[e0, e1)` read,
+/// when they form one contiguous span that is not mostly gaps (what [`prefetch`]
+/// hints, and what a block announces to its sources).
+pub(crate) fn piece_span(p: &Piece, runs: &PieceRuns<'_>, e0: u64, e1: u64) -> Option<(u64, u64)> {
     let isz = p.dtype.size() as u64;
     let j0 = runs.first_ending_after(e0);
     if runs.stride != 1 || j0 >= runs.count || e1 == 0 {
-        return;
+        return None;
     }
     let mut j1 = runs.first_ending_after(e1 - 1).min(runs.count - 1);
     if runs.run(j1).out >= e1 && j1 > j0 {
@@ -362,14 +375,14 @@ pub(crate) fn prefetch(blob: &Blob, p: &Piece, runs: &PieceRuns<'_>, e0: u64, e1
     let a = first.out.max(e0);
     let b = (last.out + last.len).min(e1);
     if a >= b || first.out >= e1 {
-        return;
+        return None;
     }
     let start = first.src + (a - first.out);
     let end = last.src + (b - last.out);
     if end <= start || (end - start) > 2 * (b - a) {
-        return;
+        return None;
     }
-    blob.will_need(p.byte_offset + start * isz, (end - start) * isz);
+    Some((p.byte_offset + start * isz, (end - start) * isz))
 }
 
 pub(crate) fn convert_run(src: &[u8], from: DType, dst: &mut [u8], to: DType) -> ConvertStats {

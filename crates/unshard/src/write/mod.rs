@@ -35,6 +35,7 @@ use crate::{Error, Result};
 mod computed;
 mod direct;
 mod engine;
+mod fetch;
 mod geometry;
 pub mod read;
 pub mod sink;

@@ -70,6 +70,21 @@ pub trait ByteSource: Send + Sync + fmt::Debug {
         let _ = (offset, len);
     }
 
+    /// A hint: every `(offset, len)` range here is read by one unit of work (an output
+    /// block of the engine), soon, in any order. A source whose cost is per request
+    /// (an object store) fetches them with as few requests as it can, and keeps what
+    /// it fetched until [`ByteSource::done_with`] is called with the same ranges. The
+    /// default does nothing: a local file gets [`ByteSource::will_need`] per piece.
+    fn will_need_together(&self, ranges: &[(u64, u64)]) {
+        let _ = ranges;
+    }
+
+    /// The unit of work that announced `ranges` with
+    /// [`ByteSource::will_need_together`] is over: what was fetched for it can go.
+    fn done_with(&self, ranges: &[(u64, u64)]) {
+        let _ = ranges;
+    }
+
     /// How many reads of this source should be in flight at once to get its bandwidth:
     /// 0 (the default) for a local file, whose readers the engine sizes by cores; an
     /// object store, where each request waits for the network, asks for more.

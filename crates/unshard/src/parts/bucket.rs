@@ -1,0 +1,400 @@
+//! Where the parts of a split merge meet when the output is in object storage. A
+//! bucket has no rename and no directory to stage in, so the parts agree through
+//! objects created with conditional puts (`If-None-Match: *`, object_store's
+//! `PutMode::Create`): of two parts creating the same key, exactly one succeeds.
+//!
+//! Under the output prefix, in `.unshard-parts/`:
+//! - `plan`: the plan hash and the number of parts. The first part creates it; a
+//!   later part reads it and joins only if its own hash is the same, else it
+//!   refuses, naming the other plan and the parts it has done.
+//! - `<hash>/done-I-of-N`: part I's done-marker, created once all its shards are
+//!   complete objects (each shard is a multipart upload, invisible until complete).
+//! - `<hash>/commit`: the commit claim, created by a part that finds every marker
+//!   there. S3 lists what was written before (strong read-after-write consistency),
+//!   so the last part to write its marker sees them all; if two see them all at
+//!   once, the claim picks one.
+//!
+//! The part holding the claim writes the base's small files, the index and
+//! `config.json` last (what loaders open first), deletes objects of an older output
+//! (`--force`), then the bookkeeping: `plan` first, so that a part started after
+//! that finds a complete output and refuses to write over it without `--force`.
+//! A commit that fails (an error, Ctrl-C) deletes the claim again, so running any
+//! part again commits.
+//!
+//! Shards go straight to their final keys: a part that dies or fails (an error,
+//! Ctrl-C) aborts its open uploads and leaves the shards it completed (another run
+//! of the same part may have written the same objects); run again, it rewrites
+//! the same bytes.
+
+use std::path::{Path, PathBuf};
+
+use object_store::{ObjectStoreExt, PutMode, PutOptions, PutPayload};
+
+use super::Part;
+use crate::remote::sink::BucketSink;
+use crate::remote::store::{self, block_on, io_error, Location};
+use crate::{Error, Result};
+
+/// The bookkeeping folder under the output prefix.
+const DIR: &str = ".unshard-parts";
+const PLAN: &str = "plan";
+const COMMIT: &str = "commit";
+
+fn marker(part: Part) -> String {
+    format!("done-{}-of-{}", part.index, part.count)
+}
+
+/// A part's view of the bucket the parts meet in.
+pub struct Meeting {
+    dest: Location,
+    hash: String,
+    part: Part,
+    /// Objects under the prefix that are not this plan's (an older output), listed
+    /// when the part joined.
+    foreign: Vec<String>,
+    /// The plan's shard names.
+    shards: Vec<String>,
+}
+
+/// Creates `loc` with `bytes` unless it exists: `true` if this call created it.
+fn create(loc: &Location, bytes: Vec<u8>) -> Result<bool> {
+    let opts = PutOptions::from(PutMode::Create);
+    match block_on(loc.store.put_opts(&loc.key, PutPayload::from(bytes), opts)) {
+        Ok(_) => Ok(true),
+        Err(object_store::Error::AlreadyExists { .. }) => Ok(false),
+        Err(e @ object_store::Error::NotImplemented { .. }) => Err(Error::Unsupported {
+            path: loc.url.clone(),
+            what: format!("--part with this object store ({e})"),
+            hint: Some(
+                "the parts agree through conditional puts (If-None-Match); use a store that has them (S3, GCS, Azure, MinIO, R2), or write the parts to a shared filesystem".into(),
+            ),
+        }),
+        Err(e) => Err(io_error("create", &loc.url, e)),
+    }
+}
+
+fn delete(loc: &Location) -> Result<()> {
+    match block_on(loc.store.delete(&loc.key)) {
+        Ok(()) | Err(object_store::Error::NotFound { .. }) => Ok(()),
+        Err(e) => Err(io_error("delete", &loc.url, e)),
+    }
+}
+
+/// Keys under the prefix that are not bookkeeping.
+fn outputs(dest: &Location) -> Result<Vec<String>> {
+    Ok(store::list_all(dest)?
+        .into_iter()
+        .map(|(k, _)| k)
+        .filter(|k| !k.starts_with(&format!("{DIR}/")))
+        .collect())
+}
+
+impl Meeting {
+    /// Joins (or starts) the meeting of plan `hash` under `out`. `shards` are the
+    /// plan's shard names (objects of that name are this plan's, not foreign).
+    /// Refuses another plan's meeting, a plan already being committed, and a
+    /// prefix holding an older output unless `force`.
+    pub fn open(
+        out: &Path,
+        hash: &str,
+        part: Part,
+        shards: &[String],
+        force: bool,
+    ) -> Result<Meeting> {
+        Meeting::open_at(store::locate(out)?, hash, part, shards, force)
+    }
+
+    /// [`Meeting::open`] with the output's location resolved.
+    fn open_at(
+        dest: Location,
+        hash: &str,
+        part: Part,
+        shards: &[String],
+        force: bool,
+    ) -> Result<Meeting> {
+        let out = &dest.url.clone();
+        if dest.multipart.is_none() {
+            return Err(Error::Output {
+                path: out.to_path_buf(),
+                msg: "this store is read-only for unshard (plain HTTP has no uploads)".into(),
+                hint: Some("write to s3://, gs:// or az:// instead".into()),
+            });
+        }
+        let dir = dest.child(DIR);
+        // Listed before the plan exists: nothing of this plan can be there yet.
+        let before = outputs(&dest)?;
+        let body = serde_json::json!({ "plan": hash, "parts": part.count }).to_string();
+        let plan_loc = dir.child(PLAN);
+        let created = create(&plan_loc, body.into_bytes())?;
+        let foreign = if created {
+            before
+        } else {
+            let text = store::get_whole(&plan_loc)?.unwrap_or_default();
+            let other = serde_json::from_slice::<serde_json::Value>(&text)
+                .ok()
+                .and_then(|v| v.get("plan").and_then(|p| p.as_str()).map(str::to_string))
+                .unwrap_or_default();
+            if other != hash {
+                return Err(other_plan(out, &dir, hash, &other, part));
+            }
+            // Shards of this plan are the other parts' work.
+            before.into_iter().filter(|k| !shards.contains(k)).collect()
+        };
+        let meeting = Meeting {
+            dest,
+            hash: hash.to_string(),
+            part,
+            foreign,
+            shards: shards.to_vec(),
+        };
+        if store::head(&meeting.dir().child(COMMIT))?.is_some() {
+            return Err(Error::Output {
+                path: out.to_path_buf(),
+                msg: format!(
+                    "part {}/{}: every part of plan {hash} is done and another part is committing the output",
+                    part.index, part.count
+                ),
+                hint: Some(format!(
+                    "nothing to do; if that part died while committing, delete {} and run this part again",
+                    meeting.dir().child(COMMIT).url.display()
+                )),
+            });
+        }
+        if !meeting.foreign.is_empty() {
+            if !force {
+                // Leave the prefix as found when this part started the meeting.
+                if created {
+                    let _ = delete(&plan_loc);
+                }
+                return Err(Error::Output {
+                    path: out.to_path_buf(),
+                    msg: format!(
+                        "it is not empty ({} object(s) that are not this merge's, such as {})",
+                        meeting.foreign.len(),
+                        meeting.foreign[0]
+                    ),
+                    hint: Some("pass --force (to every part) to replace what is there".into()),
+                });
+            }
+            // An older output stops being loadable before new shards land beside it.
+            for old in ["config.json", "model.safetensors.index.json"] {
+                if meeting.foreign.iter().any(|k| k == old) {
+                    delete(&meeting.dest.child(old))?;
+                }
+            }
+        }
+        Ok(meeting)
+    }
+
+    fn dir(&self) -> Location {
+        self.dest.child(DIR).child(&self.hash)
+    }
+
+    /// Where the bookkeeping lives, for messages.
+    pub fn path(&self) -> PathBuf {
+        self.dir().url
+    }
+
+    /// The sink this part writes its shards through (straight to their keys).
+    pub fn shard_sink(&self) -> Result<BucketSink> {
+        BucketSink::for_part(&self.dest.url, Vec::new(), true)
+    }
+
+    fn done_markers(&self) -> Result<Vec<String>> {
+        Ok(store::list_all(&self.dir())?
+            .into_iter()
+            .map(|(k, _)| k)
+            .filter(|k| k.starts_with("done-"))
+            .collect())
+    }
+
+    /// Creates this part's done-marker (once: a rerun finds it there); returns the
+    /// parts not done yet.
+    pub fn mark_done(&self) -> Result<Vec<usize>> {
+        let text = format!(
+            "{{\"part\": {}, \"of\": {}, \"pid\": {}}}\n",
+            self.part.index,
+            self.part.count,
+            std::process::id()
+        );
+        let mine = self.dir().child(&marker(self.part));
+        create(&mine, text.into_bytes())?;
+        if store::head(&self.dest.child(DIR).child(PLAN))?.is_none() {
+            // Another run of this part finished and the output was committed while
+            // this one was writing (the same bytes): leave no marker behind.
+            delete(&mine)?;
+            return Err(Error::Output {
+                path: self.dest.url.clone(),
+                msg: format!(
+                    "part {}/{}: the output was committed while this run was writing (another run of the same part finished first)",
+                    self.part.index, self.part.count
+                ),
+                hint: Some("nothing to do: the output is complete".into()),
+            });
+        }
+        let done = self.done_markers()?;
+        Ok((0..self.part.count)
+            .filter(|&i| {
+                let p = Part {
+                    index: i,
+                    count: self.part.count,
+                };
+                !done.contains(&marker(p))
+            })
+            .collect())
+    }
+
+    /// Claims the commit: true for exactly one part.
+    pub fn claim_commit(&self) -> Result<bool> {
+        create(
+            &self.dir().child(COMMIT),
+            format!("{}\n", self.part.index).into_bytes(),
+        )
+    }
+
+    /// Gives the commit claim back (the commit failed): the next part to find every
+    /// marker commits.
+    pub fn release_claim(&self) {
+        let _ = delete(&self.dir().child(COMMIT));
+    }
+
+    /// The sink the committing part writes the small files through: `commit`
+    /// writes the index and `config.json` last and deletes the older output's
+    /// objects that the new one does not have.
+    pub fn commit_sink(&self) -> Result<BucketSink> {
+        let old = self.foreign.iter().filter(|k| !self.shards.contains(k));
+        BucketSink::for_part(&self.dest.url, old.cloned().collect(), false)
+    }
+
+    /// Removes the bookkeeping once the output is complete: the plan first (see the
+    /// module docs), then the markers and the claim.
+    pub fn finish(&self) -> Result<()> {
+        delete(&self.dest.child(DIR).child(PLAN))?;
+        let dir = self.dir();
+        for (k, _) in store::list_all(&dir)? {
+            delete(&dir.child(&k))?;
+        }
+        Ok(())
+    }
+}
+
+fn other_plan(out: &Path, dir: &Location, hash: &str, other: &str, part: Part) -> Error {
+    let done: Vec<String> = if other.is_empty() {
+        Vec::new()
+    } else {
+        store::list_all(&dir.child(other))
+            .map(|l| {
+                l.into_iter()
+                    .map(|(k, _)| k)
+                    .filter(|k| k.starts_with("done-"))
+                    .collect()
+            })
+            .unwrap_or_default()
+    };
+    Error::Output {
+        path: out.to_path_buf(),
+        msg: format!(
+            "part {}/{} computed plan {hash}, but the parts already working on this output have another plan ({}; finished: {}): they were started with other inputs, options or number of parts",
+            part.index,
+            part.count,
+            if other.is_empty() { "unreadable" } else { other },
+            if done.is_empty() { "none".to_string() } else { done.join(", ") }
+        ),
+        hint: Some(format!(
+            "start every part with the same command; to abandon the other merge, delete the objects under {}",
+            dir.url.display()
+        )),
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+    use std::io::{Read, Write};
+    use std::sync::Arc;
+
+    /// `s3://<bucket>/out` in a new bucket on the test server (`UNSHARD_TEST_S3_ENDPOINT`,
+    /// a moto_server `.ci/run` starts); `None` (skipped, saying why) without one,
+    /// unless `CI` is set.
+    fn test_output(bucket: &str) -> Option<Location> {
+        let ep = match std::env::var("UNSHARD_TEST_S3_ENDPOINT") {
+            Ok(e) if !e.is_empty() => e,
+            _ => {
+                let ci = std::env::var("CI").is_ok_and(|v| !v.is_empty() && v != "false");
+                assert!(!ci, "CI is set but UNSHARD_TEST_S3_ENDPOINT is not");
+                eprintln!("skipped: no S3 test server (UNSHARD_TEST_S3_ENDPOINT)");
+                return None;
+            }
+        };
+        let bucket = format!("{bucket}-{}", std::process::id());
+        let hostport = ep.trim_start_matches("http://").trim_end_matches('/');
+        let mut s = std::net::TcpStream::connect(hostport).unwrap();
+        write!(
+            s,
+            "PUT /{bucket} HTTP/1.1\r\nHost: {hostport}\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+        )
+        .unwrap();
+        let mut answer = String::new();
+        s.read_to_string(&mut answer).unwrap();
+        assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+        let _ = rustls::crypto::ring::default_provider().install_default();
+        let s3 = Arc::new(
+            object_store::aws::AmazonS3Builder::new()
+                .with_endpoint(&ep)
+                .with_allow_http(true)
+                .with_bucket_name(&bucket)
+                .with_region("us-east-1")
+                .with_access_key_id("test")
+                .with_secret_access_key("test")
+                .build()
+                .unwrap(),
+        );
+        Some(Location {
+            store: s3.clone(),
+            multipart: Some(s3),
+            key: "out".into(),
+            url: format!("s3://{bucket}/out").into(),
+        })
+    }
+
+    fn part(index: usize, count: usize) -> Part {
+        Part { index, count }
+    }
+
+    /// Two parts finishing at once both find every marker: the conditional put lets
+    /// exactly one of them commit.
+    #[test]
+    fn of_two_parts_that_see_every_marker_exactly_one_claims_the_commit() {
+        let Some(out) = test_output("claim") else {
+            return;
+        };
+        let a = Meeting::open_at(out.clone(), "h1", part(0, 2), &[], false).unwrap();
+        let b = Meeting::open_at(out.clone(), "h1", part(1, 2), &[], false).unwrap();
+        assert_eq!(a.mark_done().unwrap(), [1]);
+        assert_eq!(b.mark_done().unwrap(), Vec::<usize>::new());
+        // A part run again finds its marker there, and the others' too.
+        assert_eq!(a.mark_done().unwrap(), Vec::<usize>::new());
+        let claims = [a.claim_commit().unwrap(), b.claim_commit().unwrap()];
+        assert_eq!(claims, [true, false]);
+        assert!(!a.claim_commit().unwrap(), "a claim is taken once");
+        // A late part of the same plan is told the commit is under way.
+        let late = Meeting::open_at(out.clone(), "h1", part(1, 2), &[], false);
+        let err = late.err().unwrap().to_string();
+        assert!(err.contains("committing"), "{err}");
+        // A part of another plan refuses, naming the parts the first plan has done.
+        let other = Meeting::open_at(out.clone(), "h2", part(0, 2), &[], false);
+        let err = other.err().unwrap().to_string();
+        assert!(
+            err.contains("another plan") && err.contains("done-0-of-2, done-1-of-2"),
+            "{err}"
+        );
+        // Once finished, nothing of the bookkeeping is left, and a run of a part
+        // that ends after the commit leaves no marker either.
+        a.finish().unwrap();
+        assert!(store::list_all(&out).unwrap().is_empty());
+        let err = b.mark_done().unwrap_err().to_string();
+        assert!(err.contains("committed while"), "{err}");
+        assert!(store::list_all(&out).unwrap().is_empty());
+    }
+}
