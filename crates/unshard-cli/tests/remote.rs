@@ -527,6 +527,41 @@ fn fused_adapters_written_to_a_bucket_equal_the_local_output() {
     }
 }
 
+#[test]
+fn no_fuse_into_a_bucket_is_refused_before_anything_is_written() {
+    // The adapter directory is written with local file calls: refused up front, in
+    // one process and with --part, and the bucket stays empty.
+    let Some(ep) = endpoint("lora-nofuse") else {
+        return;
+    };
+    let b = Bucket::create(&ep, &bucket_name("lora-nofuse"));
+    let fx = fixtures();
+    let base = fx.join("models/llama-bf16");
+    let adapter = fx.join("lora/adapters/llama_dora");
+    for extra in [&[][..], &["--part", "1/2"][..]] {
+        let out = b.url("out");
+        let mut args = vec![
+            "merge",
+            adapter.to_str().unwrap(),
+            "--base",
+            base.to_str().unwrap(),
+            "--no-fuse",
+            "-o",
+            &out,
+        ];
+        args.extend_from_slice(extra);
+        let o = run(Some(&b), &args);
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(o.status.code(), Some(2), "{extra:?}: {err}");
+        assert!(err.contains("local output directory"), "{extra:?}: {err}");
+        assert!(
+            keys_under(&b, "").is_empty(),
+            "{extra:?}: {:?}",
+            keys_under(&b, "")
+        );
+    }
+}
+
 /// Starts a slow merge of a 96 MiB checkpoint into `s3://bucket/out` and waits until
 /// its manifest appears (the sink is open and uploads are about to start).
 fn slow_upload(b: &Bucket, inputs: &Path) -> std::process::Child {

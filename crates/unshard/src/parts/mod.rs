@@ -140,9 +140,7 @@ pub fn merge_part(opts: &MergeOptions, part: Part, progress: &dyn Progress) -> R
     #[cfg(feature = "remote")]
     if remote {
         if adapter.as_deref().is_some_and(|a| a.no_fuse()) {
-            return Err(Error::Usage(
-                crate::merge::NO_FUSE_NEEDS_A_DIRECTORY.into(),
-            ));
+            return Err(Error::Usage(crate::merge::NO_FUSE_NEEDS_A_DIRECTORY.into()));
         }
         let all: Vec<String> = plan.shards.iter().map(|s| s.file_name.clone()).collect();
         let meeting = bucket::Meeting::open(&opts.output, &hash, part, &all, opts.force)?;
