@@ -72,18 +72,17 @@ impl<'a> Reader<'a> {
     /// do not open are left for the parse to report.
     pub(super) fn plan_prefetch(&mut self, md: &Metadata, tensors: &[(String, &Entry)]) {
         for (_, entry) in tensors {
-            let EntryKind::Tensor { chunks, .. } = &entry.kind else {
+            let EntryKind::Tensor { chunks, shape, .. } = &entry.kind else {
                 continue;
             };
             for chunk in chunks {
-                let key = (entry.fqn.clone(), Some(chunk.offsets.clone()));
-                let Some(item) = md.items.get(&key) else {
+                let Some(item) = &chunk.item else {
                     continue;
                 };
-                if chunk.sizes.contains(&0) || !item.transforms.is_empty() {
+                if md.sizes(chunk, shape.len()).contains(&0) || !md.transforms(item).is_empty() {
                     continue;
                 }
-                if let Ok(id) = self.file(&item.file, &entry.fqn) {
+                if let Ok(id) = self.file(md.file(item), &entry.fqn) {
                     self.ahead.push((id, item.offset, item.length));
                 }
             }
@@ -133,8 +132,8 @@ impl<'a> Reader<'a> {
 
     /// The bytes of an item as stored: `(file, offset, length)` after checking the
     /// range lies inside its file.
-    fn locate(&mut self, item: &Item, what: &str) -> Result<(FileId, u64, u64)> {
-        let id = self.file(&item.file, what)?;
+    fn locate(&mut self, md: &Metadata, item: &Item, what: &str) -> Result<(FileId, u64, u64)> {
+        let id = self.file(md.file(item), what)?;
         let blob = &self.files[id];
         let end = item.offset.checked_add(item.length);
         match end {
@@ -154,13 +153,20 @@ impl<'a> Reader<'a> {
     /// The item's bytes as a torch.save archive: the range of its file, or a
     /// decompressed copy (then a new in-memory file). Returns the file holding them,
     /// the archive's offset in it and its length.
-    fn archive(&mut self, item: &Item, what: &str, max_decoded: u64) -> Result<(FileId, u64, u64)> {
-        let (id, offset, length) = self.locate(item, what)?;
-        if item.transforms.is_empty() {
+    fn archive(
+        &mut self,
+        md: &Metadata,
+        item: &Item,
+        what: &str,
+        max_decoded: u64,
+    ) -> Result<(FileId, u64, u64)> {
+        let (id, offset, length) = self.locate(md, item, what)?;
+        let transforms = md.transforms(item);
+        if transforms.is_empty() {
             return Ok((id, offset, length));
         }
         let path = self.files[id].path.clone();
-        if let Some(t) = item.transforms.iter().find(|t| t.as_str() != ZSTD) {
+        if let Some(t) = transforms.iter().find(|t| t.as_str() != ZSTD) {
             return Err(Error::Unsupported {
                 path,
                 what: format!("{what}: the DCP stream transform '{t}'"),
@@ -170,7 +176,7 @@ impl<'a> Reader<'a> {
             });
         }
         let mut data = self.files[id].read_vec(offset, length)?;
-        for _ in &item.transforms {
+        for _ in transforms {
             data = unzstd(&data, max_decoded)
                 .map_err(|m| Error::corrupt(&path, format!("{what}: {m}")))?;
         }
@@ -190,46 +196,41 @@ impl<'a> Reader<'a> {
             dtype,
             shape,
             chunks,
+            ..
         } = &entry.kind
         else {
             return Err(Error::bad_tensor(self.dir, name, "not a tensor entry"));
         };
         let mut pieces = Vec::with_capacity(chunks.len());
-        let mut files_used = HashSet::new();
+        let mut files_used: HashSet<u32> = HashSet::new();
         let mut compressed = false;
         let elem = dtype.size() as u64;
+        let ndim = shape.len();
         for chunk in chunks {
-            let numel = chunk
-                .sizes
+            let (offsets, sizes) = (md.offsets(chunk, ndim), md.sizes(chunk, ndim));
+            let numel = sizes
                 .iter()
                 .try_fold(1u64, |a, &n| a.checked_mul(n))
                 .and_then(|n| n.checked_mul(elem))
                 .ok_or_else(|| {
-                    Error::bad_tensor(
-                        self.dir,
-                        name,
-                        format!("chunk sizes {:?} overflow", chunk.sizes),
-                    )
+                    Error::bad_tensor(self.dir, name, format!("chunk sizes {sizes:?} overflow"))
                 })?;
             if numel == 0 {
                 continue;
             }
-            let what = format!("tensor '{}' chunk at {:?}", entry.fqn, chunk.offsets);
-            let item = md
-                .items
-                .get(&(entry.fqn.clone(), Some(chunk.offsets.clone())))
-                .ok_or_else(|| {
-                    Error::corrupt(
-                        self.dir.join(".metadata"),
-                        format!("{what} has no storage entry"),
-                    )
-                })?
-                .clone();
+            let what = format!("tensor '{}' chunk at {offsets:?}", entry.fqn);
+            let item = chunk.item.ok_or_else(|| {
+                Error::corrupt(
+                    self.dir.join(".metadata"),
+                    format!("{what} has no storage entry"),
+                )
+            })?;
             // A chunk archive is the tensor's bytes plus a small pickle and zip records.
             let max_decoded = numel.saturating_add(16 << 20);
-            let (file, offset, length) = self.archive(&item, &what, max_decoded)?;
-            files_used.insert(item.file.clone());
-            compressed |= !item.transforms.is_empty();
+            let (file, offset, length) = self.archive(md, &item, &what, max_decoded)?;
+            let plain = md.transforms(&item).is_empty();
+            files_used.insert(item.file_index());
+            compressed |= !plain;
             let blob = self.files[file].clone();
             // Both ends of the archive in one request: they hold the zip records and
             // the pickle, so the parse that follows reads nothing more (tensor bytes,
@@ -247,7 +248,7 @@ impl<'a> Reader<'a> {
             let mut payload = torch::read_zip_payload(&mut archive)?;
             drop(archive);
             self.unsafe_calls.append(&mut payload.unsafe_calls);
-            if item.transforms.is_empty() {
+            if plain {
                 self.parsed += 1;
                 self.prefetch_more();
             }
@@ -261,24 +262,28 @@ impl<'a> Reader<'a> {
                 }
                 Err(m) => return Err(Error::bad_tensor(&blob.path, name, m)),
             };
-            if t.shape != chunk.sizes || t.dtype != *dtype {
+            if t.shape != sizes || t.dtype != *dtype {
                 return Err(Error::bad_tensor(
                     &blob.path,
                     name,
                     format!(
                         "the chunk at {:?} holds a {} {:?} tensor where the metadata says {} {:?}",
-                        chunk.offsets,
+                        offsets,
                         t.dtype.safetensors_name(),
                         t.shape,
                         dtype.safetensors_name(),
-                        chunk.sizes
+                        sizes
                     ),
                 ));
             }
-            pieces.push(payload.piece(file, name, &t, chunk.offsets.clone())?);
+            pieces.push(payload.piece(file, name, &t, offsets.to_vec())?);
         }
         let split: Vec<String> = (0..shape.len())
-            .filter(|&d| chunks.iter().any(|c| c.sizes.get(d) != shape.get(d)))
+            .filter(|&d| {
+                chunks
+                    .iter()
+                    .any(|c| md.sizes(c, ndim).get(d) != shape.get(d))
+            })
             .map(|d| d.to_string())
             .collect();
         let kind = if compressed { "DCP (zstd)" } else { "DCP" };
@@ -308,22 +313,23 @@ impl<'a> Reader<'a> {
 
     /// What a byte entry holds, for `inspect`: small items are unpickled (inertly);
     /// anything unreadable is just described by its size.
-    pub(super) fn describe_bytes(&mut self, md: &Metadata, fqn: &str) -> String {
-        let Some(item) = md.items.get(&(fqn.to_string(), None)).cloned() else {
+    pub(super) fn describe_bytes(&mut self, md: &Metadata, entry: &Entry) -> String {
+        let EntryKind::Bytes { item: Some(item) } = entry.kind else {
             return "non-tensor entry (no storage entry)".into();
         };
+        let fqn = entry.fqn.as_str();
         let fallback = format!("non-tensor entry ({} bytes)", item.length);
         if item.length > 1 << 20 {
             return fallback;
         }
-        let Ok((file, offset, length)) = self.locate(&item, fqn) else {
+        let Ok((file, offset, length)) = self.locate(md, &item, fqn) else {
             return fallback;
         };
         let blob = self.files[file].clone();
         let Ok(mut data) = blob.read_vec(offset, length) else {
             return fallback;
         };
-        for t in &item.transforms {
+        for t in md.transforms(&item) {
             match (t.as_str(), unzstd(&data, 1 << 20)) {
                 (ZSTD, Ok(d)) => data = d,
                 _ => return fallback,

@@ -31,7 +31,7 @@ mod chunks;
 mod metadata;
 
 use chunks::Reader;
-use metadata::{parse_metadata, Entry, EntryKind, Metadata};
+use metadata::{parse_metadata, Entry, EntryKind, Keep, Metadata};
 
 /// Top-level state-dict keys under which trainers put optimizer state.
 const OPTIMIZER_KEYS: &[&str] = &[
@@ -67,11 +67,19 @@ pub fn open(dir: &Path, opts: &OpenOptions) -> Result<Checkpoint> {
 /// [`open`], reading `ends` bytes at each end of every chunk archive up front.
 fn open_with(dir: &Path, opts: &OpenOptions, ends: u64) -> Result<Checkpoint> {
     let meta_path = dir.join(".metadata");
-    let raw = super::fs::read(&meta_path)?;
-    let md = parse_metadata(&meta_path, &raw)?;
-    drop(raw);
+    let key = opts.key.as_deref();
+    let model = Keep::Model {
+        key,
+        optimizer_keys: OPTIMIZER_KEYS,
+    };
+    let mut md = parse_metadata(&meta_path, model)?;
     release_freed_memory();
-    let selection = select(dir, &md, opts.key.as_deref())?;
+    if wants_dropped(dir, &md, key)? {
+        // The guess from the fqns was wrong (the planner's paths put an entry the
+        // merge reads under a key that looked like optimizer state): read it all.
+        md = parse_metadata(&meta_path, Keep::All)?;
+    }
+    let selection = select(dir, &md, key)?;
     let mut reader = Reader::new(dir, ends);
     reader.plan_prefetch(&md, &selection.tensors);
     let mut tensors = Vec::with_capacity(selection.tensors.len());
@@ -80,10 +88,10 @@ fn open_with(dir: &Path, opts: &OpenOptions, ends: u64) -> Result<Checkpoint> {
     }
     let mut extras = Vec::new();
     for e in &md.entries {
-        if matches!(e.kind, EntryKind::Bytes) {
+        if matches!(e.kind, EntryKind::Bytes { .. }) {
             extras.push(Extra {
                 name: e.fqn.clone(),
-                kind: reader.describe_bytes(&md, &e.fqn),
+                kind: reader.describe_bytes(&md, e),
             });
         }
     }
@@ -138,6 +146,18 @@ pub fn find_model_subdir(dir: &Path) -> Result<Option<(PathBuf, Vec<String>)>> {
             )),
         }),
     }
+}
+
+/// Whether the selection holds an entry whose chunks were not kept.
+fn wants_dropped(dir: &Path, md: &Metadata, key: Option<&str>) -> Result<bool> {
+    let dropped = |e: &Entry| matches!(e.kind, EntryKind::Tensor { dropped: true, .. });
+    if !md.entries.iter().any(dropped) {
+        return Ok(false);
+    }
+    Ok(select(dir, md, key)?
+        .tensors
+        .iter()
+        .any(|(_, e)| dropped(e)))
 }
 
 /// What to merge: the tensor entries of the model, with their names in it.

@@ -1,0 +1,409 @@
+//! DCP's dataclasses folded into compact records as the pickle builds them: a
+//! `ChunkStorageMetadata` becomes a chunk of the tensor entry being built (or just a
+//! number, when that entry's chunks are not kept), a `_StorageInfo` stored under a
+//! `MetadataIndex` goes straight onto the chunk it names, and `Metadata` ties the
+//! entries to their keys and planner paths at the end.
+//!
+//! Storage keys find their chunk without a lookup table: DCP's planner uses the
+//! chunk's own `torch.Size` as the key's offsets, so the pickle fetches it from the
+//! memo, where folding the chunk left the chunk's number in its place.
+
+use std::collections::HashMap;
+
+use super::super::{Builder, Chunk, Entry, EntryKind, Item, Keep, Metadata};
+use super::{Class, GiveUp, Memo, OrStop, NO_MEMO, R, V};
+use crate::DType;
+
+/// A `MetadataIndex`: an entry's fqn and, for a chunk, its offsets.
+#[derive(Clone, Debug)]
+pub(super) struct Index {
+    fqn: u32,
+    at: At,
+}
+
+#[derive(Clone, Debug)]
+enum At {
+    /// A byte entry (no offsets).
+    Entry,
+    /// The offsets of a chunk, as fetched from the memo.
+    Chunk(u32),
+    /// Offsets given by value.
+    Dims(Box<[u64]>),
+}
+
+/// A state-dict entry, as folded.
+struct Rec {
+    fqn: u32,
+    kind: Option<EntryKind>,
+    /// Chunk numbers `first..first + count` are this entry's.
+    first: u32,
+    count: u32,
+    ndim: usize,
+    /// Where the next storage key given by value is looked for first.
+    cursor: usize,
+    /// Whether a `state_dict_metadata` key holds it.
+    placed: bool,
+}
+
+/// The tensor entry whose chunks are being built.
+struct Open {
+    fqn: u32,
+    keep: bool,
+    first: u32,
+    count: u32,
+    ndim: Option<usize>,
+    chunks: Vec<Chunk>,
+}
+
+pub(super) struct Fold<'k> {
+    pub(super) keep: Keep<'k>,
+    b: Builder,
+    recs: Vec<Rec>,
+    by_fqn: HashMap<u32, u32>,
+    /// `(first chunk number, record)` of every tensor entry with chunks, ascending.
+    chunk_recs: Vec<(u32, u32)>,
+    next_chunk: u32,
+    open: Option<Open>,
+    /// The `BUILD` state of `Metadata`.
+    meta: Option<Vec<(V, V)>>,
+}
+
+/// The field `name` of a dataclass state (a dict with string keys).
+fn field<'v>(state: &'v [(V, V)], name: &str, strings: &[String]) -> Option<&'v V> {
+    state.iter().rev().find_map(|(k, v)| match k {
+        V::Str(s) if strings.get(*s as usize).is_some_and(|x| x == name) => Some(v),
+        _ => None,
+    })
+}
+
+fn size_of(v: Option<&V>) -> R<&[u64]> {
+    match v {
+        Some(V::Size { dims, .. }) => Ok(dims),
+        _ => Err(GiveUp::Stop),
+    }
+}
+
+fn uint_of(v: Option<&V>) -> R<u64> {
+    match v {
+        Some(V::Int(i)) => u64::try_from(*i).map_err(|_| GiveUp::Stop),
+        _ => Err(GiveUp::Stop),
+    }
+}
+
+fn dtype_of(v: Option<&V>) -> R<DType> {
+    match v {
+        Some(V::Global(Class::DType(d))) => Ok(*d),
+        _ => Err(GiveUp::Stop),
+    }
+}
+
+impl<'k> Fold<'k> {
+    pub(super) fn new(keep: Keep<'k>) -> Self {
+        Fold {
+            keep,
+            b: Builder::new(),
+            recs: Vec::new(),
+            by_fqn: HashMap::new(),
+            chunk_recs: Vec::new(),
+            next_chunk: 0,
+            open: None,
+            meta: None,
+        }
+    }
+
+    /// A `TensorStorageMetadata` stored under `fqn` was made; its chunks follow.
+    pub(super) fn begin_tensor(&mut self, fqn: u32, keep: bool) -> R<()> {
+        if self.open.is_some() {
+            return Err(GiveUp::Stop);
+        }
+        self.open = Some(Open {
+            fqn,
+            keep,
+            first: self.next_chunk,
+            count: 0,
+            ndim: None,
+            chunks: Vec::new(),
+        });
+        Ok(())
+    }
+
+    fn add_rec(&mut self, rec: Rec) -> R<u32> {
+        let id = u32::try_from(self.recs.len()).map_err(|_| GiveUp::Stop)?;
+        if self.by_fqn.insert(rec.fqn, id).is_some() {
+            return Err(GiveUp::Stop);
+        }
+        if rec.count > 0 {
+            self.chunk_recs.push((rec.first, id));
+        }
+        self.recs.push(rec);
+        Ok(id)
+    }
+
+    /// `BUILD` of an object of a known class with `state`.
+    pub(super) fn build(
+        &mut self,
+        class: Class,
+        state: V,
+        memo: &mut Memo,
+        strings: &[String],
+    ) -> R<V> {
+        if let (Class::Properties, V::Tuple(parts)) = (class, &state) {
+            // `TensorProperties.__getstate__`: (dtype, layout, requires_grad, ...).
+            return Ok(V::Properties(dtype_of(parts.first())?));
+        }
+        if class == Class::Bytes {
+            return Ok(V::Obj(Class::Bytes));
+        }
+        let V::Dict(state) = state else {
+            return Err(GiveUp::Stop);
+        };
+        let f = |name: &str| field(&state, name, strings);
+        match class {
+            Class::Properties => Ok(V::Properties(dtype_of(f("dtype"))?)),
+            Class::Chunk => {
+                let (offsets, offsets_memo) = match f("offsets") {
+                    Some(V::Size { dims, memo }) => (dims, *memo),
+                    _ => return Err(GiveUp::Stop),
+                };
+                let sizes = size_of(f("sizes"))?;
+                let open = self.open.as_mut().or_stop()?;
+                if offsets.len() != sizes.len() || open.ndim.is_some_and(|n| n != sizes.len()) {
+                    return Err(GiveUp::Stop);
+                }
+                open.ndim = Some(sizes.len());
+                let id = self.next_chunk;
+                self.next_chunk = id.checked_add(1).or_stop()?;
+                open.count += 1;
+                if open.keep {
+                    let chunk = self.b.chunk(offsets, sizes).or_stop()?;
+                    open.chunks.push(chunk);
+                }
+                if offsets_memo != NO_MEMO {
+                    if let Some(slot) = memo.slot(offsets_memo) {
+                        *slot = V::ChunkOf(id);
+                    }
+                }
+                Ok(V::Chunk(id))
+            }
+            Class::Tensor => {
+                let open = self.open.take().or_stop()?;
+                let V::Properties(dtype) = f("properties").or_stop()? else {
+                    return Err(GiveUp::Stop);
+                };
+                let shape = size_of(f("size"))?.to_vec();
+                let Some(V::List(list)) = f("chunks") else {
+                    return Err(GiveUp::Stop);
+                };
+                let in_order = list.len() == open.count as usize
+                    && list
+                        .iter()
+                        .zip(open.first..)
+                        .all(|(c, n)| matches!(c, V::Chunk(x) if *x == n));
+                if !in_order || open.ndim.is_some_and(|n| n != shape.len()) {
+                    return Err(GiveUp::Stop);
+                }
+                let rec = Rec {
+                    fqn: open.fqn,
+                    first: open.first,
+                    count: open.count,
+                    ndim: shape.len(),
+                    cursor: 0,
+                    placed: false,
+                    kind: Some(EntryKind::Tensor {
+                        dtype: *dtype,
+                        shape,
+                        chunks: open.chunks,
+                        dropped: !open.keep,
+                    }),
+                };
+                Ok(V::Entry(self.add_rec(rec)?))
+            }
+            Class::Index => {
+                let Some(V::Str(fqn)) = f("fqn") else {
+                    return Err(GiveUp::Stop);
+                };
+                let at = match f("offset") {
+                    None | Some(V::None) => At::Entry,
+                    Some(V::ChunkOf(c)) => At::Chunk(*c),
+                    Some(V::Size { dims, .. }) => At::Dims(dims.clone()),
+                    _ => return Err(GiveUp::Stop),
+                };
+                Ok(V::Index(Box::new(Index { fqn: *fqn, at })))
+            }
+            Class::StorageInfo => {
+                let Some(V::Str(file)) = f("relative_path") else {
+                    return Err(GiveUp::Stop);
+                };
+                let offset = uint_of(f("offset"))?;
+                let length = uint_of(f("length"))?;
+                let transforms = match f("transform_descriptors") {
+                    None | Some(V::None) => Vec::new(),
+                    Some(V::List(items)) => strs(items, strings)?,
+                    Some(V::Tuple(items)) => strs(items, strings)?,
+                    _ => return Err(GiveUp::Stop),
+                };
+                let file = strings.get(*file as usize).or_stop()?;
+                let item = self.b.item(file, offset, length, &transforms);
+                Ok(V::Storage(Box::new(item)))
+            }
+            Class::Metadata => {
+                if self.meta.is_some() {
+                    return Err(GiveUp::Stop);
+                }
+                self.meta = Some(*state);
+                Ok(V::Obj(Class::Metadata))
+            }
+            _ => Err(GiveUp::Stop),
+        }
+    }
+
+    /// One `key: value` pair set on a dict. Storage pairs are folded onto their
+    /// chunk (`None`); entries are checked against their key.
+    pub(super) fn pair(&mut self, k: V, v: V, strings: &[String]) -> R<Option<(V, V)>> {
+        let _ = strings;
+        match (k, v) {
+            (V::Index(index), V::Storage(item)) => {
+                self.storage(&index, *item)?;
+                Ok(None)
+            }
+            (V::Str(s), V::Entry(r)) => {
+                let rec = self.recs.get_mut(r as usize).or_stop()?;
+                if rec.fqn != s || rec.placed {
+                    return Err(GiveUp::Stop);
+                }
+                rec.placed = true;
+                Ok(Some((V::Str(s), V::Entry(r))))
+            }
+            (V::Str(s), V::Obj(Class::Bytes)) => {
+                let r = self.add_rec(Rec {
+                    fqn: s,
+                    kind: Some(EntryKind::Bytes { item: None }),
+                    first: 0,
+                    count: 0,
+                    ndim: 0,
+                    cursor: 0,
+                    placed: true,
+                })?;
+                Ok(Some((V::Str(s), V::Entry(r))))
+            }
+            (V::Index(_) | V::Storage(_) | V::Entry(_) | V::Obj(_), _)
+            | (_, V::Index(_) | V::Storage(_) | V::Entry(_) | V::Obj(_)) => Err(GiveUp::Stop),
+            (k, v) => Ok(Some((k, v))),
+        }
+    }
+
+    fn storage(&mut self, index: &Index, item: Item) -> R<()> {
+        let r = match index.at {
+            At::Chunk(c) => {
+                let i = self.chunk_recs.partition_point(|&(first, _)| first <= c);
+                let (_, r) = *self.chunk_recs.get(i.checked_sub(1).or_stop()?).or_stop()?;
+                r
+            }
+            _ => *self.by_fqn.get(&index.fqn).or_stop()?,
+        };
+        let rec = self.recs.get_mut(r as usize).or_stop()?;
+        if rec.fqn != index.fqn {
+            return Err(GiveUp::Stop);
+        }
+        match (&index.at, rec.kind.as_mut().or_stop()?) {
+            (At::Entry, EntryKind::Bytes { item: slot }) => *slot = Some(item),
+            (At::Chunk(_) | At::Dims(_), EntryKind::Tensor { dropped: true, .. }) => {}
+            (At::Chunk(c), EntryKind::Tensor { chunks, .. }) => {
+                let i = c
+                    .checked_sub(rec.first)
+                    .filter(|&i| i < rec.count)
+                    .or_stop()?;
+                chunks.get_mut(i as usize).or_stop()?.item = Some(item);
+            }
+            (At::Dims(d), EntryKind::Tensor { chunks, .. }) => {
+                let i = self
+                    .b
+                    .find_chunk(chunks, rec.ndim, d, rec.cursor)
+                    .or_stop()?;
+                chunks[i].item = Some(item);
+                rec.cursor = i + 1;
+            }
+            _ => return Err(GiveUp::Stop),
+        }
+        Ok(())
+    }
+
+    /// The `Metadata` object the pickle returned, as the compact tables.
+    pub(super) fn finish(mut self, top: V, strings: &[String]) -> R<Metadata> {
+        let (V::Obj(Class::Metadata), Some(state)) = (top, self.meta.take()) else {
+            return Err(GiveUp::Stop);
+        };
+        if self.open.is_some() {
+            return Err(GiveUp::Stop);
+        }
+        let f = |name: &str| field(&state, name, strings);
+        let Some(V::Dict(sdm)) = f("state_dict_metadata") else {
+            return Err(GiveUp::Stop);
+        };
+        match f("storage_data") {
+            Some(V::Dict(rest)) if rest.is_empty() => {}
+            _ => return Err(GiveUp::Stop),
+        }
+        let mut paths: HashMap<u32, Vec<String>> = HashMap::new();
+        match f("planner_data") {
+            Some(V::Dict(planner)) => {
+                for (k, v) in planner.iter() {
+                    let V::Str(k) = k else { continue };
+                    let parts: &[V] = match v {
+                        V::Tuple(p) => p,
+                        V::List(p) => p,
+                        _ => {
+                            paths.remove(k);
+                            continue;
+                        }
+                    };
+                    let path = parts
+                        .iter()
+                        .map(|x| match x {
+                            V::Str(s) => strings.get(*s as usize).cloned(),
+                            V::Int(i) => Some(i.to_string()),
+                            _ => None,
+                        })
+                        .collect::<Option<Vec<String>>>();
+                    match path {
+                        Some(p) if !p.is_empty() => paths.insert(*k, p),
+                        _ => paths.remove(k),
+                    };
+                }
+            }
+            None | Some(V::None) => {}
+            _ => return Err(GiveUp::Stop),
+        }
+        if sdm.len() != self.recs.len() {
+            return Err(GiveUp::Stop);
+        }
+        let mut entries = Vec::with_capacity(sdm.len());
+        for (k, v) in sdm.iter() {
+            let (V::Str(s), V::Entry(r)) = (k, v) else {
+                return Err(GiveUp::Stop);
+            };
+            let kind = self
+                .recs
+                .get_mut(*r as usize)
+                .and_then(|rec| rec.kind.take())
+                .or_stop()?;
+            let fqn = strings.get(*s as usize).or_stop()?.clone();
+            let path = paths.remove(s).unwrap_or_else(|| vec![fqn.clone()]);
+            entries.push(Entry { fqn, path, kind });
+        }
+        let mut md = self.b.md;
+        md.entries = entries;
+        Ok(md)
+    }
+}
+
+fn strs(items: &[V], strings: &[String]) -> R<Vec<String>> {
+    items
+        .iter()
+        .map(|x| match x {
+            V::Str(s) => strings.get(*s as usize).cloned(),
+            _ => None,
+        })
+        .collect::<Option<Vec<String>>>()
+        .or_stop()
+}
