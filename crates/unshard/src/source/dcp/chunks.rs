@@ -12,6 +12,7 @@ use std::io::Read;
 use std::path::Path;
 use std::sync::Arc;
 
+use super::super::bytes::{FilePool, PooledFile};
 use super::super::torch::{self, Leaf};
 use super::super::zip::Archive;
 use super::super::{check_coverage, Blob, FileId, TensorSource};
@@ -37,6 +38,9 @@ pub(super) struct Reader<'a> {
     ends: u64,
     /// What the chunk archives' pickles would run under `torch.load`.
     pub(super) unsafe_calls: Vec<crate::scan::UnsafeCall>,
+    /// When the checkpoint has more files than may be open at once: the pool that
+    /// opens them on demand.
+    pub(super) pool: Option<Arc<FilePool>>,
 }
 
 /// Chunk archives whose ends are asked for ahead of the parse.
@@ -49,8 +53,10 @@ pub(super) const ENDS: u64 = 4 << 10;
 
 impl<'a> Reader<'a> {
     /// A reader of the chunks of the DCP directory `dir`.
-    pub(super) fn new(dir: &'a Path, ends: u64) -> Reader<'a> {
+    /// `max_open` bounds the files kept open at once (`None`: every file stays open).
+    pub(super) fn new(dir: &'a Path, ends: u64, max_open: Option<usize>) -> Reader<'a> {
         Reader {
+            pool: max_open.map(FilePool::new),
             dir,
             files: Vec::new(),
             by_name: HashMap::new(),
@@ -123,7 +129,10 @@ impl<'a> Reader<'a> {
             ));
         }
         let path = self.dir.join(name);
-        let blob = crate::source::fs::open(&path)?;
+        let blob = match &self.pool {
+            Some(pool) => Blob::new(Arc::new(PooledFile::open(&path, pool)?)),
+            None => crate::source::fs::open(&path)?,
+        };
         let id = self.files.len();
         self.files.push(Arc::new(blob));
         self.by_name.insert(name.to_string(), id);

@@ -22,7 +22,9 @@
 
 use std::collections::{HashMap, HashSet};
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
+use super::bytes::FilePool;
 use super::torch;
 use super::{Checkpoint, Extra, Format, OpenOptions};
 use crate::{Error, Result};
@@ -61,11 +63,23 @@ fn release_freed_memory() {
 
 /// Opens a DCP directory and describes the model tensors in it.
 pub fn open(dir: &Path, opts: &OpenOptions) -> Result<Checkpoint> {
-    open_with(dir, opts, chunks::ENDS)
+    open_with(dir, opts, chunks::ENDS, super::bytes::open_file_budget())
 }
 
-/// [`open`], reading `ends` bytes at each end of every chunk archive up front.
-fn open_with(dir: &Path, opts: &OpenOptions, ends: u64) -> Result<Checkpoint> {
+/// [`open`], reading `ends` bytes at each end of every chunk archive up front and
+/// keeping at most `max_open` files open at once when the checkpoint has more (the
+/// rest are opened on demand: 16,384 rank files against a limit of a few thousand).
+fn open_with(dir: &Path, opts: &OpenOptions, ends: u64, max_open: usize) -> Result<Checkpoint> {
+    open_pooled(dir, opts, ends, max_open).map(|(c, _)| c)
+}
+
+/// [`open_with`], also giving the pool files are opened through, if there is one.
+fn open_pooled(
+    dir: &Path,
+    opts: &OpenOptions,
+    ends: u64,
+    max_open: usize,
+) -> Result<(Checkpoint, Option<Arc<FilePool>>)> {
     let meta_path = dir.join(".metadata");
     let key = opts.key.as_deref();
     let model = Keep::Model {
@@ -80,7 +94,8 @@ fn open_with(dir: &Path, opts: &OpenOptions, ends: u64) -> Result<Checkpoint> {
         md = parse_metadata(&meta_path, Keep::All)?;
     }
     let selection = select(dir, &md, key)?;
-    let mut reader = Reader::new(dir, ends);
+    let pooled = md.file_count() > max_open && !super::fs::is_url(dir);
+    let mut reader = Reader::new(dir, ends, pooled.then_some(max_open));
     reader.plan_prefetch(&md, &selection.tensors);
     let mut tensors = Vec::with_capacity(selection.tensors.len());
     for (name, entry) in &selection.tensors {
@@ -98,7 +113,8 @@ fn open_with(dir: &Path, opts: &OpenOptions, ends: u64) -> Result<Checkpoint> {
     extras.extend(selection.extras);
     let mut unsafe_calls = md.unsafe_calls.clone();
     unsafe_calls.append(&mut reader.unsafe_calls);
-    Ok(Checkpoint {
+    let pool = reader.pool.clone();
+    let checkpoint = Checkpoint {
         format: Format::Dcp,
         path: dir.to_path_buf(),
         files: reader.files,
@@ -107,7 +123,8 @@ fn open_with(dir: &Path, opts: &OpenOptions, ends: u64) -> Result<Checkpoint> {
         extras,
         notes: selection.notes,
         unsafe_calls,
-    })
+    };
+    Ok((checkpoint, pool))
 }
 
 /// Finds the one DCP directory inside `dir` that holds a model, as in a HF Trainer
@@ -314,8 +331,8 @@ mod tests {
     fn archives_read_whole_or_record_by_record_give_the_same_tensors() {
         let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/sharded/llama_w3_dcp");
         let opts = OpenOptions::default();
-        let in_memory = open_with(&dir, &opts, u64::MAX).unwrap();
-        let in_map = open_with(&dir, &opts, 0).unwrap();
+        let in_memory = open_with(&dir, &opts, u64::MAX, usize::MAX).unwrap();
+        let in_map = open_with(&dir, &opts, 0, usize::MAX).unwrap();
         let default = open(&dir, &opts).unwrap();
         assert_eq!(default.tensors.len(), in_map.tensors.len());
         for (a, b) in default.tensors.iter().zip(&in_map.tensors) {
@@ -330,5 +347,32 @@ mod tests {
             let (y, _) = read_tensor(&in_map.files, b, b.dtype).unwrap();
             assert_eq!(x, y, "{}", a.name);
         }
+    }
+
+    /// With fewer files allowed open than the checkpoint has, files are opened on
+    /// demand, never more than allowed at once, and every tensor reads the same.
+    #[test]
+    fn files_beyond_the_open_limit_are_opened_on_demand() {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/sharded/llama_w3_dcp");
+        let opts = OpenOptions::default();
+        let all = open_with(&dir, &opts, chunks::ENDS, usize::MAX).unwrap();
+        let (one, pool) = open_pooled(&dir, &opts, chunks::ENDS, 1).unwrap();
+        let pool = pool.unwrap();
+        assert_eq!(all.files.len(), 3);
+        assert_eq!(one.files.len(), 3);
+        for (a, b) in all.tensors.iter().zip(&one.tensors) {
+            assert_eq!(a.pieces, b.pieces, "{}", a.name);
+            let (x, _) = read_tensor(&all.files, a, a.dtype).unwrap();
+            let (y, _) = read_tensor(&one.files, b, b.dtype).unwrap();
+            assert_eq!(x, y, "{}", a.name);
+        }
+        // Every open beyond the first closed another file: one at a time, and the
+        // files were opened again and again as the chunks alternate between ranks.
+        assert!(pool.opens() > 3, "{}", pool.opens());
+        assert_eq!(pool.open_now(), 1);
+        assert!(open_pooled(&dir, &opts, chunks::ENDS, 3)
+            .unwrap()
+            .1
+            .is_none());
     }
 }

@@ -103,6 +103,11 @@ impl Metadata {
             .unwrap_or(&[])
     }
 
+    /// How many files items are stored in.
+    pub(super) fn file_count(&self) -> usize {
+        self.files.len()
+    }
+
     /// The file an item is stored in (relative to the checkpoint directory).
     pub(super) fn file(&self, item: &Item) -> &str {
         self.files
