@@ -16,6 +16,8 @@ fn metadata_files() -> Vec<PathBuf> {
     [
         "sharded/llama_w2_dcp",
         "sharded/llama_w3_dcp",
+        "sharded/llama_w8_dcp",
+        "sharded/wide_metadata",
         "sharded/llama_hsdp_2x2_dcp",
         "sharded/llama_w2_dcp_with_optim",
         "sharded/llama_w2_dcp_zstd",

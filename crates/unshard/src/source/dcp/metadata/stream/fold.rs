@@ -4,14 +4,15 @@
 //! `MetadataIndex` goes straight onto the chunk it names, and `Metadata` ties the
 //! entries to their keys and planner paths at the end.
 //!
-//! Storage keys find their chunk without a lookup table: DCP's planner uses the
-//! chunk's own `torch.Size` as the key's offsets, so the pickle fetches it from the
-//! memo, where folding the chunk left the chunk's number in its place.
+//! A storage key names its chunk by fqn and offsets (`MetadataIndex.__post_init__`
+//! makes a new `torch.Size` of them, so they are never shared with the chunk): the
+//! entry is found by fqn and the chunk by offsets, looked for first just after the
+//! previous one found, as storage keys usually follow the chunks' order.
 
 use std::collections::HashMap;
 
 use super::super::{Builder, Chunk, Entry, EntryKind, Item, Keep, Metadata};
-use super::{Class, GiveUp, Memo, OrStop, NO_MEMO, R, V};
+use super::{Class, GiveUp, OrStop, R, V};
 use crate::DType;
 
 /// A `MetadataIndex`: an entry's fqn and, for a chunk, its offsets.
@@ -25,9 +26,7 @@ pub(super) struct Index {
 enum At {
     /// A byte entry (no offsets).
     Entry,
-    /// The offsets of a chunk, as fetched from the memo.
-    Chunk(u32),
-    /// Offsets given by value.
+    /// A chunk, by its offsets.
     Dims(Box<[u64]>),
 }
 
@@ -35,9 +34,6 @@ enum At {
 struct Rec {
     fqn: u32,
     kind: Option<EntryKind>,
-    /// Chunk numbers `first..first + count` are this entry's.
-    first: u32,
-    count: u32,
     ndim: usize,
     /// Where the next storage key given by value is looked for first.
     cursor: usize,
@@ -49,8 +45,8 @@ struct Rec {
 struct Open {
     fqn: u32,
     keep: bool,
-    first: u32,
-    count: u32,
+    /// Chunks folded so far (kept or not).
+    count: usize,
     ndim: Option<usize>,
     chunks: Vec<Chunk>,
 }
@@ -60,9 +56,6 @@ pub(super) struct Fold<'k> {
     b: Builder,
     recs: Vec<Rec>,
     by_fqn: HashMap<u32, u32>,
-    /// `(first chunk number, record)` of every tensor entry with chunks, ascending.
-    chunk_recs: Vec<(u32, u32)>,
-    next_chunk: u32,
     open: Option<Open>,
     /// The `BUILD` state of `Metadata`.
     meta: Option<Vec<(V, V)>>,
@@ -78,7 +71,7 @@ fn field<'v>(state: &'v [(V, V)], name: &str, strings: &[String]) -> Option<&'v 
 
 fn size_of(v: Option<&V>) -> R<&[u64]> {
     match v {
-        Some(V::Size { dims, .. }) => Ok(dims),
+        Some(V::Size(dims)) => Ok(dims),
         _ => Err(GiveUp::Stop),
     }
 }
@@ -104,8 +97,6 @@ impl<'k> Fold<'k> {
             b: Builder::new(),
             recs: Vec::new(),
             by_fqn: HashMap::new(),
-            chunk_recs: Vec::new(),
-            next_chunk: 0,
             open: None,
             meta: None,
         }
@@ -119,7 +110,6 @@ impl<'k> Fold<'k> {
         self.open = Some(Open {
             fqn,
             keep,
-            first: self.next_chunk,
             count: 0,
             ndim: None,
             chunks: Vec::new(),
@@ -132,21 +122,12 @@ impl<'k> Fold<'k> {
         if self.by_fqn.insert(rec.fqn, id).is_some() {
             return Err(GiveUp::Stop);
         }
-        if rec.count > 0 {
-            self.chunk_recs.push((rec.first, id));
-        }
         self.recs.push(rec);
         Ok(id)
     }
 
     /// `BUILD` of an object of a known class with `state`.
-    pub(super) fn build(
-        &mut self,
-        class: Class,
-        state: V,
-        memo: &mut Memo,
-        strings: &[String],
-    ) -> R<V> {
+    pub(super) fn build(&mut self, class: Class, state: V, strings: &[String]) -> R<V> {
         if let (Class::Properties, V::Tuple(parts)) = (class, &state) {
             // `TensorProperties.__getstate__`: (dtype, layout, requires_grad, ...).
             return Ok(V::Properties(dtype_of(parts.first())?));
@@ -161,29 +142,20 @@ impl<'k> Fold<'k> {
         match class {
             Class::Properties => Ok(V::Properties(dtype_of(f("dtype"))?)),
             Class::Chunk => {
-                let (offsets, offsets_memo) = match f("offsets") {
-                    Some(V::Size { dims, memo }) => (dims, *memo),
-                    _ => return Err(GiveUp::Stop),
-                };
+                let offsets = size_of(f("offsets"))?;
                 let sizes = size_of(f("sizes"))?;
                 let open = self.open.as_mut().or_stop()?;
                 if offsets.len() != sizes.len() || open.ndim.is_some_and(|n| n != sizes.len()) {
                     return Err(GiveUp::Stop);
                 }
                 open.ndim = Some(sizes.len());
-                let id = self.next_chunk;
-                self.next_chunk = id.checked_add(1).or_stop()?;
+                let n = open.count;
                 open.count += 1;
                 if open.keep {
                     let chunk = self.b.chunk(offsets, sizes).or_stop()?;
                     open.chunks.push(chunk);
                 }
-                if offsets_memo != NO_MEMO {
-                    if let Some(slot) = memo.slot(offsets_memo) {
-                        *slot = V::ChunkOf(id);
-                    }
-                }
-                Ok(V::Chunk(id))
+                Ok(V::Chunk(u32::try_from(n).map_err(|_| GiveUp::Stop)?))
             }
             Class::Tensor => {
                 let open = self.open.take().or_stop()?;
@@ -194,18 +166,17 @@ impl<'k> Fold<'k> {
                 let Some(V::List(list)) = f("chunks") else {
                     return Err(GiveUp::Stop);
                 };
-                let in_order = list.len() == open.count as usize
+                // The list holds the chunks folded since the entry was made, in order.
+                let in_order = list.len() == open.count
                     && list
                         .iter()
-                        .zip(open.first..)
+                        .zip(0u32..)
                         .all(|(c, n)| matches!(c, V::Chunk(x) if *x == n));
                 if !in_order || open.ndim.is_some_and(|n| n != shape.len()) {
                     return Err(GiveUp::Stop);
                 }
                 let rec = Rec {
                     fqn: open.fqn,
-                    first: open.first,
-                    count: open.count,
                     ndim: shape.len(),
                     cursor: 0,
                     placed: false,
@@ -224,8 +195,7 @@ impl<'k> Fold<'k> {
                 };
                 let at = match f("offset") {
                     None | Some(V::None) => At::Entry,
-                    Some(V::ChunkOf(c)) => At::Chunk(*c),
-                    Some(V::Size { dims, .. }) => At::Dims(dims.clone()),
+                    Some(V::Size(dims)) => At::Dims(dims.clone()),
                     _ => return Err(GiveUp::Stop),
                 };
                 Ok(V::Index(Box::new(Index { fqn: *fqn, at })))
@@ -278,8 +248,6 @@ impl<'k> Fold<'k> {
                 let r = self.add_rec(Rec {
                     fqn: s,
                     kind: Some(EntryKind::Bytes { item: None }),
-                    first: 0,
-                    count: 0,
                     ndim: 0,
                     cursor: 0,
                     placed: true,
@@ -293,28 +261,11 @@ impl<'k> Fold<'k> {
     }
 
     fn storage(&mut self, index: &Index, item: Item) -> R<()> {
-        let r = match index.at {
-            At::Chunk(c) => {
-                let i = self.chunk_recs.partition_point(|&(first, _)| first <= c);
-                let (_, r) = *self.chunk_recs.get(i.checked_sub(1).or_stop()?).or_stop()?;
-                r
-            }
-            _ => *self.by_fqn.get(&index.fqn).or_stop()?,
-        };
+        let r = *self.by_fqn.get(&index.fqn).or_stop()?;
         let rec = self.recs.get_mut(r as usize).or_stop()?;
-        if rec.fqn != index.fqn {
-            return Err(GiveUp::Stop);
-        }
         match (&index.at, rec.kind.as_mut().or_stop()?) {
             (At::Entry, EntryKind::Bytes { item: slot }) => *slot = Some(item),
-            (At::Chunk(_) | At::Dims(_), EntryKind::Tensor { dropped: true, .. }) => {}
-            (At::Chunk(c), EntryKind::Tensor { chunks, .. }) => {
-                let i = c
-                    .checked_sub(rec.first)
-                    .filter(|&i| i < rec.count)
-                    .or_stop()?;
-                chunks.get_mut(i as usize).or_stop()?.item = Some(item);
-            }
+            (At::Dims(_), EntryKind::Tensor { dropped: true, .. }) => {}
             (At::Dims(d), EntryKind::Tensor { chunks, .. }) => {
                 let i = self
                     .b

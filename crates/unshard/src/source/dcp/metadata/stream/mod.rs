@@ -146,8 +146,7 @@ fn classify(module: &str, name: &str) -> Option<Class> {
 }
 
 /// A value on the stack: small, with the DCP dataclasses already folded. Lists and
-/// dicts are boxed vectors so that a value is 24 bytes (a memo entry of every
-/// chunk's offsets is one of these until the chunk is folded).
+/// dicts are boxed vectors so that a value is 24 bytes.
 #[derive(Clone, Debug)]
 #[allow(clippy::box_collection)]
 enum V {
@@ -159,16 +158,11 @@ enum V {
     Tuple(Box<[V]>),
     List(Box<Vec<V>>),
     Dict(Box<Vec<(V, V)>>),
-    /// `torch.Size(dims)`, with the memo key it was stored under, if fetched again.
-    Size {
-        dims: Box<[u64]>,
-        memo: u32,
-    },
-    /// The offsets of a chunk, fetched from the memo by a storage key.
-    ChunkOf(u32),
+    /// `torch.Size(dims)`.
+    Size(Box<[u64]>),
     /// A known class made by `NEWOBJ`, waiting for its `BUILD`.
     Obj(Class),
-    /// A `ChunkStorageMetadata`, by chunk number.
+    /// A `ChunkStorageMetadata`, by its place in its tensor entry.
     Chunk(u32),
     /// `TensorProperties`: all that is needed of it is the dtype.
     Properties(DType),
@@ -181,8 +175,6 @@ enum V {
     /// Anything else: never looked into.
     Other,
 }
-
-const NO_MEMO: u32 = u32::MAX;
 
 /// What the memo keeps of a value, for the keys fetched again.
 struct Memo {
@@ -200,9 +192,9 @@ impl Memo {
         Ok(())
     }
 
-    fn slot(&mut self, key: u32) -> Option<&mut V> {
+    fn get(&self, key: u32) -> Option<&V> {
         let i = self.keys.binary_search(&key).ok()?;
-        self.values.get_mut(i)
+        self.values.get(i)
     }
 }
 
@@ -279,7 +271,6 @@ impl<'a, 'k> Machine<'a, 'k> {
             // Containers and objects still being filled in would be seen changed
             // through the memo: the full reader shares them, this one does not.
             V::List(_) | V::Dict(_) | V::Obj(_) => return Err(GiveUp::Stop),
-            V::Size { memo, .. } => *memo = key,
             _ => {}
         }
         let v = top.clone();
@@ -376,7 +367,7 @@ impl<'a, 'k> Machine<'a, 'k> {
                 }
                 BINGET | LONG_BINGET => {
                     let key = self.input.uint(if op == BINGET { 1 } else { 4 })? as u32;
-                    let v = self.memo.slot(key).or_stop()?.clone();
+                    let v = self.memo.get(key).or_stop()?.clone();
                     self.stack.push(v);
                 }
                 STACK_GLOBAL => {
@@ -466,17 +457,15 @@ impl<'a, 'k> Machine<'a, 'k> {
                         return Err(GiveUp::Stop);
                     };
                     let v = match (class, &args[..]) {
-                        (Class::Size, [V::Tuple(dims)]) => V::Size {
-                            dims: dims
-                                .iter()
+                        (Class::Size, [V::Tuple(dims)]) => V::Size(
+                            dims.iter()
                                 .map(|d| match d {
                                     V::Int(i) => u64::try_from(*i).ok(),
                                     _ => None,
                                 })
                                 .collect::<Option<Box<[u64]>>>()
                                 .or_stop()?,
-                            memo: NO_MEMO,
-                        },
+                        ),
                         (Class::Opaque, _) => V::Other,
                         _ => return Err(GiveUp::Stop),
                     };
@@ -487,10 +476,7 @@ impl<'a, 'k> Machine<'a, 'k> {
                     let obj = self.pop()?;
                     let v = match obj {
                         V::Other => V::Other,
-                        V::Obj(class) => {
-                            self.fold
-                                .build(class, state, &mut self.memo, &self.strings)?
-                        }
+                        V::Obj(class) => self.fold.build(class, state, &self.strings)?,
                         _ => return Err(GiveUp::Stop),
                     };
                     self.stack.push(v);
