@@ -37,6 +37,7 @@ import datetime
 import json
 import os
 import platform
+import resource
 import shutil
 import statistics
 import subprocess
@@ -85,10 +86,15 @@ def du(path):
     return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs)
 
 
-def measure(cmd):
-    """Runs cmd; returns (wall seconds, peak RSS bytes, seconds of the sync after, stderr)."""
+def measure(cmd, nofile=None):
+    """Runs cmd (with the limit on open files set to nofile, soft and hard, if given);
+    returns (wall seconds, peak RSS bytes, seconds of the sync after, stderr)."""
+    def limit():
+        if nofile:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile))
     t0 = time.perf_counter()
-    p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                         preexec_fn=limit)
     # wait4 gives this child's own rusage: ru_maxrss is its peak RSS in KiB.
     err = p.stderr.read()
     _, status, ru = os.wait4(p.pid, 0)
@@ -199,7 +205,8 @@ def run(args):
                         if tool not in ("cp", "read"):
                             read_all(base)
                         subprocess.run(["sync"], check=True)
-                    wall, rss, flush, _ = measure(make_cmd(out))
+                    nofile = args.nofile if tool.startswith("unshard") else None
+                    wall, rss, flush, _ = measure(make_cmd(out), nofile)
                     runs[tool].append((wall, rss, flush))
                     print("  %s %-24s %-8s run %d: %6.2f s (+sync %5.2f s), peak RSS %s"
                           % (os.path.basename(data), label, tool, rep + 1, wall, flush,
@@ -279,6 +286,10 @@ def main():
     ap.add_argument("--work", default="/tmp/unshard-bench",
                     help="where outputs go (removed after each run); put it on the inputs' disk")
     ap.add_argument("--json", help="also write the results here")
+    ap.add_argument("--nofile", type=int,
+                    help="run the unshard rows with this hard limit on open files (ulimit -n)")
+    ap.add_argument("--note", default="",
+                    help="a note kept in the JSON (e.g. that the machine was shared)")
     ap.add_argument("--compare", action="append", default=[], metavar="NAME=PATH",
                     help="another unshard build to run beside the first (repeatable)")
     ap.add_argument("--name", default=TOOL_NAMES["unshard"],
@@ -300,8 +311,8 @@ def main():
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(machine=machine(), cache=cache, repeat=args.repeat,
-                           date=datetime.date.today().isoformat(),
-                           results=[{k: v for k, v in r.items() if k != "meta"} for r in results]),
+                           date=datetime.date.today().isoformat(), note=args.note,
+                           nofile=args.nofile, results=results),
                       f, indent=2)
 
 

@@ -17,6 +17,7 @@ use super::super::torch::{self, Leaf};
 use super::super::zip::Archive;
 use super::super::{check_coverage, Blob, FileId, TensorSource};
 use super::metadata::{Entry, EntryKind, Item, Metadata};
+use super::template::Templates;
 use crate::{Error, Result};
 
 /// The transform DCP's `ZStandard` extension records on each item it compressed.
@@ -41,6 +42,9 @@ pub(super) struct Reader<'a> {
     /// When the checkpoint has more files than may be open at once: the pool that
     /// opens them on demand.
     pub(super) pool: Option<Arc<FilePool>>,
+    /// Parsed archives that others of the same structure are checked against
+    /// (`None`: every archive is parsed).
+    pub(super) templates: Option<Templates>,
 }
 
 /// Chunk archives whose ends are asked for ahead of the parse.
@@ -54,8 +58,14 @@ pub(super) const ENDS: u64 = 4 << 10;
 impl<'a> Reader<'a> {
     /// A reader of the chunks of the DCP directory `dir`.
     /// `max_open` bounds the files kept open at once (`None`: every file stays open).
-    pub(super) fn new(dir: &'a Path, ends: u64, max_open: Option<usize>) -> Reader<'a> {
+    pub(super) fn new(
+        dir: &'a Path,
+        ends: u64,
+        max_open: Option<usize>,
+        templates: bool,
+    ) -> Reader<'a> {
         Reader {
+            templates: templates.then(Templates::default),
             pool: max_open.map(FilePool::new),
             dir,
             files: Vec::new(),
@@ -254,8 +264,17 @@ impl<'a> Reader<'a> {
                     hint: Some("save with the default FileSystemWriter, or convert with torch.distributed.checkpoint.format_utils.dcp_to_torch_save".into()),
                 });
             }
+            if let (true, Some(templates)) = (plain, &mut self.templates) {
+                let piece = templates.piece(&archive, self.ends, *dtype, sizes, file, offsets)?;
+                if let Some(piece) = piece {
+                    self.parsed += 1;
+                    self.prefetch_more();
+                    pieces.push(piece);
+                    continue;
+                }
+            }
             let mut payload = torch::read_zip_payload(&mut archive)?;
-            drop(archive);
+            let clean = payload.unsafe_calls.is_empty() && payload.inflated.is_empty();
             self.unsafe_calls.append(&mut payload.unsafe_calls);
             if plain {
                 self.parsed += 1;
@@ -285,7 +304,12 @@ impl<'a> Reader<'a> {
                     ),
                 ));
             }
-            pieces.push(payload.piece(file, name, &t, offsets.to_vec())?);
+            let piece = payload.piece(file, name, &t, offsets.to_vec())?;
+            if let (true, true, Some(templates)) = (plain, clean, &mut self.templates) {
+                templates.learn(&mut archive, self.ends, &piece)?;
+            }
+            drop(archive);
+            pieces.push(piece);
         }
         let split: Vec<String> = (0..shape.len())
             .filter(|&d| {

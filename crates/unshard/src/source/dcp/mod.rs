@@ -31,6 +31,7 @@ use crate::{Error, Result};
 
 mod chunks;
 mod metadata;
+mod template;
 
 use chunks::Reader;
 use metadata::{parse_metadata, Entry, EntryKind, Keep, Metadata};
@@ -63,23 +64,42 @@ fn release_freed_memory() {
 
 /// Opens a DCP directory and describes the model tensors in it.
 pub fn open(dir: &Path, opts: &OpenOptions) -> Result<Checkpoint> {
-    open_with(dir, opts, chunks::ENDS, super::bytes::open_file_budget())
+    open_tuned(dir, opts, &Tuning::default()).map(|(c, _)| c)
 }
 
-/// [`open`], reading `ends` bytes at each end of every chunk archive up front and
-/// keeping at most `max_open` files open at once when the checkpoint has more (the
-/// rest are opened on demand: 16,384 rank files against a limit of a few thousand).
-fn open_with(dir: &Path, opts: &OpenOptions, ends: u64, max_open: usize) -> Result<Checkpoint> {
-    open_pooled(dir, opts, ends, max_open).map(|(c, _)| c)
-}
-
-/// [`open_with`], also giving the pool files are opened through, if there is one.
-fn open_pooled(
-    dir: &Path,
-    opts: &OpenOptions,
+/// How [`open`] reads: the defaults, or what a test wants to compare them with.
+struct Tuning {
+    /// Bytes read at each end of every chunk archive up front.
     ends: u64,
+    /// Files kept open at once when the checkpoint has more (the rest are opened on
+    /// demand: 16,384 rank files against a limit of a few thousand).
     max_open: usize,
-) -> Result<(Checkpoint, Option<Arc<FilePool>>)> {
+    /// Whether archives are checked against a parsed one of the same structure
+    /// instead of each being parsed.
+    templates: bool,
+}
+
+impl Default for Tuning {
+    fn default() -> Self {
+        Tuning {
+            ends: chunks::ENDS,
+            max_open: super::bytes::open_file_budget(),
+            templates: true,
+        }
+    }
+}
+
+/// Statistics of an open, for tests: the file pool, if one was used, and how many
+/// archives were taken from a template.
+#[cfg_attr(not(test), allow(dead_code))]
+struct Opened {
+    pool: Option<Arc<FilePool>>,
+    template_hits: u64,
+}
+
+/// [`open`], tuned.
+fn open_tuned(dir: &Path, opts: &OpenOptions, tuning: &Tuning) -> Result<(Checkpoint, Opened)> {
+    let (ends, max_open) = (tuning.ends, tuning.max_open);
     let meta_path = dir.join(".metadata");
     let key = opts.key.as_deref();
     let model = Keep::Model {
@@ -95,7 +115,7 @@ fn open_pooled(
     }
     let selection = select(dir, &md, key)?;
     let pooled = md.file_count() > max_open && !super::fs::is_url(dir);
-    let mut reader = Reader::new(dir, ends, pooled.then_some(max_open));
+    let mut reader = Reader::new(dir, ends, pooled.then_some(max_open), tuning.templates);
     reader.plan_prefetch(&md, &selection.tensors);
     let mut tensors = Vec::with_capacity(selection.tensors.len());
     for (name, entry) in &selection.tensors {
@@ -113,7 +133,10 @@ fn open_pooled(
     extras.extend(selection.extras);
     let mut unsafe_calls = md.unsafe_calls.clone();
     unsafe_calls.append(&mut reader.unsafe_calls);
-    let pool = reader.pool.clone();
+    let opened = Opened {
+        pool: reader.pool.clone(),
+        template_hits: reader.templates.as_ref().map_or(0, |t| t.hits),
+    };
     let checkpoint = Checkpoint {
         format: Format::Dcp,
         path: dir.to_path_buf(),
@@ -124,7 +147,7 @@ fn open_pooled(
         notes: selection.notes,
         unsafe_calls,
     };
-    Ok((checkpoint, pool))
+    Ok((checkpoint, opened))
 }
 
 /// Finds the one DCP directory inside `dir` that holds a model, as in a HF Trainer
@@ -331,8 +354,16 @@ mod tests {
     fn archives_read_whole_or_record_by_record_give_the_same_tensors() {
         let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/sharded/llama_w3_dcp");
         let opts = OpenOptions::default();
-        let in_memory = open_with(&dir, &opts, u64::MAX, usize::MAX).unwrap();
-        let in_map = open_with(&dir, &opts, 0, usize::MAX).unwrap();
+        let tuned = |ends, templates| {
+            let t = Tuning {
+                ends,
+                templates,
+                ..Tuning::default()
+            };
+            open_tuned(&dir, &opts, &t).unwrap().0
+        };
+        let in_memory = tuned(u64::MAX, false);
+        let in_map = tuned(0, false);
         let default = open(&dir, &opts).unwrap();
         assert_eq!(default.tensors.len(), in_map.tensors.len());
         for (a, b) in default.tensors.iter().zip(&in_map.tensors) {
@@ -355,9 +386,13 @@ mod tests {
     fn files_beyond_the_open_limit_are_opened_on_demand() {
         let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/sharded/llama_w3_dcp");
         let opts = OpenOptions::default();
-        let all = open_with(&dir, &opts, chunks::ENDS, usize::MAX).unwrap();
-        let (one, pool) = open_pooled(&dir, &opts, chunks::ENDS, 1).unwrap();
-        let pool = pool.unwrap();
+        let max_open = |max_open| Tuning {
+            max_open,
+            ..Tuning::default()
+        };
+        let (all, _) = open_tuned(&dir, &opts, &max_open(usize::MAX)).unwrap();
+        let (one, opened) = open_tuned(&dir, &opts, &max_open(1)).unwrap();
+        let pool = opened.pool.unwrap();
         assert_eq!(all.files.len(), 3);
         assert_eq!(one.files.len(), 3);
         for (a, b) in all.tensors.iter().zip(&one.tensors) {
@@ -370,9 +405,36 @@ mod tests {
         // files were opened again and again as the chunks alternate between ranks.
         assert!(pool.opens() > 3, "{}", pool.opens());
         assert_eq!(pool.open_now(), 1);
-        assert!(open_pooled(&dir, &opts, chunks::ENDS, 3)
+        assert!(open_tuned(&dir, &opts, &max_open(3))
             .unwrap()
             .1
+            .pool
             .is_none());
+    }
+
+    /// Archives checked against a parsed one of the same structure give the pieces
+    /// parsing each gives, and most of the eight ranks' archives are taken that way.
+    #[test]
+    fn archives_like_a_parsed_one_give_the_pieces_parsing_gives() {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/sharded/llama_w8_dcp");
+        let opts = OpenOptions::default();
+        let with = |templates| Tuning {
+            templates,
+            ..Tuning::default()
+        };
+        let (parsed, p) = open_tuned(&dir, &opts, &with(false)).unwrap();
+        let (checked, c) = open_tuned(&dir, &opts, &with(true)).unwrap();
+        assert_eq!(p.template_hits, 0);
+        let chunks: usize = parsed.tensors.iter().map(|t| t.pieces.len()).sum();
+        assert!(
+            c.template_hits as usize > chunks / 2,
+            "{} of {chunks}",
+            c.template_hits
+        );
+        assert_eq!(parsed.tensors.len(), checked.tensors.len());
+        for (a, b) in parsed.tensors.iter().zip(&checked.tensors) {
+            assert_eq!(a.name, b.name);
+            assert_eq!(a.pieces, b.pieces, "{}", a.name);
+        }
     }
 }
