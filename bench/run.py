@@ -194,8 +194,11 @@ def run(args):
                 rows.append(("python", lambda out, src=src, mode=mode: [
                     args.python, pipeline, mode, src, base, out]))
             runs = {tool: [] for tool, _ in rows}
+            failed = {}
             for rep in range(args.repeat):
                 for tool, make_cmd in rows:
+                    if tool in failed:
+                        continue
                     out = os.path.join(work, "%s-%s" % (kind, tool))
                     shutil.rmtree(out, ignore_errors=True)
                     if cache == "cold":
@@ -206,13 +209,27 @@ def run(args):
                             read_all(base)
                         subprocess.run(["sync"], check=True)
                     nofile = args.nofile if tool.startswith("unshard") else None
-                    wall, rss, flush, _ = measure(make_cmd(out), nofile)
+                    try:
+                        wall, rss, flush, _ = measure(make_cmd(out), nofile)
+                    except RuntimeError as e:
+                        # Kept as a result (a build that cannot read the input, or
+                        # not within the limit on open files), not an abort.
+                        failed[tool] = str(e).strip().splitlines()[-1][-300:]
+                        print("  %s %-24s %-8s failed: %s" % (
+                            os.path.basename(data), label, tool, failed[tool]), flush=True)
+                        shutil.rmtree(out, ignore_errors=True)
+                        continue
                     runs[tool].append((wall, rss, flush))
                     print("  %s %-24s %-8s run %d: %6.2f s (+sync %5.2f s), peak RSS %s"
                           % (os.path.basename(data), label, tool, rep + 1, wall, flush,
                              fmt_bytes(rss)), flush=True)
                     shutil.rmtree(out, ignore_errors=True)
             for tool, rs in runs.items():
+                if not rs:
+                    results.append(dict(data=data, meta=meta, kind=kind, label=label,
+                                        input_bytes=size, tool=tool,
+                                        skipped="failed: %s" % failed.get(tool, "?")))
+                    continue
                 results.append(dict(
                     data=data, meta=meta, kind=kind, label=label, input_bytes=size, tool=tool,
                     wall=statistics.median(r[0] for r in rs),

@@ -88,14 +88,14 @@ impl<'a> Reader<'a> {
     /// do not open are left for the parse to report.
     pub(super) fn plan_prefetch(&mut self, md: &Metadata, tensors: &[(String, &Entry)]) {
         for (_, entry) in tensors {
-            let EntryKind::Tensor { chunks, shape, .. } = &entry.kind else {
+            let EntryKind::Tensor { chunks, .. } = &entry.kind else {
                 continue;
             };
-            for chunk in chunks {
+            for chunk in &chunks.list {
                 let Some(item) = &chunk.item else {
                     continue;
                 };
-                if md.sizes(chunk, shape.len()).contains(&0) || !md.transforms(item).is_empty() {
+                if chunks.sizes(chunk).contains(&0) || !md.transforms(item).is_empty() {
                     continue;
                 }
                 if let Ok(id) = self.file(md.file(item), &entry.fqn) {
@@ -220,13 +220,12 @@ impl<'a> Reader<'a> {
         else {
             return Err(Error::bad_tensor(self.dir, name, "not a tensor entry"));
         };
-        let mut pieces = Vec::with_capacity(chunks.len());
+        let mut pieces = Vec::with_capacity(chunks.list.len());
         let mut files_used: HashSet<u32> = HashSet::new();
         let mut compressed = false;
         let elem = dtype.size() as u64;
-        let ndim = shape.len();
-        for chunk in chunks {
-            let (offsets, sizes) = (md.offsets(chunk, ndim), md.sizes(chunk, ndim));
+        for chunk in &chunks.list {
+            let (offsets, sizes) = (chunks.offsets(chunk), chunks.sizes(chunk));
             let numel = sizes
                 .iter()
                 .try_fold(1u64, |a, &n| a.checked_mul(n))
@@ -314,8 +313,9 @@ impl<'a> Reader<'a> {
         let split: Vec<String> = (0..shape.len())
             .filter(|&d| {
                 chunks
+                    .list
                     .iter()
-                    .any(|c| md.sizes(c, ndim).get(d) != shape.get(d))
+                    .any(|c| chunks.sizes(c).get(d) != shape.get(d))
             })
             .map(|d| d.to_string())
             .collect();

@@ -116,10 +116,21 @@ fn open_tuned(dir: &Path, opts: &OpenOptions, tuning: &Tuning) -> Result<(Checkp
     let selection = select(dir, &md, key)?;
     let pooled = md.file_count() > max_open && !super::fs::is_url(dir);
     let mut reader = Reader::new(dir, ends, pooled.then_some(max_open), tuning.templates);
-    reader.plan_prefetch(&md, &selection.tensors);
+    let chosen: Vec<(String, &Entry)> = selection
+        .tensors
+        .iter()
+        .map(|(name, i)| (name.clone(), &md.entries[*i]))
+        .collect();
+    reader.plan_prefetch(&md, &chosen);
+    drop(chosen);
     let mut tensors = Vec::with_capacity(selection.tensors.len());
-    for (name, entry) in &selection.tensors {
-        tensors.push(reader.tensor(&md, name, entry)?);
+    for (name, i) in &selection.tensors {
+        tensors.push(reader.tensor(&md, name, &md.entries[*i])?);
+        // Its pieces now say all the chunks said: a checkpoint of many chunks
+        // holds one or the other, not both.
+        if let EntryKind::Tensor { chunks, .. } = &mut md.entries[*i].kind {
+            chunks.clear();
+        }
     }
     let mut extras = Vec::new();
     for e in &md.entries {
@@ -197,13 +208,14 @@ fn wants_dropped(dir: &Path, md: &Metadata, key: Option<&str>) -> Result<bool> {
     Ok(select(dir, md, key)?
         .tensors
         .iter()
-        .any(|(_, e)| dropped(e)))
+        .any(|(_, i)| dropped(&md.entries[*i])))
 }
 
-/// What to merge: the tensor entries of the model, with their names in it.
-struct Selection<'a> {
+/// What to merge: the tensor entries of the model (indexes in the metadata's
+/// entries), with their names in it.
+struct Selection {
     key: Option<String>,
-    tensors: Vec<(String, &'a Entry)>,
+    tensors: Vec<(String, usize)>,
     extras: Vec<Extra>,
     notes: Vec<String>,
 }
@@ -222,7 +234,7 @@ fn is_optimizer_group(g: &str) -> bool {
 
 /// Picks the model's tensors: under `--key` when given, else the top level, else
 /// the one non-optimizer group holding tensors (or the first of the usual wrapper keys).
-fn select<'a>(dir: &Path, md: &'a Metadata, key: Option<&str>) -> Result<Selection<'a>> {
+fn select(dir: &Path, md: &Metadata, key: Option<&str>) -> Result<Selection> {
     let is_tensor = |e: &Entry| matches!(e.kind, EntryKind::Tensor { .. });
     let mut groups: Vec<Option<&str>> = Vec::new();
     for e in md.entries.iter().filter(|e| is_tensor(e)) {
@@ -253,13 +265,13 @@ fn select<'a>(dir: &Path, md: &'a Metadata, key: Option<&str>) -> Result<Selecti
     let mut tensors = Vec::new();
     let mut extras = Vec::new();
     let mut skipped: HashMap<&str, usize> = HashMap::new();
-    for e in md.entries.iter().filter(|e| is_tensor(e)) {
+    for (i, e) in md.entries.iter().enumerate().filter(|(_, e)| is_tensor(e)) {
         let mine = match chosen {
             Some(_) => e.fqn.strip_prefix(&prefix),
             None => group_of(e).is_none().then_some(e.fqn.as_str()),
         };
         match (mine, group_of(e)) {
-            (Some(name), _) => tensors.push((name.to_string(), e)),
+            (Some(name), _) => tensors.push((name.to_string(), i)),
             (None, Some(g)) if is_optimizer_group(g) => *skipped.entry(g).or_insert(0) += 1,
             (None, _) => {
                 if let EntryKind::Tensor { dtype, shape, .. } = &e.kind {

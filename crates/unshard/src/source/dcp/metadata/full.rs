@@ -10,7 +10,7 @@ use unshard_pickle::{NodeId, Pickle, Value};
 use super::super::super::torch::{
     self, class_of, dict_of, dims_of, dtype_of, field_of, int_of, seq_of, str_of,
 };
-use super::{Builder, Entry, EntryKind, Keep, Metadata};
+use super::{Builder, Chunks, Entry, EntryKind, Keep, Metadata};
 use crate::{DType, Error, Result};
 
 /// A chunk as the tree gives it.
@@ -99,22 +99,20 @@ pub(super) fn parse(path: &Path, raw: &[u8], keep: Keep<'_>) -> Result<Metadata>
                 chunks,
             } => {
                 let dropped = !keep.chunks_of(&fqn);
-                let mut kept = Vec::new();
+                let mut kept = Chunks::new(shape.len());
                 for c in chunks.into_iter().filter(|_| !dropped) {
-                    if c.offsets.len() != shape.len() || c.sizes.len() != shape.len() {
+                    if !kept.push(&c.offsets, &c.sizes) {
                         return Err(corrupt(format!(
                             "entry '{fqn}': a chunk at {:?} of size {:?} in a tensor of shape {shape:?}",
                             c.offsets, c.sizes
                         )));
                     }
-                    let mut chunk = b.chunk(&c.offsets, &c.sizes).ok_or_else(|| {
-                        corrupt(format!(
-                            "entry '{fqn}': a chunk whose offsets and sizes differ in length"
-                        ))
-                    })?;
-                    chunk.item = item_of(&mut b, &fqn, Some(c.offsets));
-                    kept.push(chunk);
+                    let item = item_of(&mut b, &fqn, Some(c.offsets));
+                    if let Some(last) = kept.list.last_mut() {
+                        last.item = item;
+                    }
                 }
+                kept.shrink();
                 EntryKind::Tensor {
                     dtype,
                     shape,

@@ -23,15 +23,75 @@ use crate::{DType, Result};
 mod full;
 mod stream;
 
-/// One chunk of a tensor entry: where its offsets and sizes are in
-/// [`Metadata::dims`], and where its bytes are.
+/// One chunk of a tensor entry: where its offsets and sizes are in its
+/// [`Chunks`], and where its bytes are.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub(super) struct Chunk {
-    /// Index in [`Metadata::dims`] of the chunk's offsets, followed by its sizes (as
-    /// many of each as the tensor has dimensions).
+    /// Index in [`Chunks::dims`] of the chunk's offsets, followed by its sizes.
     dims: usize,
     /// Its storage entry, if `storage_data` has one.
     pub(super) item: Option<Item>,
+}
+
+/// The chunks of a tensor entry, with their offsets and sizes in one pool, so that
+/// the entry's chunks go (with [`Chunks::clear`]) once its tensor is built.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub(super) struct Chunks {
+    pub(super) list: Vec<Chunk>,
+    dims: Vec<u64>,
+    ndim: usize,
+}
+
+impl Chunks {
+    fn new(ndim: usize) -> Chunks {
+        Chunks {
+            ndim,
+            ..Chunks::default()
+        }
+    }
+
+    /// A chunk's offsets.
+    pub(super) fn offsets(&self, c: &Chunk) -> &[u64] {
+        self.dims.get(c.dims..c.dims + self.ndim).unwrap_or(&[])
+    }
+
+    /// A chunk's sizes.
+    pub(super) fn sizes(&self, c: &Chunk) -> &[u64] {
+        let n = self.ndim;
+        self.dims.get(c.dims + n..c.dims + 2 * n).unwrap_or(&[])
+    }
+
+    /// Adds a chunk with no storage entry yet; `false` when its offsets or sizes do
+    /// not have one value per dimension.
+    fn push(&mut self, offsets: &[u64], sizes: &[u64]) -> bool {
+        if offsets.len() != self.ndim || sizes.len() != self.ndim {
+            return false;
+        }
+        let dims = self.dims.len();
+        self.dims.extend_from_slice(offsets);
+        self.dims.extend_from_slice(sizes);
+        self.list.push(Chunk { dims, item: None });
+        true
+    }
+
+    /// The chunk whose offsets are `offsets`, looked for first at `hint` (chunks
+    /// are usually listed in the order of their storage entries).
+    fn find(&self, offsets: &[u64], hint: usize) -> Option<usize> {
+        let n = self.list.len();
+        (0..n)
+            .map(|i| (hint + i) % n)
+            .find(|&i| self.offsets(&self.list[i]) == offsets)
+    }
+
+    /// Gives back the memory of chunks that are no longer needed.
+    pub(super) fn clear(&mut self) {
+        *self = Chunks::new(self.ndim);
+    }
+
+    fn shrink(&mut self) {
+        self.list.shrink_to_fit();
+        self.dims.shrink_to_fit();
+    }
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -40,7 +100,7 @@ pub(super) enum EntryKind {
         dtype: DType,
         shape: Vec<u64>,
         /// Empty when `dropped`.
-        chunks: Vec<Chunk>,
+        chunks: Chunks,
         /// The chunks were not kept, as the entry looked like one the merge skips.
         dropped: bool,
     },
@@ -73,8 +133,6 @@ pub(super) struct Item {
 #[derive(Debug, Default, PartialEq)]
 pub(super) struct Metadata {
     pub(super) entries: Vec<Entry>,
-    /// Offsets and sizes of every kept chunk, back to back.
-    dims: Vec<u64>,
     /// The files items are stored in, each once.
     files: Vec<String>,
     /// The transform lists of items, each once; the first is the empty list.
@@ -91,18 +149,6 @@ impl Item {
 }
 
 impl Metadata {
-    /// A chunk's offsets in a tensor of `ndim` dimensions.
-    pub(super) fn offsets(&self, c: &Chunk, ndim: usize) -> &[u64] {
-        self.dims.get(c.dims..c.dims + ndim).unwrap_or(&[])
-    }
-
-    /// A chunk's sizes in a tensor of `ndim` dimensions.
-    pub(super) fn sizes(&self, c: &Chunk, ndim: usize) -> &[u64] {
-        self.dims
-            .get(c.dims + ndim..c.dims + 2 * ndim)
-            .unwrap_or(&[])
-    }
-
     /// How many files items are stored in.
     pub(super) fn file_count(&self) -> usize {
         self.files.len()
@@ -170,17 +216,6 @@ impl Builder {
         b
     }
 
-    /// A chunk with no storage entry yet; `None` when offsets and sizes disagree in length.
-    fn chunk(&mut self, offsets: &[u64], sizes: &[u64]) -> Option<Chunk> {
-        if offsets.len() != sizes.len() {
-            return None;
-        }
-        let dims = self.md.dims.len();
-        self.md.dims.extend_from_slice(offsets);
-        self.md.dims.extend_from_slice(sizes);
-        Some(Chunk { dims, item: None })
-    }
-
     fn item(&mut self, file: &str, offset: u64, length: u64, transforms: &[String]) -> Item {
         let next = self.md.files.len() as u32;
         let file = match self.files.get(file) {
@@ -206,21 +241,6 @@ impl Builder {
             length,
             transforms,
         }
-    }
-
-    /// The chunk of a built entry whose offsets are `offsets`, starting the search at
-    /// `hint` (chunks are usually listed in the order of their storage entries).
-    fn find_chunk(
-        &self,
-        chunks: &[Chunk],
-        ndim: usize,
-        offsets: &[u64],
-        hint: usize,
-    ) -> Option<usize> {
-        let n = chunks.len();
-        (0..n)
-            .map(|i| (hint + i) % n)
-            .find(|&i| self.md.offsets(&chunks[i], ndim) == offsets)
     }
 }
 

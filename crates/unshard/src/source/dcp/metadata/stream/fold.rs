@@ -11,7 +11,7 @@
 
 use std::collections::HashMap;
 
-use super::super::{Builder, Chunk, Entry, EntryKind, Item, Keep, Metadata};
+use super::super::{Builder, Chunks, Entry, EntryKind, Item, Keep, Metadata};
 use super::{Class, GiveUp, OrStop, R, V};
 use crate::DType;
 
@@ -34,7 +34,6 @@ enum At {
 struct Rec {
     fqn: u32,
     kind: Option<EntryKind>,
-    ndim: usize,
     /// Where the next storage key given by value is looked for first.
     cursor: usize,
     /// Whether a `state_dict_metadata` key holds it.
@@ -48,7 +47,7 @@ struct Open {
     /// Chunks folded so far (kept or not).
     count: usize,
     ndim: Option<usize>,
-    chunks: Vec<Chunk>,
+    chunks: Chunks,
 }
 
 pub(super) struct Fold<'k> {
@@ -112,7 +111,7 @@ impl<'k> Fold<'k> {
             keep,
             count: 0,
             ndim: None,
-            chunks: Vec::new(),
+            chunks: Chunks::default(),
         });
         Ok(())
     }
@@ -148,12 +147,14 @@ impl<'k> Fold<'k> {
                 if offsets.len() != sizes.len() || open.ndim.is_some_and(|n| n != sizes.len()) {
                     return Err(GiveUp::Stop);
                 }
+                if open.ndim.is_none() {
+                    open.chunks = Chunks::new(sizes.len());
+                }
                 open.ndim = Some(sizes.len());
                 let n = open.count;
                 open.count += 1;
-                if open.keep {
-                    let chunk = self.b.chunk(offsets, sizes).or_stop()?;
-                    open.chunks.push(chunk);
+                if open.keep && !open.chunks.push(offsets, sizes) {
+                    return Err(GiveUp::Stop);
                 }
                 Ok(V::Chunk(u32::try_from(n).map_err(|_| GiveUp::Stop)?))
             }
@@ -175,15 +176,19 @@ impl<'k> Fold<'k> {
                 if !in_order || open.ndim.is_some_and(|n| n != shape.len()) {
                     return Err(GiveUp::Stop);
                 }
+                let mut chunks = open.chunks;
+                if open.ndim.is_none() {
+                    chunks = Chunks::new(shape.len());
+                }
+                chunks.shrink();
                 let rec = Rec {
                     fqn: open.fqn,
-                    ndim: shape.len(),
                     cursor: 0,
                     placed: false,
                     kind: Some(EntryKind::Tensor {
                         dtype: *dtype,
                         shape,
-                        chunks: open.chunks,
+                        chunks,
                         dropped: !open.keep,
                     }),
                 };
@@ -248,7 +253,6 @@ impl<'k> Fold<'k> {
                 let r = self.add_rec(Rec {
                     fqn: s,
                     kind: Some(EntryKind::Bytes { item: None }),
-                    ndim: 0,
                     cursor: 0,
                     placed: true,
                 })?;
@@ -267,11 +271,8 @@ impl<'k> Fold<'k> {
             (At::Entry, EntryKind::Bytes { item: slot }) => *slot = Some(item),
             (At::Dims(_), EntryKind::Tensor { dropped: true, .. }) => {}
             (At::Dims(d), EntryKind::Tensor { chunks, .. }) => {
-                let i = self
-                    .b
-                    .find_chunk(chunks, rec.ndim, d, rec.cursor)
-                    .or_stop()?;
-                chunks[i].item = Some(item);
+                let i = chunks.find(d, rec.cursor).or_stop()?;
+                chunks.list[i].item = Some(item);
                 rec.cursor = i + 1;
             }
             _ => return Err(GiveUp::Stop),
