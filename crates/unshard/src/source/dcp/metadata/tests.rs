@@ -163,3 +163,25 @@ fn a_pickle_with_other_calls_is_left_to_the_full_reader() {
     let blob = crate::source::fs::open(&good).unwrap();
     assert!(stream::read(&blob, Keep::All).unwrap().is_some());
 }
+
+fn stream_bytes(data: Vec<u8>) -> Option<Metadata> {
+    let blob = crate::source::Blob::owned(PathBuf::from(".metadata"), data);
+    stream::read(&blob, Keep::All).unwrap()
+}
+
+/// Values are trees in the streaming reader: nesting beyond its bound, which would
+/// make dropping them recurse without end, leaves the pickle to the full reader.
+#[test]
+fn deep_nesting_is_left_to_the_full_reader() {
+    let mut deep = b"\x80\x04)".to_vec();
+    deep.extend(std::iter::repeat_n(0x85u8, 1_000_000)); // TUPLE1
+    deep.push(b'.');
+    assert!(stream_bytes(deep).is_none());
+    let mut lists = b"\x80\x04".to_vec();
+    for _ in 0..1_000_000 {
+        lists.extend_from_slice(b"](");
+    }
+    lists.extend(std::iter::repeat_n(b'e', 1_000_000)); // APPENDS
+    lists.push(b'.');
+    assert!(stream_bytes(lists).is_none());
+}

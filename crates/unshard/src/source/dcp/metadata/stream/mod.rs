@@ -176,14 +176,49 @@ enum V {
     Other,
 }
 
-/// What the memo keeps of a value, for the keys fetched again.
+/// Containers nested deeper than this make the pass give up (values are trees here,
+/// dropped and cloned recursively; the full reader's arena has no such limit).
+const MAX_DEPTH: u16 = 200;
+
+/// Values fetched again from the memo are copied, so only small ones are kept: a
+/// copy costs no more than the input that asked for it, as in the full reader.
+const MAX_MEMO_WEIGHT: usize = 64;
+
+/// How many values `v` holds, counting itself, up to `cap + 1`.
+fn weight(v: &V, cap: usize) -> usize {
+    let inner: &[V] = match v {
+        V::Tuple(items) => items,
+        V::List(items) => items,
+        V::Dict(pairs) => {
+            let mut n = 1;
+            for (k, x) in pairs.iter() {
+                if n > cap {
+                    break;
+                }
+                n += weight(k, cap) + weight(x, cap);
+            }
+            return n;
+        }
+        _ => return 1,
+    };
+    let mut n = 1;
+    for x in inner {
+        if n > cap {
+            break;
+        }
+        n += weight(x, cap);
+    }
+    n
+}
+
+/// What the memo keeps of a value (and its nesting depth), for the keys fetched again.
 struct Memo {
     keys: Vec<u32>,
-    values: Vec<V>,
+    values: Vec<(V, u16)>,
 }
 
 impl Memo {
-    fn put(&mut self, key: u32, v: V) -> R<()> {
+    fn put(&mut self, key: u32, v: (V, u16)) -> R<()> {
         if self.keys.last().is_some_and(|&k| k >= key) {
             return Err(GiveUp::Stop);
         }
@@ -192,7 +227,7 @@ impl Memo {
         Ok(())
     }
 
-    fn get(&self, key: u32) -> Option<&V> {
+    fn get(&self, key: u32) -> Option<&(V, u16)> {
         let i = self.keys.binary_search(&key).ok()?;
         self.values.get(i)
     }
@@ -201,6 +236,8 @@ impl Memo {
 struct Machine<'a, 'k> {
     input: Input<'a>,
     stack: Vec<V>,
+    /// How deep the containers of each stack value nest (0: not a container).
+    depths: Vec<u16>,
     marks: Vec<usize>,
     used: Used,
     memo: Memo,
@@ -216,6 +253,7 @@ impl<'a, 'k> Machine<'a, 'k> {
         Machine {
             input: Input::new(blob),
             stack: Vec::new(),
+            depths: Vec::new(),
             marks: Vec::new(),
             used,
             memo: Memo {
@@ -240,19 +278,51 @@ impl<'a, 'k> Machine<'a, 'k> {
         Ok(V::Str(i))
     }
 
+    fn push(&mut self, v: V) {
+        self.push_nested(v, 0);
+    }
+
+    fn push_nested(&mut self, v: V, depth: u16) {
+        self.stack.push(v);
+        self.depths.push(depth);
+    }
+
+    /// A container of values nested `inner` deep.
+    fn container_depth(inner: u16) -> R<u16> {
+        if inner >= MAX_DEPTH {
+            return Err(GiveUp::Stop);
+        }
+        Ok(inner + 1)
+    }
+
     fn pop(&mut self) -> R<V> {
+        self.pop_nested().map(|(v, _)| v)
+    }
+
+    fn pop_nested(&mut self) -> R<(V, u16)> {
         if self.marks.last().is_some_and(|&m| m >= self.stack.len()) {
             return Err(GiveUp::Stop);
         }
-        self.stack.pop().or_stop()
+        let d = self.depths.pop().or_stop()?;
+        Ok((self.stack.pop().or_stop()?, d))
     }
 
-    fn pop_mark(&mut self) -> R<Vec<V>> {
+    /// The values above the last mark, and how deep the deepest of them nests.
+    fn pop_mark(&mut self) -> R<(Vec<V>, u16)> {
         let m = self.marks.pop().or_stop()?;
         if m > self.stack.len() {
             return Err(GiveUp::Stop);
         }
-        Ok(self.stack.split_off(m))
+        let depth = self.depths.split_off(m).into_iter().max().unwrap_or(0);
+        Ok((self.stack.split_off(m), depth))
+    }
+
+    /// Notes that the container on top of the stack now holds values `inner` deep.
+    fn deepen_top(&mut self, inner: u16) -> R<()> {
+        let d = Self::container_depth(inner)?;
+        let top = self.depths.last_mut().or_stop()?;
+        *top = (*top).max(d);
+        Ok(())
     }
 
     fn top(&mut self) -> R<&mut V> {
@@ -266,7 +336,11 @@ impl<'a, 'k> Machine<'a, 'k> {
         if !self.used.contains(key) {
             return Ok(());
         }
+        let depth = self.depths.last().copied().unwrap_or(0);
         let top = self.top()?;
+        if weight(top, MAX_MEMO_WEIGHT) > MAX_MEMO_WEIGHT {
+            return Err(GiveUp::Stop);
+        }
         match top {
             // Containers and objects still being filled in would be seen changed
             // through the memo: the full reader shares them, this one does not.
@@ -274,12 +348,12 @@ impl<'a, 'k> Machine<'a, 'k> {
             _ => {}
         }
         let v = top.clone();
-        self.memo.put(key, v)
+        self.memo.put(key, (v, depth))
     }
 
     fn global(&mut self, module: &str, name: &str) -> R<()> {
         let class = classify(module, name).or_stop()?;
-        self.stack.push(V::Global(class));
+        self.push(V::Global(class));
         Ok(())
     }
 
@@ -307,19 +381,19 @@ impl<'a, 'k> Machine<'a, 'k> {
                 POP => {
                     self.pop()?;
                 }
-                NONE => self.stack.push(V::None),
-                NEWTRUE | NEWFALSE => self.stack.push(V::Other),
+                NONE => self.push(V::None),
+                NEWTRUE | NEWFALSE => self.push(V::Other),
                 BININT1 => {
                     let v = self.input.uint(1)?;
-                    self.stack.push(V::Int(v as i64));
+                    self.push(V::Int(v as i64));
                 }
                 BININT2 => {
                     let v = self.input.uint(2)?;
-                    self.stack.push(V::Int(v as i64));
+                    self.push(V::Int(v as i64));
                 }
                 BININT => {
                     let v = self.input.uint(4)? as u32 as i32;
-                    self.stack.push(V::Int(i64::from(v)));
+                    self.push(V::Int(i64::from(v)));
                 }
                 LONG1 => {
                     let n = self.input.length(1)?;
@@ -333,11 +407,11 @@ impl<'a, 'k> Machine<'a, 'k> {
                     } else {
                         V::Other
                     };
-                    self.stack.push(v);
+                    self.push(v);
                 }
                 BINFLOAT => {
                     self.input.bytes(8)?;
-                    self.stack.push(V::Other);
+                    self.push(V::Other);
                 }
                 SHORT_BINUNICODE | BINUNICODE | BINUNICODE8 => {
                     let width = match op {
@@ -348,12 +422,12 @@ impl<'a, 'k> Machine<'a, 'k> {
                     let n = self.input.length(width)?;
                     let bytes = self.input.bytes(n)?.to_vec();
                     let v = self.intern(&bytes)?;
-                    self.stack.push(v);
+                    self.push(v);
                 }
                 SHORT_BINBYTES | BINBYTES => {
                     let n = self.input.length(if op == BINBYTES { 4 } else { 1 })?;
                     self.input.bytes(n)?;
-                    self.stack.push(V::Other);
+                    self.push(V::Other);
                 }
                 MEMOIZE => {
                     let key = self.memo_len;
@@ -367,8 +441,8 @@ impl<'a, 'k> Machine<'a, 'k> {
                 }
                 BINGET | LONG_BINGET => {
                     let key = self.input.uint(if op == BINGET { 1 } else { 4 })? as u32;
-                    let v = self.memo.get(key).or_stop()?.clone();
-                    self.stack.push(v);
+                    let (v, depth) = self.memo.get(key).or_stop()?.clone();
+                    self.push_nested(v, depth);
                 }
                 STACK_GLOBAL => {
                     let name = self.pop()?;
@@ -387,43 +461,52 @@ impl<'a, 'k> Machine<'a, 'k> {
                     let n = self.input.line()?;
                     self.global(&m, &n)?;
                 }
-                EMPTY_TUPLE => self.stack.push(V::Tuple(Box::new([]))),
+                EMPTY_TUPLE => self.push(V::Tuple(Box::new([]))),
                 TUPLE1 | TUPLE2 | TUPLE3 => {
                     let n = usize::from(op - TUPLE1 + 1);
                     let mut items = Vec::with_capacity(n);
+                    let mut inner = 0;
                     for _ in 0..n {
-                        items.push(self.pop()?);
+                        let (v, d) = self.pop_nested()?;
+                        items.push(v);
+                        inner = inner.max(d);
                     }
                     items.reverse();
-                    self.stack.push(V::Tuple(items.into_boxed_slice()));
+                    let depth = Self::container_depth(inner)?;
+                    self.push_nested(V::Tuple(items.into_boxed_slice()), depth);
                 }
                 TUPLE => {
-                    let items = self.pop_mark()?;
-                    self.stack.push(V::Tuple(items.into_boxed_slice()));
+                    let (items, inner) = self.pop_mark()?;
+                    let depth = Self::container_depth(inner)?;
+                    self.push_nested(V::Tuple(items.into_boxed_slice()), depth);
                 }
-                EMPTY_LIST => self.stack.push(V::List(Box::default())),
-                EMPTY_DICT => self.stack.push(V::Dict(Box::default())),
+                EMPTY_LIST => self.push(V::List(Box::default())),
+                EMPTY_DICT => self.push(V::Dict(Box::default())),
                 APPEND => {
-                    let v = self.pop()?;
+                    let (v, inner) = self.pop_nested()?;
+                    self.deepen_top(inner)?;
                     let V::List(list) = self.top()? else {
                         return Err(GiveUp::Stop);
                     };
                     list.push(v);
                 }
                 APPENDS => {
-                    let items = self.pop_mark()?;
+                    let (items, inner) = self.pop_mark()?;
+                    self.deepen_top(inner)?;
                     let V::List(list) = self.top()? else {
                         return Err(GiveUp::Stop);
                     };
                     list.extend(items);
                 }
                 SETITEM => {
-                    let v = self.pop()?;
-                    let k = self.pop()?;
+                    let (v, a) = self.pop_nested()?;
+                    let (k, b) = self.pop_nested()?;
+                    self.deepen_top(a.max(b))?;
                     self.set_items(vec![k, v])?;
                 }
                 SETITEMS => {
-                    let items = self.pop_mark()?;
+                    let (items, inner) = self.pop_mark()?;
+                    self.deepen_top(inner)?;
                     self.set_items(items)?;
                 }
                 NEWOBJ => {
@@ -448,7 +531,7 @@ impl<'a, 'k> Machine<'a, 'k> {
                         }
                         _ => V::Obj(class),
                     };
-                    self.stack.push(v);
+                    self.push(v);
                 }
                 REDUCE => {
                     let args = self.pop()?;
@@ -469,7 +552,7 @@ impl<'a, 'k> Machine<'a, 'k> {
                         (Class::Opaque, _) => V::Other,
                         _ => return Err(GiveUp::Stop),
                     };
-                    self.stack.push(v);
+                    self.push(v);
                 }
                 BUILD => {
                     let state = self.pop()?;
@@ -479,7 +562,7 @@ impl<'a, 'k> Machine<'a, 'k> {
                         V::Obj(class) => self.fold.build(class, state, &self.strings)?,
                         _ => return Err(GiveUp::Stop),
                     };
-                    self.stack.push(v);
+                    self.push(v);
                 }
                 _ => return Err(GiveUp::Stop),
             }
@@ -504,5 +587,22 @@ impl<'a, 'k> Machine<'a, 'k> {
         };
         dict.extend(pairs);
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{weight, V};
+
+    /// What the memo may keep is counted without walking all of a big value.
+    #[test]
+    fn weight_counts_values_up_to_the_cap() {
+        let small = V::Tuple(vec![V::Int(1), V::Str(0)].into_boxed_slice());
+        assert_eq!(weight(&small, 64), 3);
+        let big = V::Tuple(vec![V::Int(1); 1000].into_boxed_slice());
+        let w = weight(&big, 64);
+        assert!(w > 64 && w < 100, "{w}");
+        let nested = V::List(Box::new(vec![big.clone(), big]));
+        assert!(weight(&nested, 64) > 64);
     }
 }
