@@ -336,7 +336,7 @@ impl<'a> Reader<'a> {
             name: name.to_string(),
             dtype: *dtype,
             shape: shape.clone(),
-            pieces,
+            pieces: pieces.into(),
             storage: None,
             layout: Some(layout),
         };
