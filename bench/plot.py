@@ -47,11 +47,13 @@ def main():
         print("no gen_wide.py results in %s: no plot written" % ", ".join(args.json))
         return 0
     fig, (rss, wall) = plt.subplots(1, 2, figsize=(10, 4))
-    for tool, points in sorted(data.items()):
+    colors = {"cp": "grey", "unshard": "C0"}
+    for i, (tool, points) in enumerate(sorted(data.items())):
         x = [p[0] for p in points]
-        wall.plot(x, [p[1] for p in points], marker="o", label=tool)
+        color = colors.get(tool, "C%d" % (i + 1))
+        wall.plot(x, [p[1] for p in points], marker="o", label=tool, color=color)
         if tool != "cp":
-            rss.plot(x, [p[2] for p in points], marker="o", label=tool)
+            rss.plot(x, [p[2] for p in points], marker="o", label=tool, color=color)
     rss.axhline(200, color="grey", linestyle=":", linewidth=1)
     for ax, label in ((rss, "peak RSS (MB)"), (wall, "wall time (s)")):
         ax.set_xscale("log")
