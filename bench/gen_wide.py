@@ -109,12 +109,20 @@ def main():
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--optim", action="store_true")
     ap.add_argument("--metadata-only", action="store_true")
+    ap.add_argument("--hidden", type=int,
+                    help="hidden size (default: the rank count); with a hidden size below the "
+                    "rank count, the vocabulary is twice the rank count, so that the embedding "
+                    "and lm_head span every rank while the other tensors leave some ranks empty "
+                    "(as FSDP2 does): a checkpoint of many ranks and little data")
     args = ap.parse_args()
     if args.metadata_only:
         return metadata_only(args)
     r = args.ranks
-    # Every dimension that is sharded is a multiple of the rank count: no rank is empty.
-    hidden, inter, vocab, kv = r, 2 * r, 2 * r, r
+    # By default every dimension that is sharded is a multiple of the rank count: no
+    # rank is empty. With --hidden, rows are split as torch.chunk does (ceil-divided;
+    # the last ranks get none).
+    h = args.hidden or r
+    hidden, inter, vocab, kv = h, 2 * h, 2 * r, h
     shapes = llama_shapes(args.layers, hidden, inter, vocab, kv)
     entries = checkpoint_entries(shapes, args.optim)
 
@@ -127,7 +135,10 @@ def main():
     sdm, storage, planner = {}, {}, {}
     for fqn, path, shape in entries:
         full = torch.randn(shape, generator=gen).to(torch.bfloat16)
-        rows = shape[0] // r if len(shape) > 1 or shape[0] % r == 0 else None
+        if args.hidden:
+            rows = -(-shape[0] // r)
+        else:
+            rows = shape[0] // r if len(shape) > 1 or shape[0] % r == 0 else None
         chunks = []
         for rank in range(r):
             if rows is None:
@@ -136,6 +147,8 @@ def main():
                     continue
                 part, offsets = full, [0] * len(shape)
             else:
+                if rank * rows >= shape[0]:
+                    continue
                 part = full[rank * rows:(rank + 1) * rows]
                 offsets = [rank * rows] + [0] * (len(shape) - 1)
             buf = io.BytesIO()
@@ -161,8 +174,8 @@ def main():
     os.makedirs(base, exist_ok=True)
     config = dict(
         architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=hidden,
-        intermediate_size=inter, num_hidden_layers=args.layers, num_attention_heads=r // 64 or 1,
-        num_key_value_heads=r // 64 or 1, vocab_size=vocab, tie_word_embeddings=False,
+        intermediate_size=inter, num_hidden_layers=args.layers, num_attention_heads=h // 64 or 1,
+        num_key_value_heads=h // 64 or 1, vocab_size=vocab, tie_word_embeddings=False,
         torch_dtype="bfloat16", max_position_embeddings=2048, rms_norm_eps=1e-5)
     with open(os.path.join(base, "config.json"), "w") as f:
         json.dump(config, f, indent=2)
@@ -170,7 +183,7 @@ def main():
     print("%d entries, %d chunks in %d files, .metadata %.1f MB, data %.1f MB, %.0f s" % (
         len(entries), len(storage), r, md_bytes / 1e6, sum(sizes) / 1e6, time.time() - t0))
     with open(os.path.join(args.out, "meta.json"), "w") as f:
-        json.dump(dict(ranks=r, layers=args.layers, optim=args.optim, entries=len(entries),
+        json.dump(dict(ranks=r, layers=args.layers, optim=args.optim, hidden=h, entries=len(entries),
                        chunks=len(storage), metadata_bytes=md_bytes), f)
 
 

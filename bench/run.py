@@ -37,6 +37,7 @@ import datetime
 import json
 import os
 import platform
+import resource
 import shutil
 import statistics
 import subprocess
@@ -85,10 +86,15 @@ def du(path):
     return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs)
 
 
-def measure(cmd):
-    """Runs cmd; returns (wall seconds, peak RSS bytes, seconds of the sync after, stderr)."""
+def measure(cmd, nofile=None):
+    """Runs cmd (with the limit on open files set to nofile, soft and hard, if given);
+    returns (wall seconds, peak RSS bytes, seconds of the sync after, stderr)."""
+    def limit():
+        if nofile:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile))
     t0 = time.perf_counter()
-    p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                         preexec_fn=limit)
     # wait4 gives this child's own rusage: ru_maxrss is its peak RSS in KiB.
     err = p.stderr.read()
     _, status, ru = os.wait4(p.pid, 0)
@@ -188,8 +194,11 @@ def run(args):
                 rows.append(("python", lambda out, src=src, mode=mode: [
                     args.python, pipeline, mode, src, base, out]))
             runs = {tool: [] for tool, _ in rows}
+            failed = {}
             for rep in range(args.repeat):
                 for tool, make_cmd in rows:
+                    if tool in failed:
+                        continue
                     out = os.path.join(work, "%s-%s" % (kind, tool))
                     shutil.rmtree(out, ignore_errors=True)
                     if cache == "cold":
@@ -199,13 +208,28 @@ def run(args):
                         if tool not in ("cp", "read"):
                             read_all(base)
                         subprocess.run(["sync"], check=True)
-                    wall, rss, flush, _ = measure(make_cmd(out))
+                    nofile = args.nofile if tool.startswith("unshard") else None
+                    try:
+                        wall, rss, flush, _ = measure(make_cmd(out), nofile)
+                    except RuntimeError as e:
+                        # Kept as a result (a build that cannot read the input, or
+                        # not within the limit on open files), not an abort.
+                        failed[tool] = str(e).strip().splitlines()[-1][-300:]
+                        print("  %s %-24s %-8s failed: %s" % (
+                            os.path.basename(data), label, tool, failed[tool]), flush=True)
+                        shutil.rmtree(out, ignore_errors=True)
+                        continue
                     runs[tool].append((wall, rss, flush))
                     print("  %s %-24s %-8s run %d: %6.2f s (+sync %5.2f s), peak RSS %s"
                           % (os.path.basename(data), label, tool, rep + 1, wall, flush,
                              fmt_bytes(rss)), flush=True)
                     shutil.rmtree(out, ignore_errors=True)
             for tool, rs in runs.items():
+                if not rs:
+                    results.append(dict(data=data, meta=meta, kind=kind, label=label,
+                                        input_bytes=size, tool=tool,
+                                        skipped="failed: %s" % failed.get(tool, "?")))
+                    continue
                 results.append(dict(
                     data=data, meta=meta, kind=kind, label=label, input_bytes=size, tool=tool,
                     wall=statistics.median(r[0] for r in rs),
@@ -279,6 +303,10 @@ def main():
     ap.add_argument("--work", default="/tmp/unshard-bench",
                     help="where outputs go (removed after each run); put it on the inputs' disk")
     ap.add_argument("--json", help="also write the results here")
+    ap.add_argument("--nofile", type=int,
+                    help="run the unshard rows with this hard limit on open files (ulimit -n)")
+    ap.add_argument("--note", default="",
+                    help="a note kept in the JSON (e.g. that the machine was shared)")
     ap.add_argument("--compare", action="append", default=[], metavar="NAME=PATH",
                     help="another unshard build to run beside the first (repeatable)")
     ap.add_argument("--name", default=TOOL_NAMES["unshard"],
@@ -300,8 +328,8 @@ def main():
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(machine=machine(), cache=cache, repeat=args.repeat,
-                           date=datetime.date.today().isoformat(),
-                           results=[{k: v for k, v in r.items() if k != "meta"} for r in results]),
+                           date=datetime.date.today().isoformat(), note=args.note,
+                           nofile=args.nofile, results=results),
                       f, indent=2)
 
 

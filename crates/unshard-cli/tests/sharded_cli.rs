@@ -149,7 +149,7 @@ fn merge_with_file_limit(
 }
 
 #[test]
-fn a_checkpoint_of_more_files_than_the_soft_open_file_limit_merges() {
+fn a_checkpoint_of_more_files_than_the_open_file_limit_merges() {
     // Three rank files, kept open, beside stdin, stdout and stderr: 6 descriptors.
     let dcp = fixtures().join("sharded/llama_w3_dcp");
     let base = fixtures().join("models/llama-bf16");
@@ -159,7 +159,17 @@ fn a_checkpoint_of_more_files_than_the_soft_open_file_limit_merges() {
     assert!(r.status.success(), "{}", String::from_utf8_lossy(&r.stderr));
     assert!(out.join("model.safetensors").is_file());
 
-    // A hard limit too low: an error that says what to raise, and nothing written.
+    let whole = std::fs::read(out.join("model.safetensors")).unwrap();
+
+    // A hard limit that leaves fewer descriptors for inputs than there are rank
+    // files (17 leaves one): they are opened on demand, and the output is the same.
+    let out = tmp.path().join("out_pooled");
+    let r = merge_with_file_limit(&dcp, &base, &out, 17, 17);
+    assert!(r.status.success(), "{}", String::from_utf8_lossy(&r.stderr));
+    assert_eq!(std::fs::read(out.join("model.safetensors")).unwrap(), whole);
+
+    // A hard limit too low for even that: an error that says what to raise, and
+    // nothing written.
     let out = tmp.path().join("out2");
     let r = merge_with_file_limit(&dcp, &base, &out, 5, 5);
     assert_eq!(r.status.code(), Some(1));
@@ -168,5 +178,70 @@ fn a_checkpoint_of_more_files_than_the_soft_open_file_limit_merges() {
     assert!(err.contains("ulimit -n"), "{err}");
     assert!(!out.exists());
     let left: Vec<_> = std::fs::read_dir(tmp.path()).unwrap().collect();
-    assert_eq!(left.len(), 1, "only the first output: {left:?}");
+    assert_eq!(left.len(), 2, "only the first outputs: {left:?}");
+}
+
+/// Eight ranks of FSDP2 (`fixtures/gen_dcp_wide.py`): chunk archives of several
+/// structures (1-D and 2-D, shapes on both sides of 256) in every rank file merge
+/// bit-exactly to what transformers saves for the same weights.
+#[test]
+fn a_dcp_checkpoint_of_archives_of_several_structures_merges_bit_exactly() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("out");
+    let r = merge_with_file_limit(
+        &fixtures().join("sharded/llama_w8_dcp"),
+        &fixtures().join("models/llama-bf16"),
+        &out,
+        1024,
+        1024,
+    );
+    assert!(r.status.success(), "{}", String::from_utf8_lossy(&r.stderr));
+    let expected = fixtures().join("expected/llama_policy_into_llama-bf16/model.safetensors");
+    assert_eq!(
+        std::fs::read(out.join("model.safetensors")).unwrap(),
+        std::fs::read(expected).unwrap()
+    );
+}
+
+/// One chunk archive damaged in the middle of a rank file, between archives of the
+/// same structure: the merge fails naming the file, and writes nothing.
+#[test]
+fn a_damaged_archive_among_many_alike_is_caught() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dcp = tmp.path().join("dcp");
+    std::fs::create_dir(&dcp).unwrap();
+    for e in std::fs::read_dir(fixtures().join("sharded/llama_w8_dcp")).unwrap() {
+        let e = e.unwrap();
+        std::fs::copy(e.path(), dcp.join(e.file_name())).unwrap();
+    }
+    let rank = dcp.join("__3_0.distcp");
+    let mut bytes = std::fs::read(&rank).unwrap();
+    let pickles: Vec<usize> = bytes
+        .windows(8)
+        .enumerate()
+        .filter(|(_, w)| w == b"data.pkl")
+        .map(|(i, _)| i)
+        .collect();
+    // Local header and central directory name each pickle: take the middle archive's.
+    assert!(pickles.len() > 20, "{}", pickles.len());
+    let name = pickles[pickles.len() / 2];
+    let start = name
+        + bytes[name..]
+            .windows(2)
+            .position(|w| w == b"\x80\x02")
+            .unwrap();
+    bytes[start + 12] ^= 0x20;
+    std::fs::write(&rank, &bytes).unwrap();
+    let out = tmp.path().join("out");
+    let r = merge_with_file_limit(
+        &dcp,
+        &fixtures().join("models/llama-bf16"),
+        &out,
+        1024,
+        1024,
+    );
+    let err = String::from_utf8_lossy(&r.stderr);
+    assert_eq!(r.status.code(), Some(1), "{err}");
+    assert!(err.contains("__3_0.distcp"), "{err}");
+    assert!(!out.exists());
 }

@@ -401,7 +401,7 @@ impl Error {
                 Some("the disk is full; free space or choose another output".into())
             }
             Error::Io { source, .. } if source.raw_os_error() == Some(libc::EMFILE) => Some(
-                "a merge keeps every input file open, one per rank of a sharded checkpoint; raise the limit on open files (`ulimit -n`) to more than the number of files"
+                "input files beyond the limit on open files are opened on demand, but the output and the merge itself need a few more; raise the limit on open files (`ulimit -n`)"
                     .into(),
             ),
             _ => None,

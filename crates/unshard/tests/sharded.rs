@@ -538,7 +538,7 @@ fn tensor(shape: &[u64], pieces: Vec<Piece>) -> TensorSource {
         name: "w".into(),
         dtype: DType::F32,
         shape: shape.to_vec(),
-        pieces,
+        pieces: pieces.into(),
         storage: None,
         layout: None,
     }

@@ -332,7 +332,7 @@ pub(crate) mod testing {
             name: name.into(),
             dtype,
             shape: shape.to_vec(),
-            pieces: Vec::new(),
+            pieces: Vec::new().into(),
             storage: None,
             layout: None,
         }

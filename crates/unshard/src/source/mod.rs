@@ -120,6 +120,40 @@ pub struct StorageId {
     pub key: String,
 }
 
+/// The pieces of a tensor, shared between its copies: planning copies every tensor
+/// (a candidate per tensor, more than once), and a DCP checkpoint of many ranks has
+/// a piece per chunk, hundreds of thousands of them. Reads as a `Vec<Piece>`; a
+/// change to one copy's pieces copies them first.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Pieces(Arc<Vec<Piece>>);
+
+impl std::ops::Deref for Pieces {
+    type Target = Vec<Piece>;
+    fn deref(&self) -> &Vec<Piece> {
+        &self.0
+    }
+}
+
+impl std::ops::DerefMut for Pieces {
+    fn deref_mut(&mut self) -> &mut Vec<Piece> {
+        Arc::make_mut(&mut self.0)
+    }
+}
+
+impl From<Vec<Piece>> for Pieces {
+    fn from(v: Vec<Piece>) -> Pieces {
+        Pieces(Arc::new(v))
+    }
+}
+
+impl<'a> IntoIterator for &'a Pieces {
+    type Item = &'a Piece;
+    type IntoIter = std::slice::Iter<'a, Piece>;
+    fn into_iter(self) -> Self::IntoIter {
+        self.0.iter()
+    }
+}
+
 /// One tensor of a checkpoint: what it is and where its pieces are.
 #[derive(Clone, Debug)]
 pub struct TensorSource {
@@ -130,7 +164,7 @@ pub struct TensorSource {
     /// Shape of the full tensor.
     pub shape: Vec<u64>,
     /// The boxes that tile it, each in some file.
-    pub pieces: Vec<Piece>,
+    pub pieces: Pieces,
     /// The storage this tensor views, when it is a single view of one (plain `.pt`):
     /// two tensors with the same id share memory in torch.
     pub storage: Option<StorageId>,

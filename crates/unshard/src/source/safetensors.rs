@@ -185,7 +185,8 @@ pub fn sources(file: FileId, header: &Header) -> Vec<TensorSource> {
                 strides: contiguous_strides(shape),
                 global_offset: vec![0; shape.len()],
                 big_endian: false,
-            }],
+            }]
+            .into(),
             storage: Some(StorageId {
                 file,
                 key: name.clone(),

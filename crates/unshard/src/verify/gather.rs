@@ -263,7 +263,7 @@ mod tests {
             name: "t".into(),
             dtype: DType::F32,
             shape: shape.to_vec(),
-            pieces,
+            pieces: pieces.into(),
             storage: None,
             layout: None,
         }

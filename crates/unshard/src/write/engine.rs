@@ -406,7 +406,7 @@ mod tests {
             name: name.into(),
             dtype,
             shape: shape.to_vec(),
-            pieces,
+            pieces: pieces.into(),
             storage: None,
             layout: None,
         }

@@ -19,12 +19,14 @@ use crate::{Error, Result};
 mod coalesce;
 mod local;
 mod memory;
+mod pooled;
 #[cfg(test)]
 mod tests;
 
 pub use coalesce::{coalesce, read_runs, Run};
 pub use local::LocalFile;
 pub use memory::MemBytes;
+pub use pooled::{open_file_budget, FilePool, PooledFile};
 
 /// Random-access bytes of one input: a local file, bytes in memory, or (later) an
 /// object in a bucket.

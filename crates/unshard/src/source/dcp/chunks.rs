@@ -12,10 +12,12 @@ use std::io::Read;
 use std::path::Path;
 use std::sync::Arc;
 
+use super::super::bytes::{FilePool, PooledFile};
 use super::super::torch::{self, Leaf};
 use super::super::zip::Archive;
 use super::super::{check_coverage, Blob, FileId, TensorSource};
 use super::metadata::{Entry, EntryKind, Item, Metadata};
+use super::template::Templates;
 use crate::{Error, Result};
 
 /// The transform DCP's `ZStandard` extension records on each item it compressed.
@@ -37,6 +39,12 @@ pub(super) struct Reader<'a> {
     ends: u64,
     /// What the chunk archives' pickles would run under `torch.load`.
     pub(super) unsafe_calls: Vec<crate::scan::UnsafeCall>,
+    /// When the checkpoint has more files than may be open at once: the pool that
+    /// opens them on demand.
+    pub(super) pool: Option<Arc<FilePool>>,
+    /// Parsed archives that others of the same structure are checked against
+    /// (`None`: every archive is parsed).
+    pub(super) templates: Option<Templates>,
 }
 
 /// Chunk archives whose ends are asked for ahead of the parse.
@@ -49,8 +57,16 @@ pub(super) const ENDS: u64 = 4 << 10;
 
 impl<'a> Reader<'a> {
     /// A reader of the chunks of the DCP directory `dir`.
-    pub(super) fn new(dir: &'a Path, ends: u64) -> Reader<'a> {
+    /// `max_open` bounds the files kept open at once (`None`: every file stays open).
+    pub(super) fn new(
+        dir: &'a Path,
+        ends: u64,
+        max_open: Option<usize>,
+        templates: bool,
+    ) -> Reader<'a> {
         Reader {
+            templates: templates.then(Templates::default),
+            pool: max_open.map(FilePool::new),
             dir,
             files: Vec::new(),
             by_name: HashMap::new(),
@@ -75,15 +91,14 @@ impl<'a> Reader<'a> {
             let EntryKind::Tensor { chunks, .. } = &entry.kind else {
                 continue;
             };
-            for chunk in chunks {
-                let key = (entry.fqn.clone(), Some(chunk.offsets.clone()));
-                let Some(item) = md.items.get(&key) else {
+            for chunk in &chunks.list {
+                let Some(item) = &chunk.item else {
                     continue;
                 };
-                if chunk.sizes.contains(&0) || !item.transforms.is_empty() {
+                if chunks.sizes(chunk).contains(&0) || !md.transforms(item).is_empty() {
                     continue;
                 }
-                if let Ok(id) = self.file(&item.file, &entry.fqn) {
+                if let Ok(id) = self.file(md.file(item), &entry.fqn) {
                     self.ahead.push((id, item.offset, item.length));
                 }
             }
@@ -124,7 +139,10 @@ impl<'a> Reader<'a> {
             ));
         }
         let path = self.dir.join(name);
-        let blob = crate::source::fs::open(&path)?;
+        let blob = match &self.pool {
+            Some(pool) => Blob::new(Arc::new(PooledFile::open(&path, pool)?)),
+            None => crate::source::fs::open(&path)?,
+        };
         let id = self.files.len();
         self.files.push(Arc::new(blob));
         self.by_name.insert(name.to_string(), id);
@@ -133,8 +151,8 @@ impl<'a> Reader<'a> {
 
     /// The bytes of an item as stored: `(file, offset, length)` after checking the
     /// range lies inside its file.
-    fn locate(&mut self, item: &Item, what: &str) -> Result<(FileId, u64, u64)> {
-        let id = self.file(&item.file, what)?;
+    fn locate(&mut self, md: &Metadata, item: &Item, what: &str) -> Result<(FileId, u64, u64)> {
+        let id = self.file(md.file(item), what)?;
         let blob = &self.files[id];
         let end = item.offset.checked_add(item.length);
         match end {
@@ -154,13 +172,20 @@ impl<'a> Reader<'a> {
     /// The item's bytes as a torch.save archive: the range of its file, or a
     /// decompressed copy (then a new in-memory file). Returns the file holding them,
     /// the archive's offset in it and its length.
-    fn archive(&mut self, item: &Item, what: &str, max_decoded: u64) -> Result<(FileId, u64, u64)> {
-        let (id, offset, length) = self.locate(item, what)?;
-        if item.transforms.is_empty() {
+    fn archive(
+        &mut self,
+        md: &Metadata,
+        item: &Item,
+        what: &str,
+        max_decoded: u64,
+    ) -> Result<(FileId, u64, u64)> {
+        let (id, offset, length) = self.locate(md, item, what)?;
+        let transforms = md.transforms(item);
+        if transforms.is_empty() {
             return Ok((id, offset, length));
         }
         let path = self.files[id].path.clone();
-        if let Some(t) = item.transforms.iter().find(|t| t.as_str() != ZSTD) {
+        if let Some(t) = transforms.iter().find(|t| t.as_str() != ZSTD) {
             return Err(Error::Unsupported {
                 path,
                 what: format!("{what}: the DCP stream transform '{t}'"),
@@ -170,7 +195,7 @@ impl<'a> Reader<'a> {
             });
         }
         let mut data = self.files[id].read_vec(offset, length)?;
-        for _ in &item.transforms {
+        for _ in transforms {
             data = unzstd(&data, max_decoded)
                 .map_err(|m| Error::corrupt(&path, format!("{what}: {m}")))?;
         }
@@ -190,46 +215,40 @@ impl<'a> Reader<'a> {
             dtype,
             shape,
             chunks,
+            ..
         } = &entry.kind
         else {
             return Err(Error::bad_tensor(self.dir, name, "not a tensor entry"));
         };
-        let mut pieces = Vec::with_capacity(chunks.len());
-        let mut files_used = HashSet::new();
+        let mut pieces = Vec::with_capacity(chunks.list.len());
+        let mut files_used: HashSet<u32> = HashSet::new();
         let mut compressed = false;
         let elem = dtype.size() as u64;
-        for chunk in chunks {
-            let numel = chunk
-                .sizes
+        for chunk in &chunks.list {
+            let (offsets, sizes) = (chunks.offsets(chunk), chunks.sizes(chunk));
+            let numel = sizes
                 .iter()
                 .try_fold(1u64, |a, &n| a.checked_mul(n))
                 .and_then(|n| n.checked_mul(elem))
                 .ok_or_else(|| {
-                    Error::bad_tensor(
-                        self.dir,
-                        name,
-                        format!("chunk sizes {:?} overflow", chunk.sizes),
-                    )
+                    Error::bad_tensor(self.dir, name, format!("chunk sizes {sizes:?} overflow"))
                 })?;
             if numel == 0 {
                 continue;
             }
-            let what = format!("tensor '{}' chunk at {:?}", entry.fqn, chunk.offsets);
-            let item = md
-                .items
-                .get(&(entry.fqn.clone(), Some(chunk.offsets.clone())))
-                .ok_or_else(|| {
-                    Error::corrupt(
-                        self.dir.join(".metadata"),
-                        format!("{what} has no storage entry"),
-                    )
-                })?
-                .clone();
+            let what = format!("tensor '{}' chunk at {offsets:?}", entry.fqn);
+            let item = chunk.item.ok_or_else(|| {
+                Error::corrupt(
+                    self.dir.join(".metadata"),
+                    format!("{what} has no storage entry"),
+                )
+            })?;
             // A chunk archive is the tensor's bytes plus a small pickle and zip records.
             let max_decoded = numel.saturating_add(16 << 20);
-            let (file, offset, length) = self.archive(&item, &what, max_decoded)?;
-            files_used.insert(item.file.clone());
-            compressed |= !item.transforms.is_empty();
+            let (file, offset, length) = self.archive(md, &item, &what, max_decoded)?;
+            let plain = md.transforms(&item).is_empty();
+            files_used.insert(item.file_index());
+            compressed |= !plain;
             let blob = self.files[file].clone();
             // Both ends of the archive in one request: they hold the zip records and
             // the pickle, so the parse that follows reads nothing more (tensor bytes,
@@ -244,10 +263,19 @@ impl<'a> Reader<'a> {
                     hint: Some("save with the default FileSystemWriter, or convert with torch.distributed.checkpoint.format_utils.dcp_to_torch_save".into()),
                 });
             }
+            if let (true, Some(templates)) = (plain, &mut self.templates) {
+                let piece = templates.piece(&archive, self.ends, *dtype, sizes, file, offsets)?;
+                if let Some(piece) = piece {
+                    self.parsed += 1;
+                    self.prefetch_more();
+                    pieces.push(piece);
+                    continue;
+                }
+            }
             let mut payload = torch::read_zip_payload(&mut archive)?;
-            drop(archive);
+            let clean = payload.unsafe_calls.is_empty() && payload.inflated.is_empty();
             self.unsafe_calls.append(&mut payload.unsafe_calls);
-            if item.transforms.is_empty() {
+            if plain {
                 self.parsed += 1;
                 self.prefetch_more();
             }
@@ -261,24 +289,34 @@ impl<'a> Reader<'a> {
                 }
                 Err(m) => return Err(Error::bad_tensor(&blob.path, name, m)),
             };
-            if t.shape != chunk.sizes || t.dtype != *dtype {
+            if t.shape != sizes || t.dtype != *dtype {
                 return Err(Error::bad_tensor(
                     &blob.path,
                     name,
                     format!(
                         "the chunk at {:?} holds a {} {:?} tensor where the metadata says {} {:?}",
-                        chunk.offsets,
+                        offsets,
                         t.dtype.safetensors_name(),
                         t.shape,
                         dtype.safetensors_name(),
-                        chunk.sizes
+                        sizes
                     ),
                 ));
             }
-            pieces.push(payload.piece(file, name, &t, chunk.offsets.clone())?);
+            let piece = payload.piece(file, name, &t, offsets.to_vec())?;
+            if let (true, true, Some(templates)) = (plain, clean, &mut self.templates) {
+                templates.learn(&mut archive, self.ends, &piece)?;
+            }
+            drop(archive);
+            pieces.push(piece);
         }
         let split: Vec<String> = (0..shape.len())
-            .filter(|&d| chunks.iter().any(|c| c.sizes.get(d) != shape.get(d)))
+            .filter(|&d| {
+                chunks
+                    .list
+                    .iter()
+                    .any(|c| chunks.sizes(c).get(d) != shape.get(d))
+            })
             .map(|d| d.to_string())
             .collect();
         let kind = if compressed { "DCP (zstd)" } else { "DCP" };
@@ -298,7 +336,7 @@ impl<'a> Reader<'a> {
             name: name.to_string(),
             dtype: *dtype,
             shape: shape.clone(),
-            pieces,
+            pieces: pieces.into(),
             storage: None,
             layout: Some(layout),
         };
@@ -308,22 +346,23 @@ impl<'a> Reader<'a> {
 
     /// What a byte entry holds, for `inspect`: small items are unpickled (inertly);
     /// anything unreadable is just described by its size.
-    pub(super) fn describe_bytes(&mut self, md: &Metadata, fqn: &str) -> String {
-        let Some(item) = md.items.get(&(fqn.to_string(), None)).cloned() else {
+    pub(super) fn describe_bytes(&mut self, md: &Metadata, entry: &Entry) -> String {
+        let EntryKind::Bytes { item: Some(item) } = entry.kind else {
             return "non-tensor entry (no storage entry)".into();
         };
+        let fqn = entry.fqn.as_str();
         let fallback = format!("non-tensor entry ({} bytes)", item.length);
         if item.length > 1 << 20 {
             return fallback;
         }
-        let Ok((file, offset, length)) = self.locate(&item, fqn) else {
+        let Ok((file, offset, length)) = self.locate(md, &item, fqn) else {
             return fallback;
         };
         let blob = self.files[file].clone();
         let Ok(mut data) = blob.read_vec(offset, length) else {
             return fallback;
         };
-        for t in &item.transforms {
+        for t in md.transforms(&item) {
             match (t.as_str(), unzstd(&data, 1 << 20)) {
                 (ZSTD, Ok(d)) => data = d,
                 _ => return fallback,

@@ -22,16 +22,19 @@
 
 use std::collections::{HashMap, HashSet};
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
+use super::bytes::FilePool;
 use super::torch;
 use super::{Checkpoint, Extra, Format, OpenOptions};
 use crate::{Error, Result};
 
 mod chunks;
 mod metadata;
+mod template;
 
 use chunks::Reader;
-use metadata::{parse_metadata, Entry, EntryKind, Metadata};
+use metadata::{parse_metadata, Entry, EntryKind, Keep, Metadata};
 
 /// Top-level state-dict keys under which trainers put optimizer state.
 const OPTIMIZER_KEYS: &[&str] = &[
@@ -61,36 +64,91 @@ fn release_freed_memory() {
 
 /// Opens a DCP directory and describes the model tensors in it.
 pub fn open(dir: &Path, opts: &OpenOptions) -> Result<Checkpoint> {
-    open_with(dir, opts, chunks::ENDS)
+    open_tuned(dir, opts, &Tuning::default()).map(|(c, _)| c)
 }
 
-/// [`open`], reading `ends` bytes at each end of every chunk archive up front.
-fn open_with(dir: &Path, opts: &OpenOptions, ends: u64) -> Result<Checkpoint> {
+/// How [`open`] reads: the defaults, or what a test wants to compare them with.
+struct Tuning {
+    /// Bytes read at each end of every chunk archive up front.
+    ends: u64,
+    /// Files kept open at once when the checkpoint has more (the rest are opened on
+    /// demand: 16,384 rank files against a limit of a few thousand).
+    max_open: usize,
+    /// Whether archives are checked against a parsed one of the same structure
+    /// instead of each being parsed.
+    templates: bool,
+}
+
+impl Default for Tuning {
+    fn default() -> Self {
+        Tuning {
+            ends: chunks::ENDS,
+            max_open: super::bytes::open_file_budget(),
+            templates: true,
+        }
+    }
+}
+
+/// Statistics of an open, for tests: the file pool, if one was used, and how many
+/// archives were taken from a template.
+#[cfg_attr(not(test), allow(dead_code))]
+struct Opened {
+    pool: Option<Arc<FilePool>>,
+    template_hits: u64,
+}
+
+/// [`open`], tuned.
+fn open_tuned(dir: &Path, opts: &OpenOptions, tuning: &Tuning) -> Result<(Checkpoint, Opened)> {
+    let (ends, max_open) = (tuning.ends, tuning.max_open);
     let meta_path = dir.join(".metadata");
-    let raw = super::fs::read(&meta_path)?;
-    let md = parse_metadata(&meta_path, &raw)?;
-    drop(raw);
+    let key = opts.key.as_deref();
+    let model = Keep::Model {
+        key,
+        optimizer_keys: OPTIMIZER_KEYS,
+    };
+    let mut md = parse_metadata(&meta_path, model)?;
     release_freed_memory();
-    let selection = select(dir, &md, opts.key.as_deref())?;
-    let mut reader = Reader::new(dir, ends);
-    reader.plan_prefetch(&md, &selection.tensors);
+    if wants_dropped(dir, &md, key)? {
+        // The guess from the fqns was wrong (the planner's paths put an entry the
+        // merge reads under a key that looked like optimizer state): read it all.
+        md = parse_metadata(&meta_path, Keep::All)?;
+    }
+    let selection = select(dir, &md, key)?;
+    let pooled = md.file_count() > max_open && !super::fs::is_url(dir);
+    let mut reader = Reader::new(dir, ends, pooled.then_some(max_open), tuning.templates);
+    let chosen: Vec<(String, &Entry)> = selection
+        .tensors
+        .iter()
+        .map(|(name, i)| (name.clone(), &md.entries[*i]))
+        .collect();
+    reader.plan_prefetch(&md, &chosen);
+    drop(chosen);
     let mut tensors = Vec::with_capacity(selection.tensors.len());
-    for (name, entry) in &selection.tensors {
-        tensors.push(reader.tensor(&md, name, entry)?);
+    for (name, i) in &selection.tensors {
+        tensors.push(reader.tensor(&md, name, &md.entries[*i])?);
+        // Its pieces now say all the chunks said: a checkpoint of many chunks
+        // holds one or the other, not both.
+        if let EntryKind::Tensor { chunks, .. } = &mut md.entries[*i].kind {
+            chunks.clear();
+        }
     }
     let mut extras = Vec::new();
     for e in &md.entries {
-        if matches!(e.kind, EntryKind::Bytes) {
+        if matches!(e.kind, EntryKind::Bytes { .. }) {
             extras.push(Extra {
                 name: e.fqn.clone(),
-                kind: reader.describe_bytes(&md, &e.fqn),
+                kind: reader.describe_bytes(&md, e),
             });
         }
     }
     extras.extend(selection.extras);
     let mut unsafe_calls = md.unsafe_calls.clone();
     unsafe_calls.append(&mut reader.unsafe_calls);
-    Ok(Checkpoint {
+    let opened = Opened {
+        pool: reader.pool.clone(),
+        template_hits: reader.templates.as_ref().map_or(0, |t| t.hits),
+    };
+    let checkpoint = Checkpoint {
         format: Format::Dcp,
         path: dir.to_path_buf(),
         files: reader.files,
@@ -99,7 +157,8 @@ fn open_with(dir: &Path, opts: &OpenOptions, ends: u64) -> Result<Checkpoint> {
         extras,
         notes: selection.notes,
         unsafe_calls,
-    })
+    };
+    Ok((checkpoint, opened))
 }
 
 /// Finds the one DCP directory inside `dir` that holds a model, as in a HF Trainer
@@ -140,10 +199,23 @@ pub fn find_model_subdir(dir: &Path) -> Result<Option<(PathBuf, Vec<String>)>> {
     }
 }
 
-/// What to merge: the tensor entries of the model, with their names in it.
-struct Selection<'a> {
+/// Whether the selection holds an entry whose chunks were not kept.
+fn wants_dropped(dir: &Path, md: &Metadata, key: Option<&str>) -> Result<bool> {
+    let dropped = |e: &Entry| matches!(e.kind, EntryKind::Tensor { dropped: true, .. });
+    if !md.entries.iter().any(dropped) {
+        return Ok(false);
+    }
+    Ok(select(dir, md, key)?
+        .tensors
+        .iter()
+        .any(|(_, i)| dropped(&md.entries[*i])))
+}
+
+/// What to merge: the tensor entries of the model (indexes in the metadata's
+/// entries), with their names in it.
+struct Selection {
     key: Option<String>,
-    tensors: Vec<(String, &'a Entry)>,
+    tensors: Vec<(String, usize)>,
     extras: Vec<Extra>,
     notes: Vec<String>,
 }
@@ -162,7 +234,7 @@ fn is_optimizer_group(g: &str) -> bool {
 
 /// Picks the model's tensors: under `--key` when given, else the top level, else
 /// the one non-optimizer group holding tensors (or the first of the usual wrapper keys).
-fn select<'a>(dir: &Path, md: &'a Metadata, key: Option<&str>) -> Result<Selection<'a>> {
+fn select(dir: &Path, md: &Metadata, key: Option<&str>) -> Result<Selection> {
     let is_tensor = |e: &Entry| matches!(e.kind, EntryKind::Tensor { .. });
     let mut groups: Vec<Option<&str>> = Vec::new();
     for e in md.entries.iter().filter(|e| is_tensor(e)) {
@@ -193,13 +265,13 @@ fn select<'a>(dir: &Path, md: &'a Metadata, key: Option<&str>) -> Result<Selecti
     let mut tensors = Vec::new();
     let mut extras = Vec::new();
     let mut skipped: HashMap<&str, usize> = HashMap::new();
-    for e in md.entries.iter().filter(|e| is_tensor(e)) {
+    for (i, e) in md.entries.iter().enumerate().filter(|(_, e)| is_tensor(e)) {
         let mine = match chosen {
             Some(_) => e.fqn.strip_prefix(&prefix),
             None => group_of(e).is_none().then_some(e.fqn.as_str()),
         };
         match (mine, group_of(e)) {
-            (Some(name), _) => tensors.push((name.to_string(), e)),
+            (Some(name), _) => tensors.push((name.to_string(), i)),
             (None, Some(g)) if is_optimizer_group(g) => *skipped.entry(g).or_insert(0) += 1,
             (None, _) => {
                 if let EntryKind::Tensor { dtype, shape, .. } = &e.kind {
@@ -294,8 +366,16 @@ mod tests {
     fn archives_read_whole_or_record_by_record_give_the_same_tensors() {
         let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/sharded/llama_w3_dcp");
         let opts = OpenOptions::default();
-        let in_memory = open_with(&dir, &opts, u64::MAX).unwrap();
-        let in_map = open_with(&dir, &opts, 0).unwrap();
+        let tuned = |ends, templates| {
+            let t = Tuning {
+                ends,
+                templates,
+                ..Tuning::default()
+            };
+            open_tuned(&dir, &opts, &t).unwrap().0
+        };
+        let in_memory = tuned(u64::MAX, false);
+        let in_map = tuned(0, false);
         let default = open(&dir, &opts).unwrap();
         assert_eq!(default.tensors.len(), in_map.tensors.len());
         for (a, b) in default.tensors.iter().zip(&in_map.tensors) {
@@ -309,6 +389,64 @@ mod tests {
             let (x, _) = read_tensor(&in_memory.files, a, a.dtype).unwrap();
             let (y, _) = read_tensor(&in_map.files, b, b.dtype).unwrap();
             assert_eq!(x, y, "{}", a.name);
+        }
+    }
+
+    /// With fewer files allowed open than the checkpoint has, files are opened on
+    /// demand, never more than allowed at once, and every tensor reads the same.
+    #[test]
+    fn files_beyond_the_open_limit_are_opened_on_demand() {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/sharded/llama_w3_dcp");
+        let opts = OpenOptions::default();
+        let max_open = |max_open| Tuning {
+            max_open,
+            ..Tuning::default()
+        };
+        let (all, _) = open_tuned(&dir, &opts, &max_open(usize::MAX)).unwrap();
+        let (one, opened) = open_tuned(&dir, &opts, &max_open(1)).unwrap();
+        let pool = opened.pool.unwrap();
+        assert_eq!(all.files.len(), 3);
+        assert_eq!(one.files.len(), 3);
+        for (a, b) in all.tensors.iter().zip(&one.tensors) {
+            assert_eq!(a.pieces, b.pieces, "{}", a.name);
+            let (x, _) = read_tensor(&all.files, a, a.dtype).unwrap();
+            let (y, _) = read_tensor(&one.files, b, b.dtype).unwrap();
+            assert_eq!(x, y, "{}", a.name);
+        }
+        // Every open beyond the first closed another file: one at a time, and the
+        // files were opened again and again as the chunks alternate between ranks.
+        assert!(pool.opens() > 3, "{}", pool.opens());
+        assert_eq!(pool.open_now(), 1);
+        assert!(open_tuned(&dir, &opts, &max_open(3))
+            .unwrap()
+            .1
+            .pool
+            .is_none());
+    }
+
+    /// Archives checked against a parsed one of the same structure give the pieces
+    /// parsing each gives, and most of the eight ranks' archives are taken that way.
+    #[test]
+    fn archives_like_a_parsed_one_give_the_pieces_parsing_gives() {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/sharded/llama_w8_dcp");
+        let opts = OpenOptions::default();
+        let with = |templates| Tuning {
+            templates,
+            ..Tuning::default()
+        };
+        let (parsed, p) = open_tuned(&dir, &opts, &with(false)).unwrap();
+        let (checked, c) = open_tuned(&dir, &opts, &with(true)).unwrap();
+        assert_eq!(p.template_hits, 0);
+        let chunks: usize = parsed.tensors.iter().map(|t| t.pieces.len()).sum();
+        assert!(
+            c.template_hits as usize > chunks / 2,
+            "{} of {chunks}",
+            c.template_hits
+        );
+        assert_eq!(parsed.tensors.len(), checked.tensors.len());
+        for (a, b) in parsed.tensors.iter().zip(&checked.tensors) {
+            assert_eq!(a.name, b.name);
+            assert_eq!(a.pieces, b.pieces, "{}", a.name);
         }
     }
 }

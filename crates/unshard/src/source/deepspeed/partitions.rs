@@ -34,7 +34,7 @@ fn new_tensor(
         name: name.to_string(),
         dtype,
         shape: shape.to_vec(),
-        pieces: Vec::new(),
+        pieces: Vec::new().into(),
         // Aliases (tied weights) share this id; nothing else does.
         storage: Some(StorageId {
             file,

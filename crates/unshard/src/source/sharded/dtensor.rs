@@ -148,7 +148,7 @@ pub(super) fn dtensor(
         name: name.to_string(),
         dtype,
         shape,
-        pieces,
+        pieces: pieces.into(),
         storage: None,
         layout: Some(layout),
     })

@@ -106,7 +106,7 @@ pub(super) fn sharded_tensor(
             ranks.len(),
             pieces.len()
         )),
-        pieces,
+        pieces: pieces.into(),
         storage: None,
     })
 }

@@ -282,7 +282,7 @@ impl TorchPayload {
             name: name.to_string(),
             dtype: t.dtype,
             shape: t.shape.clone(),
-            pieces: vec![piece],
+            pieces: vec![piece].into(),
             storage: Some(StorageId {
                 file,
                 key: t.key.clone(),

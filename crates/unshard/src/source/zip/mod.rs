@@ -70,6 +70,10 @@ pub struct ZipEntry {
     pub method: u16,
     /// CRC-32 of the data, as recorded.
     pub crc32: u32,
+    /// Offset of the entry's local header from the start of the archive.
+    pub header_offset: u64,
+    /// Offset of the entry's central directory record from the start of the archive.
+    pub central_offset: u64,
 }
 
 /// The entries of an archive, in central-directory order.
@@ -391,6 +395,8 @@ fn index(a: &mut Archive<'_>) -> std::result::Result<ZipIndex, Fail> {
             size,
             method,
             crc32,
+            header_offset: local,
+            central_offset: at,
         });
         at = at + 46 + name_len + extra_len + comment_len;
     }

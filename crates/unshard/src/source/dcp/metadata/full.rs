@@ -1,27 +1,26 @@
-//! `.metadata`, interpreted: a pickle of torch.distributed.checkpoint dataclasses,
-//! read as opaque objects. For every entry of the flattened state dict it gives the
-//! global shape and dtype and the chunks it was saved in; `storage_data` maps each
-//! chunk to a byte range of a `.distcp` file.
+//! The fallback reader of `.metadata`: the whole pickle parsed by the general
+//! reader (which audits what it would run), then the tree interpreted. Used when the
+//! streaming pass meets anything beyond what DCP writes; its errors say what is wrong.
 
 use std::collections::HashMap;
 use std::path::Path;
 
 use unshard_pickle::{NodeId, Pickle, Value};
 
-use super::super::torch::{
+use super::super::super::torch::{
     self, class_of, dict_of, dims_of, dtype_of, field_of, int_of, seq_of, str_of,
 };
+use super::{Builder, Chunks, Entry, EntryKind, Keep, Metadata};
 use crate::{DType, Error, Result};
 
-/// One chunk of a tensor entry.
-#[derive(Clone, Debug)]
-pub(super) struct Chunk {
-    pub(super) offsets: Vec<u64>,
-    pub(super) sizes: Vec<u64>,
+/// A chunk as the tree gives it.
+struct Chunk {
+    offsets: Vec<u64>,
+    sizes: Vec<u64>,
 }
 
-#[derive(Clone, Debug)]
-pub(super) enum EntryKind {
+/// An entry as the tree gives it.
+enum Kind {
     Tensor {
         dtype: DType,
         shape: Vec<u64>,
@@ -30,37 +29,16 @@ pub(super) enum EntryKind {
     Bytes,
 }
 
-/// One entry of the flattened state dict.
-#[derive(Clone, Debug)]
-pub(super) struct Entry {
-    pub(super) fqn: String,
-    /// Where the entry sat in the nested state dict that was saved (`planner_data`),
-    /// or just the fqn when the planner did not record it.
-    pub(super) path: Vec<String>,
-    pub(super) kind: EntryKind,
-}
-
-/// Where an item's bytes are.
-#[derive(Clone, Debug)]
-pub(super) struct Item {
-    pub(super) file: String,
-    pub(super) offset: u64,
-    pub(super) length: u64,
-    pub(super) transforms: Vec<String>,
-}
-
-/// `.metadata`, interpreted.
-#[derive(Debug, Default)]
-pub(super) struct Metadata {
-    pub(super) entries: Vec<Entry>,
-    /// `(fqn, chunk offsets)` → item. Byte entries have no offsets.
-    pub(super) items: HashMap<(String, Option<Vec<u64>>), Item>,
-    /// What the `.metadata` pickle would run under `torch.load`.
-    pub(super) unsafe_calls: Vec<crate::scan::UnsafeCall>,
+/// Where an item's bytes are, as the tree gives it.
+struct Item {
+    file: String,
+    offset: u64,
+    length: u64,
+    transforms: Vec<String>,
 }
 
 /// Parses `.metadata` (held in `raw`) into entries and item locations.
-pub(super) fn parse_metadata(path: &Path, raw: &[u8]) -> Result<Metadata> {
+pub(super) fn parse(path: &Path, raw: &[u8], keep: Keep<'_>) -> Result<Metadata> {
     // A checkpoint of thousands of ranks has a `.metadata` of hundreds of MB, which
     // may hold more nodes than the default limits allow: scale them to its size.
     let limits = unshard_pickle::Limits::default().scaled_to(raw.len());
@@ -89,12 +67,60 @@ pub(super) fn parse_metadata(path: &Path, raw: &[u8]) -> Result<Metadata> {
         .iter()
         .filter_map(|(k, v)| Some((str_of(&p, *k)?, *v)))
         .collect();
+    let storage = field_of(&p, root, "storage_data")
+        .and_then(|d| dict_of(&p, d))
+        .ok_or_else(|| corrupt("the metadata has no storage_data dict".into()))?;
+    let mut items = HashMap::with_capacity(storage.len());
+    for (k, v) in storage {
+        let (fqn, offsets) = metadata_index(&p, *k).map_err(corrupt)?;
+        let item = storage_info(&p, *v)
+            .map_err(|m| corrupt(format!("the storage entry of '{fqn}': {m}")))?;
+        items.insert((fqn, offsets), item);
+    }
+    let mut b = Builder::new();
+    let item_of = |b: &mut Builder, fqn: &str, offsets: Option<Vec<u64>>| {
+        items
+            .get(&(fqn.to_string(), offsets))
+            .map(|i| b.item(&i.file, i.offset, i.length, &i.transforms))
+    };
     let mut entries = Vec::with_capacity(sdm.len());
     for (k, v) in sdm {
         let fqn = str_of(&p, *k)
             .ok_or_else(|| corrupt("a state_dict_metadata key is not a string".into()))?
             .to_string();
         let kind = entry_kind(&p, *v).map_err(|m| corrupt(format!("entry '{fqn}': {m}")))?;
+        let kind = match kind {
+            Kind::Bytes => EntryKind::Bytes {
+                item: item_of(&mut b, &fqn, None),
+            },
+            Kind::Tensor {
+                dtype,
+                shape,
+                chunks,
+            } => {
+                let dropped = !keep.chunks_of(&fqn);
+                let mut kept = Chunks::new(shape.len());
+                for c in chunks.into_iter().filter(|_| !dropped) {
+                    if !kept.push(&c.offsets, &c.sizes) {
+                        return Err(corrupt(format!(
+                            "entry '{fqn}': a chunk at {:?} of size {:?} in a tensor of shape {shape:?}",
+                            c.offsets, c.sizes
+                        )));
+                    }
+                    let item = item_of(&mut b, &fqn, Some(c.offsets));
+                    if let Some(last) = kept.list.last_mut() {
+                        last.item = item;
+                    }
+                }
+                kept.shrink();
+                EntryKind::Tensor {
+                    dtype,
+                    shape,
+                    chunks: kept,
+                    dropped,
+                }
+            }
+        };
         let path = planner
             .get(fqn.as_str())
             .and_then(|&t| seq_of(&p, t))
@@ -112,27 +138,16 @@ pub(super) fn parse_metadata(path: &Path, raw: &[u8]) -> Result<Metadata> {
             .unwrap_or_else(|| vec![fqn.clone()]);
         entries.push(Entry { fqn, path, kind });
     }
-    let storage = field_of(&p, root, "storage_data")
-        .and_then(|d| dict_of(&p, d))
-        .ok_or_else(|| corrupt("the metadata has no storage_data dict".into()))?;
-    let mut items = HashMap::with_capacity(storage.len());
-    for (k, v) in storage {
-        let (fqn, offsets) = metadata_index(&p, *k).map_err(corrupt)?;
-        let item = storage_info(&p, *v)
-            .map_err(|m| corrupt(format!("the storage entry of '{fqn}': {m}")))?;
-        items.insert((fqn, offsets), item);
-    }
     let (unsafe_calls, _) = crate::scan::audit_pickle(path, ".metadata", &p);
-    Ok(Metadata {
-        entries,
-        items,
-        unsafe_calls,
-    })
+    let mut md = b.md;
+    md.entries = entries;
+    md.unsafe_calls = unsafe_calls;
+    Ok(md)
 }
 
-fn entry_kind(p: &Pickle, id: NodeId) -> std::result::Result<EntryKind, String> {
+fn entry_kind(p: &Pickle, id: NodeId) -> std::result::Result<Kind, String> {
     match class_of(p, id) {
-        Some((_, "BytesStorageMetadata")) => Ok(EntryKind::Bytes),
+        Some((_, "BytesStorageMetadata")) => Ok(Kind::Bytes),
         Some((_, "TensorStorageMetadata")) => {
             let props = field_of(p, id, "properties").ok_or("no tensor properties")?;
             let dtype = properties_dtype(p, props)?;
@@ -151,7 +166,7 @@ fn entry_kind(p: &Pickle, id: NodeId) -> std::result::Result<EntryKind, String> 
                     _ => return Err("a chunk without offsets and sizes".into()),
                 }
             }
-            Ok(EntryKind::Tensor {
+            Ok(Kind::Tensor {
                 dtype,
                 shape,
                 chunks,

@@ -1,0 +1,608 @@
+//! The streaming reader of `.metadata`: one pass over the pickle's opcodes that
+//! folds each DCP dataclass into its compact record as it is built (see `fold`),
+//! with a stack of small values and a memo that keeps only what is fetched again.
+//!
+//! It stays inert the way the full reader is: nothing is called, a `REDUCE` or
+//! `NEWOBJ` only builds a value. It is also narrower: it accepts only the globals
+//! DCP's own dataclasses use (every one of them allowed by the pickle audit), only
+//! the opcodes Python's pickler writes for them, and only their usual shape
+//! (`.metadata` fields in order, chunks inside their tensor entry, storage keys
+//! naming known entries). Anything else, a truncated file included, makes it give
+//! up, and the full reader (which audits and explains) reads the file instead. So a
+//! pickle this reader accepts has nothing for the audit to report.
+
+use std::collections::HashMap;
+
+use crate::source::Blob;
+use crate::{DType, Error};
+
+use super::{Keep, Metadata};
+
+mod fold;
+mod input;
+
+use fold::Fold;
+use input::{used_memo, Input, Used};
+
+/// Why the pass stopped early.
+enum GiveUp {
+    /// Something this reader does not handle: read the file with the full reader.
+    Stop,
+    /// The file could not be read.
+    Io(Error),
+}
+
+type R<T> = std::result::Result<T, GiveUp>;
+
+/// `Option` to [`R`]: `None` gives up.
+trait OrStop<T> {
+    fn or_stop(self) -> R<T>;
+}
+
+impl<T> OrStop<T> for Option<T> {
+    fn or_stop(self) -> R<T> {
+        self.ok_or(GiveUp::Stop)
+    }
+}
+
+/// Reads `.metadata` in one pass. `Ok(None)` when the file holds anything beyond
+/// what DCP writes (the caller reads it with the full reader).
+pub(super) fn read(blob: &Blob, keep: Keep<'_>) -> crate::Result<Option<Metadata>> {
+    let run = || -> R<Metadata> {
+        let used = used_memo(blob)?;
+        Machine::new(blob, used, keep).run()
+    };
+    match run() {
+        Ok(md) => Ok(Some(md)),
+        Err(GiveUp::Stop) => Ok(None),
+        Err(GiveUp::Io(e)) => Err(e),
+    }
+}
+
+/// Opcode bytes (the `pickletools` names).
+mod op {
+    pub const MARK: u8 = b'(';
+    pub const STOP: u8 = b'.';
+    pub const POP: u8 = b'0';
+    pub const BININT: u8 = b'J';
+    pub const BININT1: u8 = b'K';
+    pub const BININT2: u8 = b'M';
+    pub const NONE: u8 = b'N';
+    pub const REDUCE: u8 = b'R';
+    pub const BINUNICODE: u8 = b'X';
+    pub const APPEND: u8 = b'a';
+    pub const BUILD: u8 = b'b';
+    pub const GLOBAL: u8 = b'c';
+    pub const EMPTY_DICT: u8 = b'}';
+    pub const APPENDS: u8 = b'e';
+    pub const BINGET: u8 = b'h';
+    pub const LONG_BINGET: u8 = b'j';
+    pub const EMPTY_LIST: u8 = b']';
+    pub const BINPUT: u8 = b'q';
+    pub const LONG_BINPUT: u8 = b'r';
+    pub const SETITEM: u8 = b's';
+    pub const TUPLE: u8 = b't';
+    pub const EMPTY_TUPLE: u8 = b')';
+    pub const SETITEMS: u8 = b'u';
+    pub const BINFLOAT: u8 = b'G';
+    pub const PROTO: u8 = 0x80;
+    pub const NEWOBJ: u8 = 0x81;
+    pub const TUPLE1: u8 = 0x85;
+    pub const TUPLE2: u8 = 0x86;
+    pub const TUPLE3: u8 = 0x87;
+    pub const NEWTRUE: u8 = 0x88;
+    pub const NEWFALSE: u8 = 0x89;
+    pub const LONG1: u8 = 0x8a;
+    pub const SHORT_BINBYTES: u8 = b'C';
+    pub const BINBYTES: u8 = b'B';
+    pub const SHORT_BINUNICODE: u8 = 0x8c;
+    pub const BINUNICODE8: u8 = 0x8d;
+    pub const STACK_GLOBAL: u8 = 0x93;
+    pub const MEMOIZE: u8 = 0x94;
+    pub const FRAME: u8 = 0x95;
+}
+
+/// The globals this reader knows, and what it makes of them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Class {
+    Metadata,
+    Tensor,
+    Properties,
+    Chunk,
+    Index,
+    Bytes,
+    StorageInfo,
+    Size,
+    DType(DType),
+    /// Allowed, and never looked into (layouts, memory formats, `StorageMeta`, paths).
+    Opaque,
+}
+
+fn classify(module: &str, name: &str) -> Option<Class> {
+    if !unshard_pickle::audit::names::allowed(module, name) {
+        return None;
+    }
+    let class = match (module, name) {
+        ("torch.distributed.checkpoint.metadata", n) => match n {
+            "Metadata" => Class::Metadata,
+            "TensorStorageMetadata" => Class::Tensor,
+            "TensorProperties" => Class::Properties,
+            "ChunkStorageMetadata" => Class::Chunk,
+            "MetadataIndex" => Class::Index,
+            "BytesStorageMetadata" => Class::Bytes,
+            "StorageMeta" | "_MEM_FORMAT_ENCODING" => Class::Opaque,
+            _ => return None,
+        },
+        ("torch.distributed.checkpoint.filesystem", "_StorageInfo") => Class::StorageInfo,
+        ("torch", "Size") => Class::Size,
+        ("torch", n) => Class::DType(DType::from_torch_name(n)?),
+        ("torch.serialization", "_get_layout") => Class::Opaque,
+        ("pathlib", "PosixPath" | "WindowsPath" | "PurePosixPath" | "PureWindowsPath") => {
+            Class::Opaque
+        }
+        _ => return None,
+    };
+    Some(class)
+}
+
+/// A value on the stack: small, with the DCP dataclasses already folded. Lists and
+/// dicts are boxed vectors so that a value is 24 bytes.
+#[derive(Clone, Debug)]
+#[allow(clippy::box_collection)]
+enum V {
+    None,
+    Int(i64),
+    /// An interned string.
+    Str(u32),
+    Global(Class),
+    Tuple(Box<[V]>),
+    List(Box<Vec<V>>),
+    Dict(Box<Vec<(V, V)>>),
+    /// `torch.Size(dims)`.
+    Size(Box<[u64]>),
+    /// A known class made by `NEWOBJ`, waiting for its `BUILD`.
+    Obj(Class),
+    /// A `ChunkStorageMetadata`, by its place in its tensor entry.
+    Chunk(u32),
+    /// `TensorProperties`: all that is needed of it is the dtype.
+    Properties(DType),
+    /// A state-dict entry (`TensorStorageMetadata` or `BytesStorageMetadata`), by record.
+    Entry(u32),
+    /// A `MetadataIndex`.
+    Index(Box<fold::Index>),
+    /// A `_StorageInfo`.
+    Storage(Box<super::Item>),
+    /// Anything else: never looked into.
+    Other,
+}
+
+/// Containers nested deeper than this make the pass give up (values are trees here,
+/// dropped and cloned recursively; the full reader's arena has no such limit).
+const MAX_DEPTH: u16 = 200;
+
+/// Values fetched again from the memo are copied, so only small ones are kept: a
+/// copy costs no more than the input that asked for it, as in the full reader.
+const MAX_MEMO_WEIGHT: usize = 64;
+
+/// How many values `v` holds, counting itself, up to `cap + 1`.
+fn weight(v: &V, cap: usize) -> usize {
+    let inner: &[V] = match v {
+        V::Tuple(items) => items,
+        V::List(items) => items,
+        V::Dict(pairs) => {
+            let mut n = 1;
+            for (k, x) in pairs.iter() {
+                if n > cap {
+                    break;
+                }
+                n += weight(k, cap) + weight(x, cap);
+            }
+            return n;
+        }
+        _ => return 1,
+    };
+    let mut n = 1;
+    for x in inner {
+        if n > cap {
+            break;
+        }
+        n += weight(x, cap);
+    }
+    n
+}
+
+/// What the memo keeps of a value (and its nesting depth), for the keys fetched again.
+struct Memo {
+    keys: Vec<u32>,
+    values: Vec<(V, u16)>,
+}
+
+impl Memo {
+    fn put(&mut self, key: u32, v: (V, u16)) -> R<()> {
+        if self.keys.last().is_some_and(|&k| k >= key) {
+            return Err(GiveUp::Stop);
+        }
+        self.keys.push(key);
+        self.values.push(v);
+        Ok(())
+    }
+
+    fn get(&self, key: u32) -> Option<&(V, u16)> {
+        let i = self.keys.binary_search(&key).ok()?;
+        self.values.get(i)
+    }
+}
+
+struct Machine<'a, 'k> {
+    input: Input<'a>,
+    stack: Vec<V>,
+    /// How deep the containers of each stack value nest (0: not a container).
+    depths: Vec<u16>,
+    marks: Vec<usize>,
+    used: Used,
+    memo: Memo,
+    /// The number of memo keys assigned so far.
+    memo_len: u32,
+    strings: Vec<String>,
+    interned: HashMap<String, u32>,
+    fold: Fold<'k>,
+}
+
+impl<'a, 'k> Machine<'a, 'k> {
+    fn new(blob: &'a Blob, used: Used, keep: Keep<'k>) -> Self {
+        Machine {
+            input: Input::new(blob),
+            stack: Vec::new(),
+            depths: Vec::new(),
+            marks: Vec::new(),
+            used,
+            memo: Memo {
+                keys: Vec::new(),
+                values: Vec::new(),
+            },
+            memo_len: 0,
+            strings: Vec::new(),
+            interned: HashMap::new(),
+            fold: Fold::new(keep),
+        }
+    }
+
+    fn intern(&mut self, bytes: &[u8]) -> R<V> {
+        let s = std::str::from_utf8(bytes).map_err(|_| GiveUp::Stop)?;
+        if let Some(&i) = self.interned.get(s) {
+            return Ok(V::Str(i));
+        }
+        let i = u32::try_from(self.strings.len()).map_err(|_| GiveUp::Stop)?;
+        self.strings.push(s.to_string());
+        self.interned.insert(s.to_string(), i);
+        Ok(V::Str(i))
+    }
+
+    fn push(&mut self, v: V) {
+        self.push_nested(v, 0);
+    }
+
+    fn push_nested(&mut self, v: V, depth: u16) {
+        self.stack.push(v);
+        self.depths.push(depth);
+    }
+
+    /// A container of values nested `inner` deep.
+    fn container_depth(inner: u16) -> R<u16> {
+        if inner >= MAX_DEPTH {
+            return Err(GiveUp::Stop);
+        }
+        Ok(inner + 1)
+    }
+
+    fn pop(&mut self) -> R<V> {
+        self.pop_nested().map(|(v, _)| v)
+    }
+
+    fn pop_nested(&mut self) -> R<(V, u16)> {
+        if self.marks.last().is_some_and(|&m| m >= self.stack.len()) {
+            return Err(GiveUp::Stop);
+        }
+        let d = self.depths.pop().or_stop()?;
+        Ok((self.stack.pop().or_stop()?, d))
+    }
+
+    /// The values above the last mark, and how deep the deepest of them nests.
+    fn pop_mark(&mut self) -> R<(Vec<V>, u16)> {
+        let m = self.marks.pop().or_stop()?;
+        if m > self.stack.len() {
+            return Err(GiveUp::Stop);
+        }
+        let depth = self.depths.split_off(m).into_iter().max().unwrap_or(0);
+        Ok((self.stack.split_off(m), depth))
+    }
+
+    /// Notes that the container on top of the stack now holds values `inner` deep.
+    fn deepen_top(&mut self, inner: u16) -> R<()> {
+        let d = Self::container_depth(inner)?;
+        let top = self.depths.last_mut().or_stop()?;
+        *top = (*top).max(d);
+        Ok(())
+    }
+
+    fn top(&mut self) -> R<&mut V> {
+        if self.marks.last().is_some_and(|&m| m >= self.stack.len()) {
+            return Err(GiveUp::Stop);
+        }
+        self.stack.last_mut().or_stop()
+    }
+
+    fn memoize(&mut self, key: u32) -> R<()> {
+        if !self.used.contains(key) {
+            return Ok(());
+        }
+        let depth = self.depths.last().copied().unwrap_or(0);
+        let top = self.top()?;
+        if weight(top, MAX_MEMO_WEIGHT) > MAX_MEMO_WEIGHT {
+            return Err(GiveUp::Stop);
+        }
+        match top {
+            // Containers and objects still being filled in would be seen changed
+            // through the memo: the full reader shares them, this one does not.
+            V::List(_) | V::Dict(_) | V::Obj(_) => return Err(GiveUp::Stop),
+            _ => {}
+        }
+        let v = top.clone();
+        self.memo.put(key, (v, depth))
+    }
+
+    fn global(&mut self, module: &str, name: &str) -> R<()> {
+        let class = classify(module, name).or_stop()?;
+        self.push(V::Global(class));
+        Ok(())
+    }
+
+    fn run(mut self) -> R<Metadata> {
+        use op::*;
+        loop {
+            let op = self.input.byte()?;
+            match op {
+                PROTO => {
+                    if self.input.byte()? > 5 {
+                        return Err(GiveUp::Stop);
+                    }
+                }
+                FRAME => {
+                    self.input.bytes(8)?;
+                }
+                STOP => {
+                    let top = self.pop()?;
+                    if !self.stack.is_empty() || !self.marks.is_empty() {
+                        return Err(GiveUp::Stop);
+                    }
+                    return self.fold.finish(top, &self.strings);
+                }
+                MARK => self.marks.push(self.stack.len()),
+                POP => {
+                    self.pop()?;
+                }
+                NONE => self.push(V::None),
+                NEWTRUE | NEWFALSE => self.push(V::Other),
+                BININT1 => {
+                    let v = self.input.uint(1)?;
+                    self.push(V::Int(v as i64));
+                }
+                BININT2 => {
+                    let v = self.input.uint(2)?;
+                    self.push(V::Int(v as i64));
+                }
+                BININT => {
+                    let v = self.input.uint(4)? as u32 as i32;
+                    self.push(V::Int(i64::from(v)));
+                }
+                LONG1 => {
+                    let n = self.input.length(1)?;
+                    let b = self.input.bytes(n)?;
+                    let v = if n == 0 {
+                        V::Int(0)
+                    } else if n <= 8 {
+                        let mut x = [if b[n - 1] & 0x80 != 0 { 0xff } else { 0 }; 8];
+                        x[..n].copy_from_slice(b);
+                        V::Int(i64::from_le_bytes(x))
+                    } else {
+                        V::Other
+                    };
+                    self.push(v);
+                }
+                BINFLOAT => {
+                    self.input.bytes(8)?;
+                    self.push(V::Other);
+                }
+                SHORT_BINUNICODE | BINUNICODE | BINUNICODE8 => {
+                    let width = match op {
+                        SHORT_BINUNICODE => 1,
+                        BINUNICODE => 4,
+                        _ => 8,
+                    };
+                    let n = self.input.length(width)?;
+                    let bytes = self.input.bytes(n)?.to_vec();
+                    let v = self.intern(&bytes)?;
+                    self.push(v);
+                }
+                SHORT_BINBYTES | BINBYTES => {
+                    let n = self.input.length(if op == BINBYTES { 4 } else { 1 })?;
+                    self.input.bytes(n)?;
+                    self.push(V::Other);
+                }
+                MEMOIZE => {
+                    let key = self.memo_len;
+                    self.memo_len = key.checked_add(1).or_stop()?;
+                    self.memoize(key)?;
+                }
+                BINPUT | LONG_BINPUT => {
+                    let key = self.input.uint(if op == BINPUT { 1 } else { 4 })? as u32;
+                    self.memo_len = key.checked_add(1).or_stop()?;
+                    self.memoize(key)?;
+                }
+                BINGET | LONG_BINGET => {
+                    let key = self.input.uint(if op == BINGET { 1 } else { 4 })? as u32;
+                    let (v, depth) = self.memo.get(key).or_stop()?.clone();
+                    self.push_nested(v, depth);
+                }
+                STACK_GLOBAL => {
+                    let name = self.pop()?;
+                    let module = self.pop()?;
+                    let (V::Str(m), V::Str(n)) = (module, name) else {
+                        return Err(GiveUp::Stop);
+                    };
+                    let (m, n) = (
+                        self.strings[m as usize].clone(),
+                        self.strings[n as usize].clone(),
+                    );
+                    self.global(&m, &n)?;
+                }
+                GLOBAL => {
+                    let m = self.input.line()?;
+                    let n = self.input.line()?;
+                    self.global(&m, &n)?;
+                }
+                EMPTY_TUPLE => self.push(V::Tuple(Box::new([]))),
+                TUPLE1 | TUPLE2 | TUPLE3 => {
+                    let n = usize::from(op - TUPLE1 + 1);
+                    let mut items = Vec::with_capacity(n);
+                    let mut inner = 0;
+                    for _ in 0..n {
+                        let (v, d) = self.pop_nested()?;
+                        items.push(v);
+                        inner = inner.max(d);
+                    }
+                    items.reverse();
+                    let depth = Self::container_depth(inner)?;
+                    self.push_nested(V::Tuple(items.into_boxed_slice()), depth);
+                }
+                TUPLE => {
+                    let (items, inner) = self.pop_mark()?;
+                    let depth = Self::container_depth(inner)?;
+                    self.push_nested(V::Tuple(items.into_boxed_slice()), depth);
+                }
+                EMPTY_LIST => self.push(V::List(Box::default())),
+                EMPTY_DICT => self.push(V::Dict(Box::default())),
+                APPEND => {
+                    let (v, inner) = self.pop_nested()?;
+                    self.deepen_top(inner)?;
+                    let V::List(list) = self.top()? else {
+                        return Err(GiveUp::Stop);
+                    };
+                    list.push(v);
+                }
+                APPENDS => {
+                    let (items, inner) = self.pop_mark()?;
+                    self.deepen_top(inner)?;
+                    let V::List(list) = self.top()? else {
+                        return Err(GiveUp::Stop);
+                    };
+                    list.extend(items);
+                }
+                SETITEM => {
+                    let (v, a) = self.pop_nested()?;
+                    let (k, b) = self.pop_nested()?;
+                    self.deepen_top(a.max(b))?;
+                    self.set_items(vec![k, v])?;
+                }
+                SETITEMS => {
+                    let (items, inner) = self.pop_mark()?;
+                    self.deepen_top(inner)?;
+                    self.set_items(items)?;
+                }
+                NEWOBJ => {
+                    let args = self.pop()?;
+                    let class = self.pop()?;
+                    let (V::Global(class), V::Tuple(args)) = (class, args) else {
+                        return Err(GiveUp::Stop);
+                    };
+                    let v = match class {
+                        Class::Opaque => V::Other,
+                        Class::Size | Class::DType(_) => return Err(GiveUp::Stop),
+                        _ if !args.is_empty() => return Err(GiveUp::Stop),
+                        Class::Tensor => {
+                            // The key it will be stored under is below it on the stack.
+                            let fqn = match self.stack.last() {
+                                Some(V::Str(s)) => *s,
+                                _ => return Err(GiveUp::Stop),
+                            };
+                            let keep = self.fold.keep.chunks_of(&self.strings[fqn as usize]);
+                            self.fold.begin_tensor(fqn, keep)?;
+                            V::Obj(class)
+                        }
+                        _ => V::Obj(class),
+                    };
+                    self.push(v);
+                }
+                REDUCE => {
+                    let args = self.pop()?;
+                    let callable = self.pop()?;
+                    let (V::Global(class), V::Tuple(args)) = (callable, args) else {
+                        return Err(GiveUp::Stop);
+                    };
+                    let v = match (class, &args[..]) {
+                        (Class::Size, [V::Tuple(dims)]) => V::Size(
+                            dims.iter()
+                                .map(|d| match d {
+                                    V::Int(i) => u64::try_from(*i).ok(),
+                                    _ => None,
+                                })
+                                .collect::<Option<Box<[u64]>>>()
+                                .or_stop()?,
+                        ),
+                        (Class::Opaque, _) => V::Other,
+                        _ => return Err(GiveUp::Stop),
+                    };
+                    self.push(v);
+                }
+                BUILD => {
+                    let state = self.pop()?;
+                    let obj = self.pop()?;
+                    let v = match obj {
+                        V::Other => V::Other,
+                        V::Obj(class) => self.fold.build(class, state, &self.strings)?,
+                        _ => return Err(GiveUp::Stop),
+                    };
+                    self.push(v);
+                }
+                _ => return Err(GiveUp::Stop),
+            }
+        }
+    }
+
+    /// `SETITEM(S)` on the dict below: storage pairs go to their chunks, state-dict
+    /// entries are checked against the key they are stored under.
+    fn set_items(&mut self, items: Vec<V>) -> R<()> {
+        if items.len() % 2 != 0 {
+            return Err(GiveUp::Stop);
+        }
+        let mut pairs = Vec::new();
+        let mut it = items.into_iter();
+        while let (Some(k), Some(v)) = (it.next(), it.next()) {
+            if let Some(pair) = self.fold.pair(k, v, &self.strings)? {
+                pairs.push(pair);
+            }
+        }
+        let V::Dict(dict) = self.top()? else {
+            return Err(GiveUp::Stop);
+        };
+        dict.extend(pairs);
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{weight, V};
+
+    /// What the memo may keep is counted without walking all of a big value.
+    #[test]
+    fn weight_counts_values_up_to_the_cap() {
+        let small = V::Tuple(vec![V::Int(1), V::Str(0)].into_boxed_slice());
+        assert_eq!(weight(&small, 64), 3);
+        let big = V::Tuple(vec![V::Int(1); 1000].into_boxed_slice());
+        let w = weight(&big, 64);
+        assert!(w > 64 && w < 100, "{w}");
+        let nested = V::List(Box::new(vec![big.clone(), big]));
+        assert!(weight(&nested, 64) > 64);
+    }
+}

@@ -1,0 +1,229 @@
+//! Chunk archives checked byte for byte against one parsed archive of the same
+//! structure, instead of each being parsed.
+//!
+//! The chunk archives of one checkpoint are `torch.save` zips of one tensor each,
+//! written by the same code: two archives of the same length holding tensors of the
+//! same dtype and shape are identical but for the tensor's bytes, the random
+//! `.data/serialization_id`, and the CRC-32 fields of those two records (in the
+//! local header, the data descriptor after the data, the central directory). So the
+//! first archive of each (length, dtype, shape) is parsed in full and kept as a
+//! template: its ends as read, and where those free bytes are. A later archive of
+//! the same key whose ends equal the template's outside the free bytes holds the
+//! same records, the same pickle (so the same view of the same storage) and the
+//! same zip layout, and becomes the template's piece moved to its own offset.
+//! Anything else (a different byte anywhere else, a key not seen yet) is parsed in
+//! full, as before. The check is as strict as the parse: the parse verifies the
+//! CRC of the records it reads (the pickle and the byte order), which are compared
+//! here byte for byte with CRC fields included, and never reads the free bytes.
+
+use std::collections::HashMap;
+
+use super::super::zip::{Archive, ZipIndex};
+use super::super::Piece;
+use crate::{DType, Result};
+
+/// Templates kept at once (keys are few: one per chunk shape and length).
+const MAX_TEMPLATES: usize = 256;
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq)]
+struct Key {
+    len: u64,
+    dtype: DType,
+    sizes: Vec<u64>,
+}
+
+struct Template {
+    /// Bytes `0..head.len()` of the archive.
+    head: Vec<u8>,
+    /// Bytes `tail_at..` of the archive (empty when the head holds it all).
+    tail_at: u64,
+    tail: Vec<u8>,
+    /// Archive byte ranges that may differ, sorted.
+    free: Vec<(u64, u64)>,
+    /// The tensor's first byte, from the start of the archive.
+    rel_offset: u64,
+    strides: Vec<u64>,
+    big_endian: bool,
+}
+
+/// The templates of one checkpoint.
+#[derive(Default)]
+pub(super) struct Templates {
+    by_key: HashMap<Key, Template>,
+    /// Archives taken from a template.
+    pub(super) hits: u64,
+}
+
+/// The ends of an archive as [`Archive::read_ends`] holds them: `(head, tail_at, tail)`.
+fn ends(a: &Archive<'_>, ends: u64) -> Result<(Vec<u8>, u64, Vec<u8>)> {
+    let len = a.len();
+    if ends.saturating_mul(2) >= len {
+        return Ok((a.read_vec(0, len)?, len, Vec::new()));
+    }
+    Ok((
+        a.read_vec(0, ends)?,
+        len - ends,
+        a.read_vec(len - ends, ends)?,
+    ))
+}
+
+/// Whether `bytes` (archive bytes from `at`) equal `want` outside the free ranges.
+fn same(at: u64, bytes: &[u8], want: &[u8], free: &[(u64, u64)]) -> bool {
+    if bytes.len() != want.len() {
+        return false;
+    }
+    let end = at + bytes.len() as u64;
+    let mut pos = at;
+    for &(s, e) in free.iter().chain(std::iter::once(&(end, end))) {
+        let (s, e) = (s.clamp(at, end), e.clamp(at, end));
+        if s > pos {
+            let (i, j) = ((pos - at) as usize, (s - at) as usize);
+            if bytes[i..j] != want[i..j] {
+                return false;
+            }
+        }
+        pos = pos.max(e);
+    }
+    true
+}
+
+impl Templates {
+    /// The piece of archive `a` (read with [`Archive::read_ends`]`(ends, ends)`), if it
+    /// matches the template of its key; `None` when it must be parsed.
+    pub(super) fn piece(
+        &mut self,
+        a: &Archive<'_>,
+        ends_len: u64,
+        dtype: DType,
+        sizes: &[u64],
+        file: usize,
+        offsets: &[u64],
+    ) -> Result<Option<Piece>> {
+        let key = Key {
+            len: a.len(),
+            dtype,
+            sizes: sizes.to_vec(),
+        };
+        let Some(t) = self.by_key.get(&key) else {
+            return Ok(None);
+        };
+        let (head, tail_at, tail) = ends(a, ends_len)?;
+        if tail_at != t.tail_at
+            || !same(0, &head, &t.head, &t.free)
+            || !same(tail_at, &tail, &t.tail, &t.free)
+        {
+            return Ok(None);
+        }
+        self.hits += 1;
+        Ok(Some(Piece {
+            file,
+            byte_offset: a.base() + t.rel_offset,
+            dtype,
+            shape: sizes.to_vec(),
+            strides: t.strides.clone(),
+            global_offset: offsets.to_vec(),
+            big_endian: t.big_endian,
+        }))
+    }
+
+    /// Keeps archive `a`, just parsed in full into `piece`, as the template of its
+    /// key, when every byte that can differ between archives of its structure is
+    /// known and every other byte is in its ends.
+    pub(super) fn learn(
+        &mut self,
+        a: &mut Archive<'_>,
+        ends_len: u64,
+        piece: &Piece,
+    ) -> Result<()> {
+        let key = Key {
+            len: a.len(),
+            dtype: piece.dtype,
+            sizes: piece.shape.clone(),
+        };
+        if self.by_key.contains_key(&key) || self.by_key.len() >= MAX_TEMPLATES {
+            return Ok(());
+        }
+        let Ok(index) = ZipIndex::read(a) else {
+            return Ok(());
+        };
+        let (head, tail_at, tail) = ends(a, ends_len)?;
+        let byte = |at: u64| {
+            let i = at as usize;
+            head.get(i)
+                .or_else(|| at.checked_sub(tail_at).and_then(|j| tail.get(j as usize)))
+        };
+        let mut free = Vec::new();
+        let mut data = None;
+        for e in &index.entries {
+            let storage = e.name.contains("/data/") && !e.name.contains("/.data/");
+            if !storage && !e.name.ends_with("/.data/serialization_id") {
+                continue;
+            }
+            if storage {
+                if data.is_some() {
+                    return Ok(()); // one storage per chunk archive, or no template
+                }
+                data = Some((e.data_offset, e.data_offset + e.compressed_size));
+            }
+            let end = e.data_offset + e.compressed_size;
+            free.push((e.data_offset, end));
+            free.push((e.header_offset + 14, e.header_offset + 18));
+            free.push((e.central_offset + 16, e.central_offset + 20));
+            // torch's writer streams records: bit 3 of the flags says a data
+            // descriptor follows the data, with the CRC after its signature.
+            let Some(&flags) = byte(e.header_offset + 6) else {
+                return Ok(());
+            };
+            if flags & 8 != 0 {
+                let sig = [0, 1, 2, 3].map(|i| byte(end + i).copied());
+                let crc = if sig == [Some(b'P'), Some(b'K'), Some(7), Some(8)] {
+                    end + 4
+                } else {
+                    end
+                };
+                free.push((crc, crc + 4));
+            }
+        }
+        let Some((ds, de)) = data else {
+            return Ok(());
+        };
+        free.sort_unstable();
+        // Bytes between the ends are not compared: they must all be tensor bytes.
+        let middle = (head.len() as u64, tail_at);
+        if middle.0 < middle.1 && !(ds <= middle.0 && middle.1 <= de) {
+            return Ok(());
+        }
+        let Some(rel_offset) = piece.byte_offset.checked_sub(a.base()) else {
+            return Ok(());
+        };
+        self.by_key.insert(
+            key,
+            Template {
+                head,
+                tail_at,
+                tail,
+                free,
+                rel_offset,
+                strides: piece.strides.clone(),
+                big_endian: piece.big_endian,
+            },
+        );
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::same;
+
+    #[test]
+    fn bytes_are_compared_outside_the_free_ranges_only() {
+        let want = b"abcdefgh";
+        assert!(same(10, b"abXXefgh", want, &[(12, 14)]));
+        assert!(!same(10, b"abXXefgX", want, &[(12, 14)]));
+        assert!(!same(10, b"Xbcdefgh", want, &[(12, 14)]));
+        // Ranges outside the bytes, or overlapping their ends.
+        assert!(same(10, b"Xbcdefgh", want, &[(0, 11), (30, 40)]));
+        assert!(!same(10, b"abcdefgh", b"abcdefg", &[]));
+    }
+}
