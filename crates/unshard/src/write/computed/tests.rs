@@ -67,7 +67,8 @@ fn fused_rows_cut_by_blocks_equal_the_whole_tensor_fuse() {
                     strides: contiguous_strides(shape),
                     global_offset: vec![0; shape.len()],
                     big_endian: false,
-                }],
+                }]
+                .into(),
                 storage: None,
                 layout: None,
             },
