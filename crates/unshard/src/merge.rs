@@ -209,7 +209,16 @@ pub fn merge_into(
             ));
         };
         verify::drop_cached(dir, &plan);
-        let report = verify::verify_dir(dir, &plan, inputs, &write::NoProgress, &opts.cancel)?;
+        // The writer's block checksums, compared with the one read of the output.
+        let expected = verify::checksums::written(&summary.files, &summary.digests);
+        let report = verify::verify_dir(
+            dir,
+            &plan,
+            inputs,
+            &expected,
+            &write::NoProgress,
+            &opts.cancel,
+        )?;
         if !report.is_ok() {
             return Err(report.to_error());
         }

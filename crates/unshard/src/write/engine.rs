@@ -7,6 +7,7 @@ use std::sync::Arc;
 
 use rayon::prelude::*;
 
+use super::digest::{self, Sha};
 use super::direct::BufferPool;
 use super::geometry::PieceRuns;
 use super::sink::ShardFile;
@@ -20,7 +21,9 @@ use crate::source::{Blob, FileId, Piece, TensorSource};
 use crate::{DType, Error, Result};
 
 /// Fills and writes every block of every shard, in parallel; returns what conversion
-/// saw per planned tensor. `block_bytes` is a multiple of [`DIRECT_ALIGN`].
+/// saw per planned tensor, and per shard the SHA-256 of each block as written (see
+/// `digest`; `None` for a block holding a computed tensor, finished later).
+/// `block_bytes` is a multiple of [`DIRECT_ALIGN`].
 pub(crate) fn write_blocks(
     plan: &Plan,
     inputs: Inputs<'_>,
@@ -28,7 +31,7 @@ pub(crate) fn write_blocks(
     block_bytes: u64,
     progress: &dyn Progress,
     cancel: &Cancel,
-) -> Result<Vec<ConvertStats>> {
+) -> Result<(Vec<ConvertStats>, BlockDigests)> {
     let mut blocks = Vec::new();
     for (shard, s) in plan.shards.iter().enumerate() {
         let mut start = 0;
@@ -55,13 +58,16 @@ pub(crate) fn write_blocks(
                 cancel.check()?;
                 let mut bufs = pool.take();
                 let out = bufs.block.slice_mut(b.len as usize);
-                let (stats, tensor_bytes) = fill_block(plan, inputs, b, out, &mut bufs.scratch)?;
+                let filled = fill_block(plan, inputs, b, out, &mut bufs.scratch)?;
                 files[b.shard].write_block(out, b.start)?;
+                // Hashed from the bytes handed to the write, by the thread that
+                // filled them (while they are in its cache).
+                let digest = (!filled.computed).then(|| digest::sha256(out));
                 pool.give(bufs);
-                progress.advance(tensor_bytes);
-                Ok(stats)
+                progress.advance(filled.tensor_bytes);
+                Ok((filled.stats, (b, digest)))
             })
-            .collect::<Result<Vec<Vec<(usize, ConvertStats)>>>>()
+            .collect::<Result<Vec<(Vec<(usize, ConvertStats)>, (&Block, Option<Sha>))>>>()
     };
     // Inputs that wait on the network (object storage) want more reads in flight.
     let readers = inputs
@@ -80,11 +86,22 @@ pub(crate) fn write_blocks(
         Err(_) => run()?,
     };
     let mut stats = vec![ConvertStats::default(); plan.tensors.len()];
-    for (ti, s) in per_block.into_iter().flatten() {
-        stats[ti].add(s);
+    let mut digests: BlockDigests = plan
+        .shards
+        .iter()
+        .map(|s| vec![None; s.file_size.div_ceil(block_bytes) as usize])
+        .collect();
+    for (block_stats, (b, d)) in per_block {
+        for (ti, s) in block_stats {
+            stats[ti].add(s);
+        }
+        digests[b.shard][(b.start / block_bytes) as usize] = d;
     }
-    Ok(stats)
+    Ok((stats, digests))
 }
+
+/// Per shard, the SHA-256 of each block as written (`None`: not hashed).
+pub(crate) type BlockDigests = Vec<Vec<Option<Sha>>>;
 
 /// Where a block starts reading: the input (checkpoint before base), file and byte
 /// offset of the first element of the first tensor it holds. `None` (sorted first)
@@ -140,15 +157,24 @@ pub(crate) struct Block {
 /// between the read and the conversion.
 pub(crate) const CHUNK_BYTES: usize = 1 << 20;
 
+/// What filling a block did.
+pub(crate) struct Filled {
+    /// What conversion saw, per tensor.
+    pub(crate) stats: Vec<(usize, ConvertStats)>,
+    /// Tensor bytes filled (progress).
+    pub(crate) tensor_bytes: u64,
+    /// Whether the block holds bytes of a computed tensor (left zero here).
+    pub(crate) computed: bool,
+}
+
 /// Fills `out` with the bytes of `block`: the header and the tensors it overlaps.
-/// Returns what conversion saw, per tensor, and how many tensor bytes were filled.
 pub(crate) fn fill_block(
     plan: &Plan,
     inputs: Inputs<'_>,
     block: &Block,
     out: &mut [u8],
     scratch: &mut Vec<u8>,
-) -> Result<(Vec<(usize, ConvertStats)>, u64)> {
+) -> Result<Filled> {
     let shard = &plan.shards[block.shard];
     let (b0, b1) = (block.start, block.start + block.len);
     let header = shard.header.len() as u64;
@@ -160,6 +186,7 @@ pub(crate) fn fill_block(
         filled = n;
     }
     let mut stats = Vec::new();
+    let mut computed = false;
     let first = shard
         .entries
         .partition_point(|&(ti, off)| off + plan.tensors[ti].nbytes() <= b0);
@@ -179,6 +206,7 @@ pub(crate) fn fill_block(
         let Some(source) = t.copied() else {
             // Computed: written by its own pass once the blocks are done.
             dst.fill(0);
+            computed = true;
             filled = hi - b0;
             continue;
         };
@@ -199,7 +227,11 @@ pub(crate) fn fill_block(
         filled = hi - b0;
     }
     out[filled as usize..].fill(0);
-    Ok((stats, block.len - header.saturating_sub(b0).min(block.len)))
+    Ok(Filled {
+        stats,
+        tensor_bytes: block.len - header.saturating_sub(b0).min(block.len),
+        computed,
+    })
 }
 
 /// A tensor the engine copies: the pieces of one input's tensor, converted to
@@ -510,7 +542,8 @@ mod tests {
             base: None,
             extra: &[],
         };
-        let stats = write_blocks(&plan, inputs, &files, 4096, &NoProgress, &Cancel::new()).unwrap();
+        let (stats, digests) =
+            write_blocks(&plan, inputs, &files, 4096, &NoProgress, &Cancel::new()).unwrap();
         drop(files);
 
         let mut want = header;
@@ -520,6 +553,10 @@ mod tests {
         want.extend(a_bf16);
         want.extend(le_bytes(&c));
         assert_eq!(std::fs::read(&path).unwrap(), want);
+        // Each block's digest is the SHA-256 of that block of the file.
+        let per_block: Vec<Option<Sha>> =
+            want.chunks(4096).map(|c| Some(digest::sha256(c))).collect();
+        assert_eq!(digests, vec![per_block]);
         assert_eq!(stats[0].nan, 1, "a NaN cut by a block edge is counted once");
         assert_eq!(
             stats[2].inf, 1,
