@@ -9,6 +9,7 @@ pub use crate::prepare::{prepare, Base};
 use serde::Serialize;
 
 use crate::lora;
+use crate::manifest::{FileEntry, Manifest, MANIFEST};
 use crate::plan::{Origin, Plan};
 use crate::prepare::Prepared;
 use crate::source;
@@ -226,6 +227,15 @@ pub fn merge_into(
     } else {
         None
     };
+    let mut summary = summary;
+    if !opts.no_manifest {
+        // Written last, into the same staging: committed with the rest or not at all.
+        let files = FileEntry::of_written(&summary.files, &summary.digests);
+        let bytes = Manifest::new(opts, ckpt.format.id(), plan.dtype, files).to_bytes();
+        sink.write_file(MANIFEST, &bytes)?;
+        summary.files.push(MANIFEST.into());
+        summary.digests.push(write::FileDigest::of_bytes(&bytes));
+    }
     opts.cancel.check()?;
     sink.commit()?;
     let config_from = match (&opts.base, &base) {

@@ -33,6 +33,8 @@ pub struct MergeOptions {
     pub verify: bool,
     /// NaN or inf in the output is an error instead of a warning.
     pub fail_on_nonfinite: bool,
+    /// Do not write `unshard.json` (what the merge did) into the output.
+    pub no_manifest: bool,
     /// How a LoRA adapter input is fused (ignored for other inputs).
     pub adapter: AdapterOptions,
     /// What to do about pickles that would run code under `torch.load`.

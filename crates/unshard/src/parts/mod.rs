@@ -36,6 +36,7 @@ use std::path::{Path, PathBuf};
 
 pub use assign::{assign, Part};
 
+use crate::manifest::{FileEntry, Manifest, MANIFEST};
 use crate::merge::MergeOptions;
 use crate::plan::Plan;
 use crate::prepare::{prepare, Prepared};
@@ -120,8 +121,19 @@ pub fn merge_part(opts: &MergeOptions, part: Part, progress: &dyn Progress) -> R
     mine.index = None;
     mine.config = None;
     let shards: Vec<String> = mine.shards.iter().map(|s| s.file_name.clone()).collect();
-    write::write_into(&mine, inputs, &dir, &wopts, progress)?;
+    let written = write::write_into(&mine, inputs, &dir, &wopts, progress)?;
     dir.publish_shards(&shards)?;
+    if !opts.no_manifest {
+        // For the part that commits: it writes every shard's checksum in unshard.json.
+        let entries = FileEntry::of_written(&written.files, &written.digests);
+        let path = dir.path().join(format!(
+            "{}{}-of-{}.json",
+            sink::CHECKSUMS,
+            part.index,
+            part.count
+        ));
+        write::write_file(&path, &serde_json::to_vec(&entries).unwrap_or_default())?;
+    }
     let waiting_for = dir.mark_done()?;
     let mut committed = false;
     if waiting_for.is_empty() && dir.claim_commit()? {
@@ -135,7 +147,13 @@ pub fn merge_part(opts: &MergeOptions, part: Part, progress: &dyn Progress) -> R
                 .unwrap_or_default(),
             ..wopts
         };
-        write::write_into(&last, inputs, &dir, &extra, &write::NoProgress)?;
+        let small = write::write_into(&last, inputs, &dir, &extra, &write::NoProgress)?;
+        if !opts.no_manifest {
+            let mut files = shard_checksums(dir.path(), &plan)?;
+            files.extend(FileEntry::of_written(&small.files, &small.digests));
+            let bytes = Manifest::new(opts, ckpt.format.id(), plan.dtype, files).to_bytes();
+            write::write_file(&dir.path().join(MANIFEST), &bytes)?;
+        }
         dir.commit(&opts.output, opts.force)?;
         committed = true;
     }
@@ -147,6 +165,35 @@ pub fn merge_part(opts: &MergeOptions, part: Part, progress: &dyn Progress) -> R
         waiting_for,
         staging: dir.path().to_path_buf(),
     })
+}
+
+/// Every shard's entry for `unshard.json`, in the plan's order, from the files in
+/// which the parts left them; a shard whose part left none gets its size only.
+fn shard_checksums(dir: &Path, plan: &Plan) -> Result<Vec<FileEntry>> {
+    let mut found: std::collections::HashMap<String, FileEntry> = Default::default();
+    for e in std::fs::read_dir(dir)
+        .map_err(|e| Error::io("list", dir, e))?
+        .flatten()
+    {
+        if !e.file_name().to_string_lossy().starts_with(sink::CHECKSUMS) {
+            continue;
+        }
+        let bytes = std::fs::read(e.path()).map_err(|err| Error::io("read", e.path(), err))?;
+        let entries: Vec<FileEntry> = serde_json::from_slice(&bytes)
+            .map_err(|err| Error::corrupt(e.path(), format!("not a list of checksums: {err}")))?;
+        found.extend(entries.into_iter().map(|f| (f.name.clone(), f)));
+    }
+    Ok(plan
+        .shards
+        .iter()
+        .map(|s| {
+            found.remove(&s.file_name).unwrap_or(FileEntry {
+                name: s.file_name.clone(),
+                size: s.file_size,
+                checksum: None,
+            })
+        })
+        .collect())
 }
 
 /// A hash of everything that decides the output's bytes: the number of parts, the

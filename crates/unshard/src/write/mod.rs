@@ -174,12 +174,12 @@ pub fn write_into(
         if sink.copy_file(&name, src)? {
             // What was copied, read back where there is a local copy.
             let digest = match sink.staged_dir() {
-                Some(dir) => Some(FileDigest::of_file(&dir.join(&name))?),
-                None if !crate::source::fs::is_url(src) => Some(FileDigest::of_file(src)?),
-                None => None,
+                Some(dir) => FileDigest::of_file(&dir.join(&name))?,
+                // Extra files are small (`MAX_EXTRA_FILE`).
+                None => FileDigest::of_bytes(&crate::source::fs::read(src)?),
             };
             names.push(name);
-            digests.push(digest.unwrap_or_default());
+            digests.push(digest);
         }
     }
     progress.finish();
