@@ -19,7 +19,7 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
-use crate::options::MergeOptions;
+use crate::options::{MergeOptions, VerifyOptions};
 use crate::plan::DtypeChoice;
 use crate::source::fs;
 use crate::verify::{Expected, ExpectedDigest};
@@ -214,6 +214,133 @@ impl FileEntry {
             .map(|(n, d)| FileEntry::new(n, d))
             .collect()
     }
+}
+
+/// What [`Manifest::fill`] did: the options it took from the manifest, and those
+/// given that differ from it (given ones win), each as a command-line flag.
+#[derive(Clone, Debug, Default)]
+pub struct Filled {
+    /// Flags taken from the manifest (`--dtype bfloat16`).
+    pub taken: Vec<String>,
+    /// Flags given that differ from the manifest, with its value
+    /// (`--dtype float16 (unshard.json: bfloat16)`).
+    pub overridden: Vec<String>,
+}
+
+impl Manifest {
+    /// Completes `opts` with what the merge recorded: every option left unset
+    /// (the checkpoint empty, an option `None`, the dtype `auto`, no renames,
+    /// flags off) takes the manifest's value; options set stay as they are. The
+    /// files' checksums are added.
+    pub fn fill(&self, opts: &mut VerifyOptions) -> Result<Filled> {
+        let mut f = Filled::default();
+        let r = &self.options;
+        let mut path = |flag: &str, given: &mut Option<PathBuf>, recorded: &Option<String>| match (
+            &*given, recorded,
+        ) {
+            (None, Some(v)) => {
+                f.taken.push(format!("{flag} {v}"));
+                *given = Some(PathBuf::from(v));
+            }
+            (Some(g), Some(v)) if !same_path(g, v) => f
+                .overridden
+                .push(format!("{flag} {} (unshard.json: {v})", g.display())),
+            _ => {}
+        };
+        let mut checkpoint =
+            (!opts.checkpoint.as_os_str().is_empty()).then(|| opts.checkpoint.clone());
+        path(
+            "--against",
+            &mut checkpoint,
+            &Some(self.inputs.checkpoint.clone()),
+        );
+        path("--base", &mut opts.base, &self.inputs.base);
+        path(
+            "--adapter-config",
+            &mut opts.adapter.config,
+            &r.adapter_config,
+        );
+        opts.checkpoint = checkpoint.unwrap_or_default();
+        let mut text = |flag: &str, given: &mut Option<String>, recorded: &Option<String>| match (
+            &*given, recorded,
+        ) {
+            (None, Some(v)) => {
+                f.taken.push(format!("{flag} {v}"));
+                *given = Some(v.clone());
+            }
+            (Some(g), Some(v)) if g != v => {
+                f.overridden.push(format!("{flag} {g} (unshard.json: {v})"))
+            }
+            _ => {}
+        };
+        text("--key", &mut opts.open.key, &r.key);
+        text("--tag", &mut opts.open.tag, &r.tag);
+        text("--adapter", &mut opts.adapter.name, &r.adapter);
+        let recorded_dtype =
+            match r.dtype.as_str() {
+                "auto" | "" => DtypeChoice::Auto,
+                d => DtypeChoice::Fixed(DType::from_torch_name(d).ok_or_else(|| {
+                    self.unreadable(format!("options.dtype '{d}' is not a dtype"))
+                })?),
+            };
+        match (opts.plan.dtype, recorded_dtype) {
+            (DtypeChoice::Auto, DtypeChoice::Fixed(d)) => {
+                f.taken.push(format!("--dtype {d}"));
+                opts.plan.dtype = recorded_dtype;
+            }
+            (DtypeChoice::Fixed(g), rec) if rec != opts.plan.dtype => {
+                let v = match rec {
+                    DtypeChoice::Auto => "auto".to_string(),
+                    DtypeChoice::Fixed(d) => d.to_string(),
+                };
+                f.overridden
+                    .push(format!("--dtype {g} (unshard.json: {v})"));
+            }
+            _ => {}
+        }
+        if opts.plan.renames.is_empty() {
+            for (re, with) in &r.renames {
+                let rx = regex::Regex::new(re).map_err(|e| {
+                    self.unreadable(format!(
+                        "options.renames '{re}' is not a regular expression: {e}"
+                    ))
+                })?;
+                f.taken.push(format!("--rename '{re}={with}'"));
+                opts.plan.renames.push((rx, with.clone()));
+            }
+        } else if !r.renames.is_empty() {
+            let given: Vec<(String, String)> = opts
+                .plan
+                .renames
+                .iter()
+                .map(|(r, s)| (r.as_str().to_string(), s.clone()))
+                .collect();
+            if given != r.renames {
+                f.overridden
+                    .push("--rename (unshard.json records other renames)".into());
+            }
+        }
+        let mut flag = |name: &str, given: &mut bool, recorded: bool| {
+            if recorded && !*given {
+                f.taken.push(name.into());
+                *given = true;
+            }
+        };
+        flag("--strict", &mut opts.plan.strict, r.strict);
+        flag("--no-fuse", &mut opts.adapter.no_fuse, r.no_fuse);
+        opts.checksums = self.expected();
+        Ok(f)
+    }
+
+    fn unreadable(&self, msg: String) -> Error {
+        Error::Usage(format!(
+            "{MANIFEST}: {msg}; pass the merge's options to verify explicitly, or remove {MANIFEST}"
+        ))
+    }
+}
+
+fn same_path(given: &Path, recorded: &str) -> bool {
+    given == Path::new(recorded) || absolute(given) == recorded
 }
 
 /// A local path made absolute (so that `verify` finds it from anywhere); a URL,

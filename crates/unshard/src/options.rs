@@ -62,6 +62,9 @@ pub struct VerifyOptions {
     pub adapter: AdapterOptions,
     /// What to do about pickles that would run code under `torch.load`.
     pub unsafe_pickles: UnsafePolicy,
+    /// What the files should hash to (from `unshard.json`: see
+    /// [`Manifest::fill`](crate::manifest::Manifest::fill)); empty: not checked.
+    pub checksums: Vec<crate::verify::Expected>,
     /// Stops the check at its next window.
     pub cancel: Cancel,
 }
@@ -77,6 +80,7 @@ impl VerifyOptions {
             plan: merge.plan.clone(),
             adapter: merge.adapter.clone(),
             unsafe_pickles: merge.unsafe_pickles,
+            checksums: Vec::new(),
             cancel: merge.cancel.clone(),
         }
     }

@@ -47,7 +47,7 @@ use crate::options::VerifyOptions;
 use crate::plan::{Origin, Plan};
 use crate::prepare::{prepare, Inputs};
 use crate::write::{FileDigest, Progress};
-use crate::{Error, Result};
+use crate::{DType, Error, Result};
 
 mod blocks;
 pub mod checks;
@@ -80,7 +80,7 @@ pub fn verify(opts: &VerifyOptions, progress: &dyn Progress) -> Result<VerifyRep
         &opts.dir,
         &prepared.plan,
         prepared.inputs(),
-        &[],
+        &opts.checksums,
         progress,
         &opts.cancel,
     )
@@ -103,6 +103,7 @@ pub fn verify_dir(
 
     // Names, shapes and dtypes against the plan.
     let mut checks: Vec<(usize, &Located)> = Vec::new();
+    let mut casts: Vec<(usize, &str, DType)> = Vec::new();
     for (i, t) in plan.tensors.iter().enumerate() {
         let Some(loc) = written.tensors.get(&t.name) else {
             if !written.in_unreadable.contains(&t.name) {
@@ -125,21 +126,12 @@ pub fn verify_dir(
                 ),
             ));
         } else if loc.dtype != t.dtype {
-            problems.push(problem(
-                Some(file),
-                Some(&t.name),
-                format!(
-                    "stored as {}, but the merge writes {} ({} in the {})",
-                    loc.dtype,
-                    t.dtype,
-                    t.source_dtype,
-                    origin_name(t.origin)
-                ),
-            ));
+            casts.push((i, file, loc.dtype));
         } else {
             checks.push((i, loc));
         }
     }
+    dtype_problems(plan, &casts, expected.is_empty(), &mut problems);
     let planned: HashSet<&str> = plan.tensors.iter().map(|t| t.name.as_str()).collect();
     let mut extra: Vec<(&String, &Located)> = written
         .tensors
@@ -202,6 +194,51 @@ pub fn verify_dir(
         bytes_compared,
         files_checksummed,
     })
+}
+
+/// Tensors stored in another dtype than the plan's. When every floating tensor is
+/// off the same way and the options were given by hand (no checksums: no
+/// `unshard.json`), the options are what is wrong, not the tensors: one line
+/// says which `--dtype` (or `--base`) to pass instead of one line per tensor.
+fn dtype_problems(
+    plan: &Plan,
+    casts: &[(usize, &str, DType)],
+    by_hand: bool,
+    problems: &mut Vec<Problem>,
+) {
+    let floats = plan.tensors.iter().filter(|t| t.dtype.is_float()).count();
+    if let [(i0, file0, found), ..] = casts {
+        let planned = plan.tensors[*i0].dtype;
+        let uniform = casts
+            .iter()
+            .all(|&(i, _, f)| f == *found && plan.tensors[i].dtype == planned);
+        if by_hand && casts.len() > 1 && uniform && casts.len() == floats && found.is_float() {
+            problems.push(problem(
+                None,
+                None,
+                format!(
+                    "all {} floating tensors are stored as {found}, but with the options given the merge writes {planned} (first: '{}' in {file0}): the merge ran with other options; pass --dtype {found}, or the --base it was given (whose config sets the dtype)",
+                    casts.len(),
+                    plan.tensors[*i0].name,
+                ),
+            ));
+            return;
+        }
+    }
+    for &(i, file, found) in casts {
+        let t = &plan.tensors[i];
+        problems.push(problem(
+            Some(file),
+            Some(&t.name),
+            format!(
+                "stored as {}, but the merge writes {} ({} in the {})",
+                found,
+                t.dtype,
+                t.source_dtype,
+                origin_name(t.origin)
+            ),
+        ));
+    }
 }
 
 fn origin_name(o: Origin) -> String {
