@@ -255,3 +255,68 @@ fn a_base_written_by_unshard_does_not_pass_its_manifest_on() {
     assert!(o.status.success(), "{}", text(&o));
     assert!(!second.join("unshard.json").exists());
 }
+
+/// A safetensors file laid out as neither unshard nor safetensors would: a 3-byte
+/// tensor first, so every float32 element of the next sits 3 bytes off alignment
+/// and one of them straddles the 8 MiB edge where verify's reads meet.
+fn misaligned_model(dir: &Path) -> PathBuf {
+    let n: usize = (1 << 21) + 16;
+    let header = format!(
+        "{{\"a\":{{\"dtype\":\"U8\",\"shape\":[3],\"data_offsets\":[0,3]}},\"b\":{{\"dtype\":\"F32\",\"shape\":[{n}],\"data_offsets\":[3,{}]}}}}",
+        3 + 4 * n
+    );
+    let mut header = header.into_bytes();
+    while header.len() % 8 != 0 {
+        header.push(b' ');
+    }
+    let mut bytes = (header.len() as u64).to_le_bytes().to_vec();
+    bytes.extend_from_slice(&header);
+    bytes.extend_from_slice(&[1, 2, 3]);
+    for i in 0..n {
+        bytes.extend_from_slice(&(i as f32 * 0.5).to_le_bytes());
+    }
+    std::fs::create_dir_all(dir).unwrap();
+    let file = dir.join("model.safetensors");
+    std::fs::write(&file, bytes).unwrap();
+    file
+}
+
+#[test]
+fn verify_compares_an_element_cut_by_the_edge_of_its_reads() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("out");
+    let file = misaligned_model(&out);
+    let args = [
+        "verify",
+        out.to_str().unwrap(),
+        "--against",
+        file.to_str().unwrap(),
+        "-q",
+    ];
+    let o = unshard(&args);
+    assert!(o.status.success(), "{}", text(&o));
+    // Byte 8 MiB of the file is the second byte of an element that starts 2 bytes
+    // before it.
+    let mut bytes = std::fs::read(&file).unwrap();
+    bytes[8 << 20] ^= 0x01;
+    std::fs::write(&file, &bytes).unwrap();
+    let copy = tmp.path().join("ckpt.safetensors");
+    misaligned_model(&tmp.path().join("ckpt"));
+    std::fs::rename(tmp.path().join("ckpt/model.safetensors"), &copy).unwrap();
+    let o = unshard(&[
+        "verify",
+        out.to_str().unwrap(),
+        "--against",
+        copy.to_str().unwrap(),
+        "-q",
+    ]);
+    let t = text(&o);
+    assert_eq!(o.status.code(), Some(1), "{t}");
+    let data_start = 8 + u64::from_le_bytes(bytes[..8].try_into().unwrap());
+    let k = ((8 << 20) - data_start - 3) / 4;
+    assert!(
+        t.contains("tensor 'b': 1 of 2097168 element(s) differ")
+            && t.contains(&format!("first at [{k}]")),
+        "{t}"
+    );
+}

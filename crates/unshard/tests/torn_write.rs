@@ -136,12 +136,22 @@ fn a_block_stored_other_than_written_fails_the_verify_and_names_the_file() {
         "{msg}"
     );
     assert!(!out.exists(), "a failed verify committed the output");
-    assert_eq!(std::fs::read_dir(tmp.path()).unwrap().count(), 1, "left behind");
+    assert_eq!(
+        std::fs::read_dir(tmp.path()).unwrap().count(),
+        1,
+        "left behind"
+    );
 
     // A byte of tensor data: the values differ too, and both are said.
     let err = merge_torn(&out, 8 + header_len + 5, 0x40).unwrap_err();
     let msg = err.to_string();
-    assert!(msg.contains("read back differ from what was written"), "{msg}");
-    assert!(msg.contains("hold other values than the checkpoint"), "{msg}");
+    assert!(
+        msg.contains("read back differ from what was written"),
+        "{msg}"
+    );
+    assert!(
+        msg.contains("hold other values than the checkpoint"),
+        "{msg}"
+    );
     assert!(!out.exists());
 }
