@@ -74,7 +74,11 @@ pub(crate) fn check_files(
                     ));
                     continue;
                 }
-                FileDigest::of_bytes(&fs::read(&path)?)
+                // A shard the index does not list is read here, a block at a time.
+                match fs::is_url(&path) {
+                    false => FileDigest::of_file(&path)?,
+                    true => FileDigest::of_bytes(&fs::read(&path)?),
+                }
             }
         };
         if digest.size != e.size {

@@ -8,7 +8,7 @@ use std::sync::Arc;
 use rayon::prelude::*;
 
 use super::digest::{self, Sha};
-use super::direct::BufferPool;
+use super::direct::{BufferPool, Buffers};
 use super::geometry::PieceRuns;
 use super::sink::ShardFile;
 #[cfg(test)]
@@ -50,24 +50,35 @@ pub(crate) fn write_blocks(
     // on the disk: the threads then read a few streams front to back instead of
     // jumping about (a DCP file holds its chunks largest first, not by name).
     blocks.sort_by_cached_key(|b| input_position(plan, b));
-    let pool = BufferPool::new(block_bytes as usize);
-    let run = || {
+    let pool = &BufferPool::new(block_bytes as usize);
+    let blocks = &blocks;
+    // Blocks are hashed off the write path: a worker hands its buffer, once
+    // written, to one hashing thread and goes on with another, so hashing overlaps
+    // the reads and writes instead of adding to each block's time. The queue is
+    // short (memory: two more buffers); a full one makes the workers wait.
+    let (to_hash, queue) = std::sync::mpsc::sync_channel::<(usize, Buffers, usize)>(2);
+    // Owns the sender: when the workers are done, the hashing thread's queue ends.
+    let run = move || {
         blocks
             .par_iter()
-            .map(|b| {
+            .enumerate()
+            .map(|(i, b)| {
                 cancel.check()?;
                 let mut bufs = pool.take();
                 let out = bufs.block.slice_mut(b.len as usize);
                 let filled = fill_block(plan, inputs, b, out, &mut bufs.scratch)?;
                 files[b.shard].write_block(out, b.start)?;
-                // Hashed from the bytes handed to the write, by the thread that
-                // filled them (while they are in its cache).
-                let digest = (!filled.computed).then(|| digest::sha256(out));
-                pool.give(bufs);
                 progress.advance(filled.tensor_bytes);
-                Ok((filled.stats, (b, digest)))
+                if filled.computed {
+                    // Finished by the computed pass: hashed from the file after it.
+                    pool.give(bufs);
+                } else if let Err(back) = to_hash.send((i, bufs, b.len as usize)) {
+                    // The hashing thread is gone (it cannot fail): nothing to hash.
+                    pool.give(back.0 .1);
+                }
+                Ok(filled.stats)
             })
-            .collect::<Result<Vec<(Vec<(usize, ConvertStats)>, (&Block, Option<Sha>))>>>()
+            .collect::<Result<Vec<Vec<(usize, ConvertStats)>>>>()
     };
     // Inputs that wait on the network (object storage) want more reads in flight.
     let readers = inputs
@@ -80,22 +91,41 @@ pub(crate) fn write_blocks(
         .num_threads(worker_threads().max(readers))
         .thread_name(|i| format!("unshard-write-{i}"))
         .build();
-    let per_block = match workers {
-        Ok(workers) => workers.install(run)?,
-        // No threads to spare: the global pool does the work.
-        Err(_) => run()?,
-    };
+    let (per_block, hashed) = std::thread::scope(|scope| {
+        let hasher = std::thread::Builder::new()
+            .name("unshard-hash".into())
+            .spawn_scoped(scope, || {
+                let mut hashed = Vec::new();
+                for (i, mut bufs, len) in queue {
+                    hashed.push((i, digest::sha256(bufs.block.slice_mut(len))));
+                    pool.give(bufs);
+                }
+                hashed
+            });
+        let per_block = match workers {
+            Ok(workers) => workers.install(run),
+            // No threads to spare: the global pool does the work.
+            Err(_) => run(),
+        };
+        let hashed = match hasher {
+            Ok(h) => h.join().unwrap_or_default(),
+            Err(_) => Vec::new(),
+        };
+        (per_block, hashed)
+    });
+    let per_block = per_block?;
     let mut stats = vec![ConvertStats::default(); plan.tensors.len()];
     let mut digests: BlockDigests = plan
         .shards
         .iter()
         .map(|s| vec![None; s.file_size.div_ceil(block_bytes) as usize])
         .collect();
-    for (block_stats, (b, d)) in per_block {
-        for (ti, s) in block_stats {
-            stats[ti].add(s);
-        }
-        digests[b.shard][(b.start / block_bytes) as usize] = d;
+    for (ti, s) in per_block.into_iter().flatten() {
+        stats[ti].add(s);
+    }
+    for (i, d) in hashed {
+        let b = &blocks[i];
+        digests[b.shard][(b.start / block_bytes) as usize] = Some(d);
     }
     Ok((stats, digests))
 }
