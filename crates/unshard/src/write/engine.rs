@@ -54,9 +54,11 @@ pub(crate) fn write_blocks(
     let blocks = &blocks;
     // Blocks are hashed off the write path: a worker hands its buffer, once
     // written, to one hashing thread and goes on with another, so hashing overlaps
-    // the reads and writes instead of adding to each block's time. The queue is
-    // short (memory: two more buffers); a full one makes the workers wait.
-    let (to_hash, queue) = std::sync::mpsc::sync_channel::<(usize, Buffers, usize)>(2);
+    // the reads and writes instead of adding to each block's time. The hand-over
+    // is a rendezvous, so memory grows by the one buffer being hashed (a queue of
+    // two would hold two more); a worker waits only while the hashing thread is
+    // busy with the previous block.
+    let (to_hash, queue) = std::sync::mpsc::sync_channel::<(usize, Buffers, usize)>(0);
     // Owns the sender: when the workers are done, the hashing thread's queue ends.
     let run = move || {
         blocks
