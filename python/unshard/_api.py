@@ -91,6 +91,7 @@ def _merge_options(
     adapter: Optional[str] = None,
     adapter_config: Optional[PathLike] = None,
     no_fuse: bool = False,
+    no_manifest: bool = False,
 ) -> str:
     if isinstance(rename, str):
         rename = [rename]
@@ -110,6 +111,7 @@ def _merge_options(
             "adapter": adapter,
             "adapter_config": None if adapter_config is None else _path(adapter_config, "adapter_config"),
             "no_fuse": bool(no_fuse),
+            "no_manifest": bool(no_manifest),
         }
     )
 
@@ -132,6 +134,7 @@ def merge(
     adapter: Optional[str] = None,
     adapter_config: Optional[PathLike] = None,
     no_fuse: bool = False,
+    no_manifest: bool = False,
     progress: ProgressArg = True,
 ) -> MergeReport:
     """Merge a training checkpoint (onto a base model) into a Hugging Face model directory.
@@ -147,13 +150,14 @@ def merge(
     peft-wrapped model) is fused into ``base``; ``adapter`` picks one of several named
     adapters, ``adapter_config`` gives the ``adapter_config.json`` when it is not
     beside the checkpoint, and ``no_fuse=True`` keeps the base weights and writes the
-    adapter beside them.
+    adapter beside them. ``no_manifest=True`` leaves out ``unshard.json`` (what the
+    merge did: inputs, options, each file's checksum).
 
     Returns a :class:`MergeReport`; raises :class:`UnshardError` subclasses.
     """
     opts = _merge_options(
         base, dtype, max_shard_size, strict, key, tag, rename, force, allow_overflow, verify, fail_on_nonfinite,
-        adapter, adapter_config, no_fuse,
+        adapter, adapter_config, no_fuse, no_manifest,
     )
     data = _run(
         _native.merge,

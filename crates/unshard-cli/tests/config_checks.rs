@@ -9,7 +9,7 @@ mod common;
 use std::path::Path;
 use std::process::{Command, Output};
 
-use common::{fixtures, names};
+use common::{fixtures, model_names, names};
 
 fn run(args: &[&str], env: &[(&str, &Path)]) -> Output {
     let mut c = Command::new(env!("CARGO_BIN_EXE_unshard"));
@@ -226,7 +226,7 @@ fn a_hub_id_resolves_in_the_local_cache_offline() {
         );
         // The base's files came through the cache's symlinks.
         assert_eq!(
-            names(&out),
+            model_names(&out),
             names(&fixtures().join("expected/llama_policy_into_llama-bf16"))
                 .into_iter()
                 .filter(|n| n != "model.safetensors.index.json")

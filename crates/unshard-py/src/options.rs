@@ -33,6 +33,8 @@ struct Kwargs {
     adapter: Option<String>,
     adapter_config: Option<String>,
     no_fuse: bool,
+    #[serde(default)]
+    no_manifest: bool,
 }
 
 /// A merge (or the merge a `verify` re-derives), ready to run.
@@ -61,6 +63,7 @@ impl MergeRequest {
                 allow_overflow: k.allow_overflow,
                 verify: k.verify,
                 fail_on_nonfinite: k.fail_on_nonfinite,
+                no_manifest: k.no_manifest,
                 adapter: AdapterOptions {
                     name: k.adapter,
                     config: k.adapter_config.map(PathBuf::from),

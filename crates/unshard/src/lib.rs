@@ -62,6 +62,9 @@ pub mod inspect;
 pub mod json;
 #[doc(hidden)]
 pub mod lora;
+
+/// `unshard.json`: what a merge did, in its output.
+pub mod manifest;
 #[doc(hidden)]
 pub mod merge;
 #[doc(hidden)]

@@ -9,6 +9,7 @@ pub use crate::prepare::{prepare, Base};
 use serde::Serialize;
 
 use crate::lora;
+use crate::manifest::{FileEntry, Manifest, MANIFEST};
 use crate::plan::{Origin, Plan};
 use crate::prepare::Prepared;
 use crate::source;
@@ -216,7 +217,16 @@ pub fn merge_into(
             ));
         };
         verify::drop_cached(dir, &plan);
-        let report = verify::verify_dir(dir, &plan, inputs, &write::NoProgress, &opts.cancel)?;
+        // The writer's block checksums, compared with the one read of the output.
+        let expected = verify::checksums::written(&summary.files, &summary.digests);
+        let report = verify::verify_dir(
+            dir,
+            &plan,
+            inputs,
+            &expected,
+            &write::NoProgress,
+            &opts.cancel,
+        )?;
         if !report.is_ok() {
             return Err(report.to_error());
         }
@@ -224,6 +234,15 @@ pub fn merge_into(
     } else {
         None
     };
+    let mut summary = summary;
+    if !opts.no_manifest {
+        // Written last, into the same staging: committed with the rest or not at all.
+        let files = FileEntry::of_written(&summary.files, &summary.digests);
+        let bytes = Manifest::new(opts, ckpt.format.id(), plan.dtype, files).to_bytes();
+        sink.write_file(MANIFEST, &bytes)?;
+        summary.files.push(MANIFEST.into());
+        summary.digests.push(write::FileDigest::of_bytes(&bytes));
+    }
     opts.cancel.check()?;
     sink.commit()?;
     let config_from = match (&opts.base, &base) {

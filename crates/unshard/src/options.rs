@@ -33,6 +33,8 @@ pub struct MergeOptions {
     pub verify: bool,
     /// NaN or inf in the output is an error instead of a warning.
     pub fail_on_nonfinite: bool,
+    /// Do not write `unshard.json` (what the merge did) into the output.
+    pub no_manifest: bool,
     /// How a LoRA adapter input is fused (ignored for other inputs).
     pub adapter: AdapterOptions,
     /// What to do about pickles that would run code under `torch.load`.
@@ -60,6 +62,9 @@ pub struct VerifyOptions {
     pub adapter: AdapterOptions,
     /// What to do about pickles that would run code under `torch.load`.
     pub unsafe_pickles: UnsafePolicy,
+    /// What the files should hash to (from `unshard.json`: see
+    /// [`Manifest::fill`](crate::manifest::Manifest::fill)); empty: not checked.
+    pub checksums: Vec<crate::verify::Expected>,
     /// Stops the check at its next window.
     pub cancel: Cancel,
 }
@@ -75,6 +80,7 @@ impl VerifyOptions {
             plan: merge.plan.clone(),
             adapter: merge.adapter.clone(),
             unsafe_pickles: merge.unsafe_pickles,
+            checksums: Vec::new(),
             cancel: merge.cancel.clone(),
         }
     }

@@ -52,10 +52,13 @@ fn as_f32(ckpt: &source::Checkpoint) -> HashMap<String, (Vec<u64>, Vec<u8>)> {
         .collect()
 }
 
+/// The files of `dir` that transformers writes too: unshard's own record of the
+/// merge (`unshard.json`, required here, checked in tests/manifest.rs) aside.
 fn files_of(dir: &Path) -> Vec<String> {
     let mut v: Vec<String> = std::fs::read_dir(dir)
         .unwrap()
         .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| n != unshard::manifest::MANIFEST)
         .collect();
     v.sort();
     v
@@ -99,6 +102,7 @@ fn every_case_merges_into_the_files_transformers_wrote() {
         };
         merge::merge(&opts, &NoProgress).unwrap_or_else(|e| panic!("{}: {e}", s(&c, "name")));
         let expected = fixtures().join(s(&c, "expected_dir"));
+        assert!(out.join(unshard::manifest::MANIFEST).is_file());
         assert_eq!(files_of(&out), files_of(&expected), "{}", s(&c, "name"));
         for f in files_of(&expected) {
             assert!(

@@ -130,10 +130,13 @@ fn cases() -> serde_json::Value {
     serde_json::from_str(&text).unwrap()
 }
 
+/// The files of `dir` that transformers writes too: unshard's own record of the
+/// merge (`unshard.json`, required here, checked in tests/manifest.rs) aside.
 fn files_of(dir: &Path) -> Vec<String> {
     let mut v: Vec<String> = std::fs::read_dir(dir)
         .unwrap()
         .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| n != unshard::manifest::MANIFEST)
         .collect();
     v.sort();
     v
@@ -158,6 +161,7 @@ fn every_sharded_case_merges_to_what_transformers_writes() {
         merge::merge(&merge_options(case, &out), &NoProgress)
             .unwrap_or_else(|e| panic!("{name}: {e}"));
         let expected = fixtures().join(str_of(case, "expected_dir"));
+        assert!(out.join(unshard::manifest::MANIFEST).is_file(), "{name}");
         assert_eq!(files_of(&out), files_of(&expected), "{name}: file list");
         for f in files_of(&expected) {
             let a = std::fs::read(out.join(&f)).unwrap();

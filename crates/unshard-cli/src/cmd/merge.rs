@@ -55,6 +55,11 @@ pub struct MergeArgs {
     #[arg(long)]
     fail_on_nonfinite: bool,
 
+    /// Do not write OUT/unshard.json (the inputs' absolute paths, the options, each
+    /// file's size and checksum), which `unshard verify OUT` reads.
+    #[arg(long)]
+    no_manifest: bool,
+
     #[command(flatten)]
     refuse: RefuseArg,
 
@@ -108,6 +113,7 @@ pub fn run(args: MergeArgs) -> anyhow::Result<Status> {
         allow_overflow: args.allow_overflow,
         verify: args.verify,
         fail_on_nonfinite: args.fail_on_nonfinite,
+        no_manifest: args.no_manifest,
         adapter: args.plan.adapter.options(),
         unsafe_pickles: args.refuse.policy(args.plan.strict),
         cancel: signals::token(),

@@ -4,10 +4,11 @@
 use std::io::Write;
 use std::path::PathBuf;
 
+use unshard::manifest::{Manifest, MANIFEST};
 use unshard::{OpenOptions, VerifyOptions};
 
 use crate::args::{JsonArg, PlanArgs};
-use crate::exit::{self, Status};
+use crate::exit::{self, Status, UsageError};
 use crate::progress::Bar;
 use crate::text;
 use crate::unsafe_report::{self, RefuseArg};
@@ -18,11 +19,13 @@ pub struct VerifyArgs {
     /// The model directory to check.
     dir: PathBuf,
 
-    /// The checkpoint the directory should hold (as given to `unshard merge`).
+    /// The checkpoint the directory should hold (as given to `unshard merge`). By
+    /// default the one DIR/unshard.json records.
     #[arg(long, value_name = "CHECKPOINT")]
-    against: PathBuf,
+    against: Option<PathBuf>,
 
-    // The options the merge was run with: the same flags, the same parsing.
+    // The options the merge was run with: the same flags, the same parsing. Those
+    // not given are taken from DIR/unshard.json when the merge wrote one.
     #[command(flatten)]
     plan: PlanArgs,
 
@@ -38,9 +41,9 @@ pub struct VerifyArgs {
 }
 
 pub fn run(args: VerifyArgs) -> anyhow::Result<Status> {
-    let opts = VerifyOptions {
+    let mut opts = VerifyOptions {
         dir: args.dir,
-        checkpoint: args.against,
+        checkpoint: args.against.unwrap_or_default(),
         base: args.plan.base.clone(),
         open: OpenOptions {
             key: args.plan.key.key.clone(),
@@ -49,8 +52,46 @@ pub fn run(args: VerifyArgs) -> anyhow::Result<Status> {
         plan: args.plan.plan_options()?,
         adapter: args.plan.adapter.options(),
         unsafe_pickles: args.refuse.policy(args.plan.strict),
+        checksums: Vec::new(),
         cancel: crate::signals::token(),
     };
+    let manifest_path = opts.dir.join(MANIFEST);
+    match Manifest::read(&opts.dir)? {
+        Some(m) => {
+            let filled = m.fill(&mut opts)?;
+            let mut err = std::io::stderr().lock();
+            text::write_escaped(&mut err, |w| {
+                if !filled.taken.is_empty() && !args.quiet {
+                    writeln!(
+                        w,
+                        "note: the merge's options, from {}: {}",
+                        manifest_path.display(),
+                        filled.taken.join(" ")
+                    )?;
+                }
+                if !filled.overridden.is_empty() {
+                    writeln!(
+                        w,
+                        "note: given here, used instead of what {} records: {}",
+                        manifest_path.display(),
+                        filled.overridden.join(", ")
+                    )?;
+                }
+                Ok(())
+            })?;
+        }
+        None if opts.checkpoint.as_os_str().is_empty() => {
+            return Err(UsageError {
+                msg: format!(
+                    "no checkpoint to verify against: {} has no {MANIFEST} (written by unshard merge without --no-manifest)",
+                    opts.dir.display()
+                ),
+                hint: "pass the checkpoint and the merge's options: `unshard verify DIR --against CHECKPOINT [--base BASE --dtype ...]`".into(),
+            }
+            .into())
+        }
+        None => {}
+    }
     let progress = Bar::new(args.quiet, "compared");
     let report = unshard::verify(&opts, &progress)
         .inspect_err(|_| unsafe_report::after_error(&[opts.checkpoint.as_path()]))?;

@@ -21,6 +21,18 @@ pub fn names(dir: &Path) -> Vec<String> {
     v
 }
 
+/// The files of a merged directory that transformers writes too: `names` without
+/// unshard's own record of the merge (`unshard.json`), which must be there.
+pub fn model_names(dir: &Path) -> Vec<String> {
+    let v = names(dir);
+    assert!(
+        v.iter().any(|n| n == "unshard.json"),
+        "no unshard.json in {}",
+        dir.display()
+    );
+    v.into_iter().filter(|n| n != "unshard.json").collect()
+}
+
 /// A tmpfs mounted at `dir` (with `opts` such as `size=64k` or `ro,size=64k`),
 /// unmounted on drop. `None` where mounting is not permitted (not root).
 pub struct Tmpfs(PathBuf);

@@ -8,7 +8,9 @@
 //!   later part reads it and joins only if its own hash is the same, else it
 //!   refuses, naming the other plan and the parts it has done.
 //! - `<hash>/done-I-of-N`: part I's done-marker, created once all its shards are
-//!   complete objects (each shard is a multipart upload, invisible until complete).
+//!   complete objects (each shard is a multipart upload, invisible until complete);
+//!   it holds the checksums of those shards, which the committing part writes into
+//!   `unshard.json`.
 //! - `<hash>/commit`: the commit claim, created by a part that finds every marker
 //!   there. S3 lists what was written before (strong read-after-write consistency),
 //!   so the last part to write its marker sees them all; if two see them all at
@@ -31,6 +33,7 @@ use std::path::{Path, PathBuf};
 use object_store::{ObjectStoreExt, PutMode, PutOptions, PutPayload};
 
 use super::Part;
+use crate::manifest::FileEntry;
 use crate::remote::sink::BucketSink;
 use crate::remote::store::{self, block_on, io_error, Location};
 use crate::{Error, Result};
@@ -208,17 +211,17 @@ impl Meeting {
             .collect())
     }
 
-    /// Creates this part's done-marker (once: a rerun finds it there); returns the
-    /// parts not done yet.
-    pub fn mark_done(&self) -> Result<Vec<usize>> {
-        let text = format!(
-            "{{\"part\": {}, \"of\": {}, \"pid\": {}}}\n",
-            self.part.index,
-            self.part.count,
-            std::process::id()
-        );
+    /// Creates this part's done-marker (once: a rerun finds it there), holding the
+    /// checksums of the shards it wrote; returns the parts not done yet.
+    pub fn mark_done(&self, files: &[FileEntry]) -> Result<Vec<usize>> {
+        let text = serde_json::json!({
+            "part": self.part.index,
+            "of": self.part.count,
+            "pid": std::process::id(),
+            "files": files,
+        });
         let mine = self.dir().child(&marker(self.part));
-        create(&mine, text.into_bytes())?;
+        create(&mine, text.to_string().into_bytes())?;
         if store::head(&self.dest.child(DIR).child(PLAN))?.is_none() {
             // Another run of this part finished and the output was committed while
             // this one was writing (the same bytes): leave no marker behind.
@@ -242,6 +245,25 @@ impl Meeting {
                 !done.contains(&marker(p))
             })
             .collect())
+    }
+
+    /// The checksums the parts' done-markers hold.
+    pub fn checksums(&self) -> Result<Vec<FileEntry>> {
+        #[derive(serde::Deserialize)]
+        struct Marker {
+            #[serde(default)]
+            files: Vec<FileEntry>,
+        }
+        let mut found = Vec::new();
+        for name in self.done_markers()? {
+            let loc = self.dir().child(&name);
+            let bytes = block_on(async { loc.store.get(&loc.key).await?.bytes().await })
+                .map_err(|e| io_error("read", &loc.url, e))?;
+            let m: Marker = serde_json::from_slice(&bytes)
+                .map_err(|e| Error::corrupt(&loc.url, format!("not a part's done-marker: {e}")))?;
+            found.extend(m.files);
+        }
+        Ok(found)
     }
 
     /// Claims the commit: true for exactly one part.
@@ -371,10 +393,19 @@ mod tests {
         };
         let a = Meeting::open_at(out.clone(), "h1", part(0, 2), &[], false).unwrap();
         let b = Meeting::open_at(out.clone(), "h1", part(1, 2), &[], false).unwrap();
-        assert_eq!(a.mark_done().unwrap(), [1]);
-        assert_eq!(b.mark_done().unwrap(), Vec::<usize>::new());
+        let entry = |name: &str| FileEntry {
+            name: name.into(),
+            size: 7,
+            checksum: Some(format!("sum-of-{name}")),
+        };
+        assert_eq!(a.mark_done(&[entry("s1")]).unwrap(), [1]);
+        assert_eq!(b.mark_done(&[entry("s2")]).unwrap(), Vec::<usize>::new());
         // A part run again finds its marker there, and the others' too.
-        assert_eq!(a.mark_done().unwrap(), Vec::<usize>::new());
+        assert_eq!(a.mark_done(&[entry("s1")]).unwrap(), Vec::<usize>::new());
+        // The markers carry each part's checksums to the committing part.
+        let mut sums = a.checksums().unwrap();
+        sums.sort_by(|x, y| x.name.cmp(&y.name));
+        assert_eq!(sums, [entry("s1"), entry("s2")]);
         let claims = [a.claim_commit().unwrap(), b.claim_commit().unwrap()];
         assert_eq!(claims, [true, false]);
         assert!(!a.claim_commit().unwrap(), "a claim is taken once");
@@ -393,7 +424,7 @@ mod tests {
         // that ends after the commit leaves no marker either.
         a.finish().unwrap();
         assert!(store::list_all(&out).unwrap().is_empty());
-        let err = b.mark_done().unwrap_err().to_string();
+        let err = b.mark_done(&[]).unwrap_err().to_string();
         assert!(err.contains("committed while"), "{err}");
         assert!(store::list_all(&out).unwrap().is_empty());
     }

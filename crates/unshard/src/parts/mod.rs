@@ -46,6 +46,7 @@ use std::path::{Path, PathBuf};
 
 pub use assign::{assign, Part};
 
+use crate::manifest::{FileEntry, Manifest, MANIFEST};
 use crate::merge::MergeOptions;
 use crate::plan::Plan;
 use crate::prepare::{prepare, Prepared};
@@ -145,14 +146,22 @@ pub fn merge_part(opts: &MergeOptions, part: Part, progress: &dyn Progress) -> R
         let all: Vec<String> = plan.shards.iter().map(|s| s.file_name.clone()).collect();
         let meeting = bucket::Meeting::open(&opts.output, &hash, part, &all, opts.force)?;
         let sink = meeting.shard_sink()?;
-        write::write_into(&mine, inputs, &sink, &wopts, progress)?;
+        let written = write::write_into(&mine, inputs, &sink, &wopts, progress)?;
         write::Sink::commit(Box::new(sink))?;
-        let waiting_for = meeting.mark_done()?;
+        // The done-marker carries this part's checksums, for unshard.json.
+        let waiting_for =
+            meeting.mark_done(&FileEntry::of_written(&written.files, &written.digests))?;
         let mut committed = false;
         if waiting_for.is_empty() && meeting.claim_commit()? {
             let commit = || -> Result<()> {
                 let sink = meeting.commit_sink()?;
-                write::write_into(&last, inputs, &sink, &extra, &write::NoProgress)?;
+                let small = write::write_into(&last, inputs, &sink, &extra, &write::NoProgress)?;
+                if !opts.no_manifest {
+                    let mut files = in_plan_order(&plan, meeting.checksums()?);
+                    files.extend(FileEntry::of_written(&small.files, &small.digests));
+                    let bytes = Manifest::new(opts, ckpt.format.id(), plan.dtype, files).to_bytes();
+                    write::Sink::write_file(&sink, MANIFEST, &bytes)?;
+                }
                 write::Sink::commit(Box::new(sink))?;
                 meeting.finish()
             };
@@ -171,13 +180,30 @@ pub fn merge_part(opts: &MergeOptions, part: Part, progress: &dyn Progress) -> R
         });
     }
     let dir = PartDir::open(&opts.output, &hash, part)?;
-    write::write_into(&mine, inputs, &dir, &wopts, progress)?;
+    let written = write::write_into(&mine, inputs, &dir, &wopts, progress)?;
     dir.publish_shards(&shards)?;
+    if !opts.no_manifest {
+        // For the part that commits: it writes every shard's checksum in unshard.json.
+        let entries = FileEntry::of_written(&written.files, &written.digests);
+        let path = dir.path().join(format!(
+            "{}{}-of-{}.json",
+            sink::CHECKSUMS,
+            part.index,
+            part.count
+        ));
+        write::write_file(&path, &serde_json::to_vec(&entries).unwrap_or_default())?;
+    }
     let waiting_for = dir.mark_done()?;
     let mut committed = false;
     if waiting_for.is_empty() && dir.claim_commit()? {
         // The last part: index, config and the base's small files, then the rename.
-        write::write_into(&last, inputs, &dir, &extra, &write::NoProgress)?;
+        let small = write::write_into(&last, inputs, &dir, &extra, &write::NoProgress)?;
+        if !opts.no_manifest {
+            let mut files = in_plan_order(&plan, shard_checksums(dir.path())?);
+            files.extend(FileEntry::of_written(&small.files, &small.digests));
+            let bytes = Manifest::new(opts, ckpt.format.id(), plan.dtype, files).to_bytes();
+            write::write_file(&dir.path().join(MANIFEST), &bytes)?;
+        }
         if let Some(a) = adapter.as_deref().filter(|a| a.no_fuse()) {
             // `--no-fuse`: the adapter directory goes in with the small files.
             crate::lora::export::write_adapter_dir(
@@ -197,6 +223,42 @@ pub fn merge_part(opts: &MergeOptions, part: Part, progress: &dyn Progress) -> R
         waiting_for,
         staging: dir.path().to_path_buf(),
     })
+}
+
+/// The checksums the parts left in the staging directory, in files beside their
+/// shards.
+fn shard_checksums(dir: &Path) -> Result<Vec<FileEntry>> {
+    let mut found = Vec::new();
+    for e in std::fs::read_dir(dir)
+        .map_err(|e| Error::io("list", dir, e))?
+        .flatten()
+    {
+        if !e.file_name().to_string_lossy().starts_with(sink::CHECKSUMS) {
+            continue;
+        }
+        let bytes = std::fs::read(e.path()).map_err(|err| Error::io("read", e.path(), err))?;
+        let entries: Vec<FileEntry> = serde_json::from_slice(&bytes)
+            .map_err(|err| Error::corrupt(e.path(), format!("not a list of checksums: {err}")))?;
+        found.extend(entries);
+    }
+    Ok(found)
+}
+
+/// Every shard's entry for `unshard.json`, in the plan's order, from those the
+/// parts left; a shard whose part left none gets its size only.
+fn in_plan_order(plan: &Plan, found: Vec<FileEntry>) -> Vec<FileEntry> {
+    let mut found: std::collections::HashMap<String, FileEntry> =
+        found.into_iter().map(|f| (f.name.clone(), f)).collect();
+    plan.shards
+        .iter()
+        .map(|s| {
+            found.remove(&s.file_name).unwrap_or(FileEntry {
+                name: s.file_name.clone(),
+                size: s.file_size,
+                checksum: None,
+            })
+        })
+        .collect()
 }
 
 /// A hash of everything that decides the output's bytes: the number of parts, the

@@ -28,6 +28,10 @@ fn parent_of(out: &Path) -> PathBuf {
     }
 }
 
+/// Prefix of the files in which each part leaves its shards' checksums for the
+/// part that commits (which writes them into `unshard.json`).
+pub const CHECKSUMS: &str = "checksums-";
+
 fn marker(part: Part) -> String {
     format!("done-{}-of-{}", part.index, part.count)
 }
@@ -145,7 +149,11 @@ impl PartDir {
             .flatten()
         {
             let n = e.file_name().to_string_lossy().into_owned();
-            if n == COMMIT || n.starts_with("done-") || n.ends_with(".tmp") {
+            if n == COMMIT
+                || n.starts_with("done-")
+                || n.starts_with(CHECKSUMS)
+                || n.ends_with(".tmp")
+            {
                 let _ = std::fs::remove_file(e.path());
             }
         }

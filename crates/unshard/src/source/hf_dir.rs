@@ -95,7 +95,8 @@ impl HfDir {
         for entry in fs::list(path)? {
             let p = entry.path;
             let name = entry.name;
-            if name == "config.json" || name.starts_with('.') {
+            // A base that an earlier merge wrote: its manifest describes that merge.
+            if name == "config.json" || name == crate::manifest::MANIFEST || name.starts_with('.') {
                 continue;
             }
             if entry.is_dir {

@@ -11,8 +11,11 @@
 //! - **Content.** Each tensor's bytes equal the checkpoint's (or, for base-filled
 //!   tensors, the base's) values after the plan's conversion. Bytes must be
 //!   identical, except that NaNs match by class: any NaN equals any NaN, because
-//!   tools disagree on NaN payloads (see `dtype`). Tensors are compared in windows,
-//!   so memory stays bounded whatever the model size.
+//!   tools disagree on NaN payloads (see `dtype`). Each shard is read once, in
+//!   blocks (`blocks`), so memory stays bounded whatever the model size.
+//! - **Checksums.** Each block read is hashed and compared with what the writer
+//!   hashed while writing it (a merge's `--verify`), or each file with the
+//!   checksum `unshard.json` records (`checksums`).
 //!
 //! The expected values are gathered here with a deliberately plain algorithm (output
 //! row by output row, asking each piece for the columns it holds) rather than with
@@ -30,24 +33,25 @@
 
 //!
 //! Files by job: [`report`] (what was found), `structure` (the files, headers,
-//! index and config), `gather` (the expected values, by coordinates), `compare`
+//! index and config), `blocks` (the one read of the shards, compared block by
+//! block), [`checksums`] (the files against their checksums), `gather` (the expected values, by coordinates), `compare`
 //! (byte comparison, NaN matching NaN), `convert` (the conversions, by definition),
 //! `reference` (computed tensors, element by element) and [`checks`] (the checks a
 //! merge runs).
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::path::Path;
-
-use rayon::prelude::*;
 
 use crate::cancel::Cancel;
 use crate::options::VerifyOptions;
-use crate::plan::{Content, Origin, Plan};
+use crate::plan::{Origin, Plan};
 use crate::prepare::{prepare, Inputs};
-use crate::write::{windows, Progress, WINDOW_BYTES};
-use crate::{Error, Result};
+use crate::write::{FileDigest, Progress};
+use crate::{DType, Error, Result};
 
+mod blocks;
 pub mod checks;
+pub mod checksums;
 mod compare;
 pub(crate) mod convert;
 mod gather;
@@ -56,12 +60,11 @@ pub mod report;
 mod structure;
 
 pub use checks::{check_finite, drop_cached, unchanged_from_base};
+pub use checksums::{Expected, ExpectedDigest};
 pub use report::{unravel, FirstDiff, Mismatch, Problem, VerifyReport};
 
-use compare::{compare, compare_within, Diffs};
-use gather::{gather, GatherBufs};
 use report::problem;
-use structure::{check_config, read_output, Located, Written};
+use structure::{check_config, Located, Written};
 
 /// Re-derives the plan from `opts` (checkpoint, base, dtype, renames...) and checks
 /// the directory `opts.dir` against it.
@@ -77,16 +80,20 @@ pub fn verify(opts: &VerifyOptions, progress: &dyn Progress) -> Result<VerifyRep
         &opts.dir,
         &prepared.plan,
         prepared.inputs(),
+        &opts.checksums,
         progress,
         &opts.cancel,
     )
 }
 
-/// Checks the model directory `dir` against `plan`, whose tensors point into `inputs`.
+/// Checks the model directory `dir` against `plan`, whose tensors point into
+/// `inputs`, and its files against the checksums `expected` (none, those the
+/// writer took, or those `unshard.json` records).
 pub fn verify_dir(
     dir: &Path,
     plan: &Plan,
     inputs: Inputs<'_>,
+    expected: &[Expected],
     progress: &dyn Progress,
     cancel: &Cancel,
 ) -> Result<VerifyReport> {
@@ -96,6 +103,7 @@ pub fn verify_dir(
 
     // Names, shapes and dtypes against the plan.
     let mut checks: Vec<(usize, &Located)> = Vec::new();
+    let mut casts: Vec<(usize, &str, DType)> = Vec::new();
     for (i, t) in plan.tensors.iter().enumerate() {
         let Some(loc) = written.tensors.get(&t.name) else {
             if !written.in_unreadable.contains(&t.name) {
@@ -118,21 +126,12 @@ pub fn verify_dir(
                 ),
             ));
         } else if loc.dtype != t.dtype {
-            problems.push(problem(
-                Some(file),
-                Some(&t.name),
-                format!(
-                    "stored as {}, but the merge writes {} ({} in the {})",
-                    loc.dtype,
-                    t.dtype,
-                    t.source_dtype,
-                    origin_name(t.origin)
-                ),
-            ));
+            casts.push((i, file, loc.dtype));
         } else {
             checks.push((i, loc));
         }
     }
+    dtype_problems(plan, &casts, expected.is_empty(), &mut problems);
     let planned: HashSet<&str> = plan.tensors.iter().map(|t| t.name.as_str()).collect();
     let mut extra: Vec<(&String, &Located)> = written
         .tensors
@@ -148,82 +147,16 @@ pub fn verify_dir(
         ));
     }
 
-    // Content, window by window, in parallel, in file order so that reading streams.
-    checks.sort_by_key(|(_, loc)| (loc.shard, loc.offset));
-    let mut items: Vec<(usize, u64, u64)> = Vec::new();
-    for (ci, &(ti, _)) in checks.iter().enumerate() {
-        let t = &plan.tensors[ti];
-        let per = WINDOW_BYTES / t.dtype.size() as u64;
-        // A computed tensor's reference value is evaluated whole: one window.
-        let per = if t.copied().is_some() { per } else { u64::MAX };
-        items.extend(windows(0, t.numel(), per).map(|(e0, e1)| (ci, e0, e1)));
-    }
-    let total: u64 = checks
+    // Content and checksums, from one read of each shard.
+    let found = blocks::check_blocks(plan, inputs, &written, &checks, progress, cancel)?;
+    let read: HashMap<&str, Option<&FileDigest>> = written
+        .shards
         .iter()
-        .map(|&(ti, _)| plan.tensors[ti].nbytes())
-        .sum();
-    progress.start(total);
-    let results: Vec<(usize, Window)> = items
-        .par_iter()
-        .map_init(
-            || (Vec::new(), Vec::new(), GatherBufs::default()),
-            |(expected, found, bufs), &(ci, e0, e1)| {
-                cancel.check()?;
-                let (ti, loc) = checks[ci];
-                let t = &plan.tensors[ti];
-                let size = t.dtype.size() as u64;
-                let len = ((e1 - e0) * size) as usize;
-                expected.resize(len, 0);
-                let mut within = None;
-                match &t.content {
-                    Content::Copy(source) => gather(
-                        source,
-                        inputs.files(t.origin),
-                        t.dtype,
-                        e0,
-                        e1,
-                        expected,
-                        bufs,
-                    )?,
-                    Content::Computed(e) => {
-                        match reference::reference(e, &t.shape, t.dtype, inputs)? {
-                            reference::Reference::Exact(bytes) => *expected = bytes,
-                            reference::Reference::Within { values, allowed } => {
-                                within = Some((values, allowed))
-                            }
-                        }
-                    }
-                }
-                found.resize(len, 0);
-                let window = match &written.shards[loc.shard].file {
-                    Some(file) => match read_output(file, loc.offset + e0 * size, found) {
-                        Ok(()) => Window::Compared(match &within {
-                            Some((values, allowed)) => {
-                                compare_within(values, allowed, found, t.dtype, e0)
-                            }
-                            None => compare(expected, found, t.dtype, e0),
-                        }),
-                        Err(e) => Window::Unreadable(format!(
-                            "cannot read its data (the file changed during the check?): {e}"
-                        )),
-                    },
-                    None => Window::Unreadable("the shard could not be read".into()),
-                };
-                progress.advance(len as u64);
-                Ok((ci, window))
-            },
-        )
-        .collect::<Result<_>>()?;
-    progress.finish();
-
-    let mut diffs = vec![Diffs::default(); checks.len()];
-    let mut unreadable: Vec<Option<String>> = vec![None; checks.len()];
-    for (ci, w) in results {
-        match w {
-            Window::Compared(d) => diffs[ci].add(d),
-            Window::Unreadable(e) => unreadable[ci] = Some(e),
-        }
-    }
+        .zip(&found.digests)
+        .map(|(s, d)| (s.name.as_str(), d.as_ref()))
+        .collect();
+    let files_checksummed = checksums::check_files(dir, expected, &read, &mut problems)?;
+    let (diffs, unreadable) = (found.diffs, found.unreadable);
     let mut mismatches = Vec::new();
     let mut bytes_compared = 0;
     // Report in the plan's (natural name) order.
@@ -259,7 +192,53 @@ pub fn verify_dir(
         mismatches,
         tensors_compared: checks.len(),
         bytes_compared,
+        files_checksummed,
     })
+}
+
+/// Tensors stored in another dtype than the plan's. When every floating tensor is
+/// off the same way and the options were given by hand (no checksums: no
+/// `unshard.json`), the options are what is wrong, not the tensors: one line
+/// says which `--dtype` (or `--base`) to pass instead of one line per tensor.
+fn dtype_problems(
+    plan: &Plan,
+    casts: &[(usize, &str, DType)],
+    by_hand: bool,
+    problems: &mut Vec<Problem>,
+) {
+    let floats = plan.tensors.iter().filter(|t| t.dtype.is_float()).count();
+    if let [(i0, file0, found), ..] = casts {
+        let planned = plan.tensors[*i0].dtype;
+        let uniform = casts
+            .iter()
+            .all(|&(i, _, f)| f == *found && plan.tensors[i].dtype == planned);
+        if by_hand && casts.len() > 1 && uniform && casts.len() == floats && found.is_float() {
+            problems.push(problem(
+                None,
+                None,
+                format!(
+                    "all {} floating tensors are stored as {found}, but with the options given the merge writes {planned} (first: '{}' in {file0}): the merge ran with other options; pass --dtype {found}, or the --base it was given (whose config sets the dtype)",
+                    casts.len(),
+                    plan.tensors[*i0].name,
+                ),
+            ));
+            return;
+        }
+    }
+    for &(i, file, found) in casts {
+        let t = &plan.tensors[i];
+        problems.push(problem(
+            Some(file),
+            Some(&t.name),
+            format!(
+                "stored as {}, but the merge writes {} ({} in the {})",
+                found,
+                t.dtype,
+                t.source_dtype,
+                origin_name(t.origin)
+            ),
+        ));
+    }
 }
 
 fn origin_name(o: Origin) -> String {
@@ -268,9 +247,4 @@ fn origin_name(o: Origin) -> String {
         Origin::Base => "base".into(),
         Origin::Input(i) => format!("input {i}"),
     }
-}
-
-enum Window {
-    Compared(Diffs),
-    Unreadable(String),
 }

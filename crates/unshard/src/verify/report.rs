@@ -160,6 +160,8 @@ pub struct VerifyReport {
     pub tensors_compared: usize,
     /// Bytes of tensor data compared.
     pub bytes_compared: u64,
+    /// Files whose checksums matched what was written or recorded.
+    pub files_checksummed: usize,
 }
 
 /// A [`VerifyReport`] as JSON: the verdict first, the summary line last.
@@ -170,6 +172,7 @@ struct VerifyJson {
     files: Vec<String>,
     tensors_compared: usize,
     bytes_compared: u64,
+    files_checksummed: usize,
     problems: Vec<Problem>,
     mismatches: Vec<Mismatch>,
     summary: String,
@@ -184,6 +187,7 @@ impl From<VerifyReport> for VerifyJson {
             files: r.files,
             tensors_compared: r.tensors_compared,
             bytes_compared: r.bytes_compared,
+            files_checksummed: r.files_checksummed,
             problems: r.problems,
             mismatches: r.mismatches,
         }
@@ -199,8 +203,12 @@ impl VerifyReport {
     /// One line: what matched, or how much did not.
     pub fn summary(&self) -> String {
         if self.is_ok() {
+            let sums = match self.files_checksummed {
+                0 => String::new(),
+                n => format!("; {n} file(s) match their checksums"),
+            };
             format!(
-                "{} tensor(s) in {} file(s) match the checkpoint ({} compared); headers, index and config are consistent",
+                "{} tensor(s) in {} file(s) match the checkpoint ({} compared); headers, index and config are consistent{sums}",
                 self.tensors_compared,
                 self.files.len(),
                 human_bytes(self.bytes_compared)

@@ -173,4 +173,8 @@ impl super::sink::ShardFile for OutFile {
             .sync_all()
             .map_err(|e| Error::io("flush", &self.path, e))
     }
+
+    fn local_path(&self) -> Option<&Path> {
+        Some(&self.path)
+    }
 }

@@ -9,7 +9,8 @@ use std::sync::Arc;
 use rayon::prelude::*;
 
 use super::computed::Computed;
-use super::direct::BufferPool;
+use super::digest::{self, Sha};
+use super::direct::{BufferPool, Buffers};
 use super::fetch;
 use super::geometry::PieceRuns;
 use super::sink::ShardFile;
@@ -23,7 +24,10 @@ use crate::source::{Blob, FileId, Piece, TensorSource};
 use crate::{DType, Error, Result};
 
 /// Fills and writes every block of every shard, in parallel; returns what conversion
-/// saw per planned tensor. `block_bytes` is a multiple of [`DIRECT_ALIGN`].
+/// saw per planned tensor, and per shard the SHA-256 of each block as written (see
+/// `digest`; `None` when the hashing thread could not start: hashed from the file
+/// after).
+/// `block_bytes` is a multiple of [`DIRECT_ALIGN`].
 pub(crate) fn write_blocks(
     plan: &Plan,
     inputs: Inputs<'_>,
@@ -31,7 +35,7 @@ pub(crate) fn write_blocks(
     block_bytes: u64,
     progress: &dyn Progress,
     cancel: &Cancel,
-) -> Result<Vec<ConvertStats>> {
+) -> Result<(Vec<ConvertStats>, BlockDigests)> {
     let mut blocks = Vec::new();
     for (shard, s) in plan.shards.iter().enumerate() {
         let mut start = 0;
@@ -50,8 +54,16 @@ pub(crate) fn write_blocks(
     // on the disk: the threads then read a few streams front to back instead of
     // jumping about (a DCP file holds its chunks largest first, not by name).
     blocks.sort_by_cached_key(|b| input_position(plan, b));
-    let pool = BufferPool::new(block_bytes as usize);
-    let computed = Computed::new(inputs);
+    let pool = &BufferPool::new(block_bytes as usize);
+    let computed = &Computed::new(inputs);
+    let blocks = &blocks;
+    // Blocks are hashed off the write path: a worker hands its buffer, once
+    // written, to one hashing thread and goes on with another, so hashing overlaps
+    // the reads and writes instead of adding to each block's time. The hand-over
+    // is a rendezvous, so memory grows by the one buffer being hashed (a queue of
+    // two would hold two more); a worker waits only while the hashing thread is
+    // busy with the previous block.
+    let (to_hash, queue) = std::sync::mpsc::sync_channel::<(usize, Buffers, usize)>(0);
     // Inputs that wait on the network (object storage) want more reads in flight.
     let readers = inputs
         .all()
@@ -60,20 +72,25 @@ pub(crate) fn write_blocks(
         .max()
         .unwrap_or(0);
     let together = readers > 0;
-    let run = || {
+    // Owns the sender: when the workers are done, the hashing thread's queue ends.
+    let run = move || {
         blocks
             .par_iter()
-            .map(|b| {
+            .enumerate()
+            .map(|(i, b)| {
                 cancel.check()?;
                 // Sources that pay per request fetch the block's input in one go.
                 let _fetch = together.then(|| fetch::announce(plan, inputs, b));
                 let mut bufs = pool.take();
                 let out = bufs.block.slice_mut(b.len as usize);
                 let (stats, tensor_bytes) =
-                    fill_block(plan, inputs, &computed, b, out, &mut bufs.scratch)?;
+                    fill_block(plan, inputs, computed, b, out, &mut bufs.scratch)?;
                 files[b.shard].write_block(out, b.start)?;
-                pool.give(bufs);
                 progress.advance(tensor_bytes);
+                if let Err(back) = to_hash.send((i, bufs, b.len as usize)) {
+                    // The hashing thread is gone (it cannot fail): nothing to hash.
+                    pool.give(back.0 .1);
+                }
                 Ok(stats)
             })
             .collect::<Result<Vec<Vec<(usize, ConvertStats)>>>>()
@@ -82,17 +99,47 @@ pub(crate) fn write_blocks(
         .num_threads(worker_threads().max(readers))
         .thread_name(|i| format!("unshard-write-{i}"))
         .build();
-    let per_block = match workers {
-        Ok(workers) => workers.install(run)?,
-        // No threads to spare: the global pool does the work.
-        Err(_) => run()?,
-    };
+    let (per_block, hashed) = std::thread::scope(|scope| {
+        let hasher = std::thread::Builder::new()
+            .name("unshard-hash".into())
+            .spawn_scoped(scope, || {
+                let mut hashed = Vec::new();
+                for (i, mut bufs, len) in queue {
+                    hashed.push((i, digest::sha256(bufs.block.slice_mut(len))));
+                    pool.give(bufs);
+                }
+                hashed
+            });
+        let per_block = match workers {
+            Ok(workers) => workers.install(run),
+            // No threads to spare: the global pool does the work.
+            Err(_) => run(),
+        };
+        let hashed = match hasher {
+            Ok(h) => h.join().unwrap_or_default(),
+            Err(_) => Vec::new(),
+        };
+        (per_block, hashed)
+    });
+    let per_block = per_block?;
     let mut stats = vec![ConvertStats::default(); plan.tensors.len()];
+    let mut digests: BlockDigests = plan
+        .shards
+        .iter()
+        .map(|s| vec![None; s.file_size.div_ceil(block_bytes) as usize])
+        .collect();
     for (ti, s) in per_block.into_iter().flatten() {
         stats[ti].add(s);
     }
-    Ok(stats)
+    for (i, d) in hashed {
+        let b = &blocks[i];
+        digests[b.shard][(b.start / block_bytes) as usize] = Some(d);
+    }
+    Ok((stats, digests))
 }
+
+/// Per shard, the SHA-256 of each block as written (`None`: not hashed).
+pub(crate) type BlockDigests = Vec<Vec<Option<Sha>>>;
 
 /// Where a block starts reading: the input (checkpoint before base), file and byte
 /// offset of the first element of the first tensor it holds. `None` (sorted first)
@@ -156,7 +203,6 @@ pub(crate) struct Block {
 pub(crate) const CHUNK_BYTES: usize = 1 << 20;
 
 /// Fills `out` with the bytes of `block`: the header and the tensors it overlaps.
-/// Returns what conversion saw, per tensor, and how many tensor bytes were filled.
 pub(crate) fn fill_block(
     plan: &Plan,
     inputs: Inputs<'_>,
@@ -537,7 +583,8 @@ mod tests {
             base: None,
             extra: &[],
         };
-        let stats = write_blocks(&plan, inputs, &files, 4096, &NoProgress, &Cancel::new()).unwrap();
+        let (stats, digests) =
+            write_blocks(&plan, inputs, &files, 4096, &NoProgress, &Cancel::new()).unwrap();
         drop(files);
 
         let mut want = header;
@@ -547,6 +594,10 @@ mod tests {
         want.extend(a_bf16);
         want.extend(le_bytes(&c));
         assert_eq!(std::fs::read(&path).unwrap(), want);
+        // Each block's digest is the SHA-256 of that block of the file.
+        let per_block: Vec<Option<Sha>> =
+            want.chunks(4096).map(|c| Some(digest::sha256(c))).collect();
+        assert_eq!(digests, vec![per_block]);
         assert_eq!(stats[0].nan, 1, "a NaN cut by a block edge is counted once");
         assert_eq!(
             stats[2].inf, 1,

@@ -33,6 +33,7 @@ use crate::plan::Plan;
 use crate::{Error, Result};
 
 mod computed;
+pub mod digest;
 mod direct;
 mod engine;
 mod fetch;
@@ -42,6 +43,7 @@ pub mod sink;
 mod staging;
 
 pub use crate::prepare::Inputs;
+pub use digest::FileDigest;
 pub(crate) use direct::OutFile;
 pub use read::{read_tensor, read_tensor_range, windows};
 pub use sink::{ShardFile, Sink, StagingDir};
@@ -94,6 +96,9 @@ pub struct WriteSummary {
     pub bytes_written: u64,
     /// The files written, by name.
     pub files: Vec<String>,
+    /// The checksums of the files written, taken while writing (see [`digest`]),
+    /// in the order of `files`.
+    pub digests: Vec<FileDigest>,
     /// Stale staging directories of interrupted runs that were removed.
     pub cleaned: Vec<PathBuf>,
 }
@@ -118,7 +123,16 @@ pub fn write_into(
         .sum();
     progress.start(total);
     let cancel = &opts.cancel;
-    let stats = write_blocks(plan, inputs, &files, WINDOW_BYTES, progress, cancel)?;
+    let (stats, blocks) = write_blocks(plan, inputs, &files, WINDOW_BYTES, progress, cancel)?;
+    let mut digests: Vec<FileDigest> = plan
+        .shards
+        .iter()
+        .zip(blocks)
+        .map(|(s, blocks)| FileDigest {
+            size: s.file_size,
+            blocks,
+        })
+        .collect();
     // A cancellation that came while the last blocks were in flight still stops the run.
     cancel.check()?;
     if !opts.allow_overflow {
@@ -130,26 +144,40 @@ pub fn write_into(
             });
         }
     }
-    for f in &files {
+    for (f, d) in files.iter().zip(&mut digests) {
         f.finish()?;
+        // Blocks holding computed tensors: hashed from the finished file.
+        if let (true, Some(path)) = (d.tree().is_none(), f.local_path()) {
+            let file = std::fs::File::open(path).map_err(|e| Error::io("open", path, e))?;
+            d.complete(&file, path)?;
+        }
     }
     let mut names: Vec<String> = plan.shards.iter().map(|s| s.file_name.clone()).collect();
     if let Some(index) = &plan.index {
         sink.write_file("model.safetensors.index.json", index.as_bytes())?;
         names.push("model.safetensors.index.json".into());
+        digests.push(FileDigest::of_bytes(index.as_bytes()));
     }
     if let Some(config) = &plan.config {
         let mut text = serde_json::to_string_pretty(config).unwrap_or_default();
         text.push('\n');
         sink.write_file("config.json", text.as_bytes())?;
         names.push("config.json".into());
+        digests.push(FileDigest::of_bytes(text.as_bytes()));
     }
     for src in &opts.extra_files {
         let Some(name) = src.file_name().map(|n| n.to_string_lossy().into_owned()) else {
             continue;
         };
         if sink.copy_file(&name, src)? {
+            // What was copied, read back where there is a local copy.
+            let digest = match sink.staged_dir() {
+                Some(dir) => FileDigest::of_file(&dir.join(&name))?,
+                // Extra files are small (`MAX_EXTRA_FILE`).
+                None => FileDigest::of_bytes(&crate::source::fs::read(src)?),
+            };
             names.push(name);
+            digests.push(digest);
         }
     }
     progress.finish();
@@ -157,6 +185,7 @@ pub fn write_into(
         stats,
         bytes_written: total,
         files: names,
+        digests,
         cleaned: Vec::new(),
     })
 }

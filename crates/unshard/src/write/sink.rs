@@ -53,6 +53,12 @@ pub trait ShardFile: Send + Sync {
 
     /// Makes what was written durable.
     fn finish(&self) -> Result<()>;
+
+    /// Where the file can be read back locally, if anywhere (to hash the blocks
+    /// that computed tensors finished after the block pass).
+    fn local_path(&self) -> Option<&Path> {
+        None
+    }
 }
 
 /// The local sink: a staging directory beside `output`, fsynced and renamed into

@@ -1,0 +1,366 @@
+//! `unshard.json`: what a merge did, written into the output beside the files it
+//! describes (committed by the same rename, so it is there exactly when they are):
+//! the unshard version, the inputs, the options that decide the output's bytes,
+//! and each file's size and checksum.
+//!
+//! It serves `verify`, which takes the checkpoint and the options from it when
+//! none are given (explicit ones win), and checks that no file changed since the
+//! merge. It is a file of its own rather than fields in `config.json` or the
+//! safetensors headers so that every file transformers writes stays byte for byte
+//! what `save_pretrained` writes; loaders read `config.json` and the weights by
+//! name and ignore it (README: "unshard.json").
+//!
+//! A file's checksum is the SHA-256 of the SHA-256 digests of its consecutive
+//! [`WINDOW_BYTES`](crate::write::WINDOW_BYTES) blocks ([`FileDigest::tree`]):
+//! the writer hashes blocks as it writes them, in any order, which a plain
+//! SHA-256 of the whole file would not allow without a second read.
+
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+use crate::options::{MergeOptions, VerifyOptions};
+use crate::plan::DtypeChoice;
+use crate::source::fs;
+use crate::verify::{Expected, ExpectedDigest};
+use crate::write::digest::hex;
+use crate::write::{FileDigest, WINDOW_BYTES};
+use crate::{DType, Error, Result};
+
+/// The manifest's file name, at the top of the output directory.
+pub const MANIFEST: &str = "unshard.json";
+
+/// The checksum algorithm, as recorded.
+const ALGORITHM: &str = "sha256 of the sha256 of each block";
+
+/// `unshard.json`.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+pub struct Manifest {
+    /// The unshard that wrote the output.
+    pub unshard_version: String,
+    /// What was merged.
+    pub inputs: Inputs,
+    /// The options that decide the output's bytes.
+    pub options: Recorded,
+    /// How the files' checksums are computed.
+    pub checksum: Checksum,
+    /// Every file the merge wrote (this one aside), in the order written.
+    pub files: Vec<FileEntry>,
+}
+
+/// The inputs of a merge, local paths made absolute.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+pub struct Inputs {
+    /// The checkpoint.
+    pub checkpoint: String,
+    /// Its format, as detected.
+    pub checkpoint_format: String,
+    /// The base (a directory, a bucket URL, or a Hub id resolved in the cache).
+    pub base: Option<String>,
+}
+
+/// The merge's options, as `verify` takes them back.
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+#[serde(default)]
+pub struct Recorded {
+    /// `auto` or a dtype name (`bfloat16`).
+    pub dtype: String,
+    /// The dtype the floating tensors were written in.
+    pub dtype_written: Option<String>,
+    /// `--key`.
+    pub key: Option<String>,
+    /// `--tag`.
+    pub tag: Option<String>,
+    /// `--strict`.
+    pub strict: bool,
+    /// `--rename`, each as `[regex, replacement]`.
+    pub renames: Vec<(String, String)>,
+    /// `--max-shard-size`, in bytes.
+    pub max_shard_size: u64,
+    /// `--adapter`.
+    pub adapter: Option<String>,
+    /// `--adapter-config`.
+    pub adapter_config: Option<String>,
+    /// `--no-fuse`.
+    pub no_fuse: bool,
+    /// `--allow-overflow`.
+    pub allow_overflow: bool,
+}
+
+/// How the checksums are computed.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+pub struct Checksum {
+    /// What the checksum is.
+    pub algorithm: String,
+    /// The block size, in bytes.
+    pub block_size: u64,
+}
+
+/// One file of the output.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+pub struct FileEntry {
+    /// Relative to the output directory.
+    pub name: String,
+    /// Bytes.
+    pub size: u64,
+    /// Hexadecimal; absent where it could not be taken (a shard of another part).
+    pub checksum: Option<String>,
+}
+
+impl Manifest {
+    /// The manifest of a merge with options `opts` that wrote `files`.
+    pub fn new(
+        opts: &MergeOptions,
+        checkpoint_format: &str,
+        dtype_written: Option<DType>,
+        files: Vec<FileEntry>,
+    ) -> Manifest {
+        let p = &opts.plan;
+        Manifest {
+            unshard_version: env!("CARGO_PKG_VERSION").into(),
+            inputs: Inputs {
+                checkpoint: absolute(&opts.checkpoint),
+                checkpoint_format: checkpoint_format.into(),
+                base: opts.base.as_deref().map(absolute),
+            },
+            options: Recorded {
+                dtype: match p.dtype {
+                    DtypeChoice::Auto => "auto".into(),
+                    DtypeChoice::Fixed(d) => d.torch_name().into(),
+                },
+                dtype_written: dtype_written.map(|d| d.torch_name().into()),
+                key: opts.open.key.clone(),
+                tag: opts.open.tag.clone(),
+                strict: p.strict,
+                renames: p
+                    .renames
+                    .iter()
+                    .map(|(r, s)| (r.as_str().to_string(), s.clone()))
+                    .collect(),
+                max_shard_size: p.max_shard_size,
+                adapter: opts.adapter.name.clone(),
+                adapter_config: opts.adapter.config.as_deref().map(absolute),
+                no_fuse: opts.adapter.no_fuse,
+                allow_overflow: opts.allow_overflow,
+            },
+            checksum: Checksum {
+                algorithm: ALGORITHM.into(),
+                block_size: WINDOW_BYTES,
+            },
+            files,
+        }
+    }
+
+    /// The file's bytes: pretty JSON and a newline.
+    pub fn to_bytes(&self) -> Vec<u8> {
+        let mut text = serde_json::to_string_pretty(self).unwrap_or_default();
+        text.push('\n');
+        text.into_bytes()
+    }
+
+    /// Reads `dir/unshard.json`: `None` when there is none.
+    pub fn read(dir: &Path) -> Result<Option<Manifest>> {
+        let path = dir.join(MANIFEST);
+        if !fs::is_file(&path) {
+            return Ok(None);
+        }
+        let bytes = fs::read(&path)?;
+        serde_json::from_slice(&bytes)
+            .map(Some)
+            .map_err(|e| Error::Output {
+                path: path.clone(),
+                msg: format!("is not a manifest unshard can read: {e}"),
+                hint: Some(format!(
+                    "pass the checkpoint and the merge's options to verify explicitly, or remove {MANIFEST}"
+                )),
+            })
+    }
+
+    /// The checksums to hold the files to (those with one recorded, in a scheme
+    /// this unshard computes).
+    pub fn expected(&self) -> Vec<Expected> {
+        if self.checksum.algorithm != ALGORITHM || self.checksum.block_size != WINDOW_BYTES {
+            return Vec::new();
+        }
+        self.files
+            .iter()
+            .filter_map(|f| {
+                let sum = parse_hex(f.checksum.as_deref()?)?;
+                Some(Expected {
+                    name: f.name.clone(),
+                    size: f.size,
+                    digest: ExpectedDigest::Recorded(sum),
+                })
+            })
+            .collect()
+    }
+}
+
+impl FileEntry {
+    /// The entry of file `name`, whose blocks hashed to `d`.
+    pub fn new(name: &str, d: &FileDigest) -> FileEntry {
+        FileEntry {
+            name: name.into(),
+            size: d.size,
+            checksum: d.tree().map(|t| hex(&t)),
+        }
+    }
+
+    /// The entries of the files a write reported.
+    pub fn of_written(names: &[String], digests: &[FileDigest]) -> Vec<FileEntry> {
+        names
+            .iter()
+            .zip(digests)
+            .map(|(n, d)| FileEntry::new(n, d))
+            .collect()
+    }
+}
+
+/// What [`Manifest::fill`] did: the options it took from the manifest, and those
+/// given that differ from it (given ones win), each as a command-line flag.
+#[derive(Clone, Debug, Default)]
+pub struct Filled {
+    /// Flags taken from the manifest (`--dtype bfloat16`).
+    pub taken: Vec<String>,
+    /// Flags given that differ from the manifest, with its value
+    /// (`--dtype float16 (unshard.json: bfloat16)`).
+    pub overridden: Vec<String>,
+}
+
+impl Manifest {
+    /// Completes `opts` with what the merge recorded: every option left unset
+    /// (the checkpoint empty, an option `None`, the dtype `auto`, no renames,
+    /// flags off) takes the manifest's value; options set stay as they are. The
+    /// files' checksums are added.
+    pub fn fill(&self, opts: &mut VerifyOptions) -> Result<Filled> {
+        let mut f = Filled::default();
+        let r = &self.options;
+        let mut path = |flag: &str, given: &mut Option<PathBuf>, recorded: &Option<String>| match (
+            &*given, recorded,
+        ) {
+            (None, Some(v)) => {
+                f.taken.push(format!("{flag} {v}"));
+                *given = Some(PathBuf::from(v));
+            }
+            (Some(g), Some(v)) if !same_path(g, v) => f
+                .overridden
+                .push(format!("{flag} {} (unshard.json: {v})", g.display())),
+            _ => {}
+        };
+        let mut checkpoint =
+            (!opts.checkpoint.as_os_str().is_empty()).then(|| opts.checkpoint.clone());
+        path(
+            "--against",
+            &mut checkpoint,
+            &Some(self.inputs.checkpoint.clone()),
+        );
+        path("--base", &mut opts.base, &self.inputs.base);
+        path(
+            "--adapter-config",
+            &mut opts.adapter.config,
+            &r.adapter_config,
+        );
+        opts.checkpoint = checkpoint.unwrap_or_default();
+        let mut text = |flag: &str, given: &mut Option<String>, recorded: &Option<String>| match (
+            &*given, recorded,
+        ) {
+            (None, Some(v)) => {
+                f.taken.push(format!("{flag} {v}"));
+                *given = Some(v.clone());
+            }
+            (Some(g), Some(v)) if g != v => {
+                f.overridden.push(format!("{flag} {g} (unshard.json: {v})"))
+            }
+            _ => {}
+        };
+        text("--key", &mut opts.open.key, &r.key);
+        text("--tag", &mut opts.open.tag, &r.tag);
+        text("--adapter", &mut opts.adapter.name, &r.adapter);
+        let recorded_dtype =
+            match r.dtype.as_str() {
+                "auto" | "" => DtypeChoice::Auto,
+                d => DtypeChoice::Fixed(DType::from_torch_name(d).ok_or_else(|| {
+                    self.unreadable(format!("options.dtype '{d}' is not a dtype"))
+                })?),
+            };
+        match (opts.plan.dtype, recorded_dtype) {
+            (DtypeChoice::Auto, DtypeChoice::Fixed(d)) => {
+                f.taken.push(format!("--dtype {d}"));
+                opts.plan.dtype = recorded_dtype;
+            }
+            (DtypeChoice::Fixed(g), rec) if rec != opts.plan.dtype => {
+                let v = match rec {
+                    DtypeChoice::Auto => "auto".to_string(),
+                    DtypeChoice::Fixed(d) => d.to_string(),
+                };
+                f.overridden
+                    .push(format!("--dtype {g} (unshard.json: {v})"));
+            }
+            _ => {}
+        }
+        if opts.plan.renames.is_empty() {
+            for (re, with) in &r.renames {
+                let rx = regex::Regex::new(re).map_err(|e| {
+                    self.unreadable(format!(
+                        "options.renames '{re}' is not a regular expression: {e}"
+                    ))
+                })?;
+                f.taken.push(format!("--rename '{re}={with}'"));
+                opts.plan.renames.push((rx, with.clone()));
+            }
+        } else if !r.renames.is_empty() {
+            let given: Vec<(String, String)> = opts
+                .plan
+                .renames
+                .iter()
+                .map(|(r, s)| (r.as_str().to_string(), s.clone()))
+                .collect();
+            if given != r.renames {
+                f.overridden
+                    .push("--rename (unshard.json records other renames)".into());
+            }
+        }
+        let mut flag = |name: &str, given: &mut bool, recorded: bool| {
+            if recorded && !*given {
+                f.taken.push(name.into());
+                *given = true;
+            }
+        };
+        flag("--strict", &mut opts.plan.strict, r.strict);
+        flag("--no-fuse", &mut opts.adapter.no_fuse, r.no_fuse);
+        opts.checksums = self.expected();
+        Ok(f)
+    }
+
+    fn unreadable(&self, msg: String) -> Error {
+        Error::Usage(format!(
+            "{MANIFEST}: {msg}; pass the merge's options to verify explicitly, or remove {MANIFEST}"
+        ))
+    }
+}
+
+fn same_path(given: &Path, recorded: &str) -> bool {
+    given == Path::new(recorded) || absolute(given) == recorded
+}
+
+/// A local path made absolute (so that `verify` finds it from anywhere); a URL,
+/// a Hub id or a path that does not exist as given.
+fn absolute(p: &Path) -> String {
+    let abs: PathBuf = if fs::is_url(p) {
+        p.to_path_buf()
+    } else {
+        std::fs::canonicalize(p).unwrap_or_else(|_| p.to_path_buf())
+    };
+    abs.to_string_lossy().into_owned()
+}
+
+fn parse_hex(s: &str) -> Option<[u8; 32]> {
+    if s.len() != 64 {
+        return None;
+    }
+    let mut out = [0u8; 32];
+    for (i, o) in out.iter_mut().enumerate() {
+        *o = u8::from_str_radix(s.get(2 * i..2 * i + 2)?, 16).ok()?;
+    }
+    Some(out)
+}
