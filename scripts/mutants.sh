@@ -18,6 +18,10 @@
 #                   and the CLI tests that pin the README's policies).
 #   MUTANTS_ARGS    extra arguments for cargo mutants (e.g. --iterate, --list).
 #   MUTANTS_TEST_TIMEOUT  seconds a mutant's tests may take (default 300).
+#   MUTANTS_IN_PLACE=1    mutate this tree and build in its target/ (no copy of the
+#                   tree or of target/, so no rebuild of the dependencies; do not
+#                   edit or build this tree meanwhile; cargo-mutants restores
+#                   each file after its mutant, also when interrupted).
 #   MUTANTS_PACKAGES      packages whose tests run (default unshard,unshard-cli;
 #                   with MUTANTS_TESTS=--lib, `unshard` alone builds only the
 #                   library's test binary per mutant, several times faster).
@@ -57,10 +61,13 @@ read -r -a tests <<< "${MUTANTS_TESTS:---lib --test claims --test merge --test v
 test_args=()
 for t in "${tests[@]}"; do test_args+=("--cargo-test-arg=$t"); done
 
+where=(--copy-target=true --jobs "${MUTANTS_JOBS:-1}")
+if [ -n "${MUTANTS_IN_PLACE:-}" ]; then where=(--in-place); fi
+
 # SIGINT on the budget: cargo-mutants stops, kills its build, keeps what it has.
 status=0
 timeout --signal=INT --kill-after=120 "$budget" \
-  cargo mutants --no-shuffle --copy-target=true --jobs "${MUTANTS_JOBS:-1}" \
+  cargo mutants --no-shuffle "${where[@]}" \
     --baseline=skip --timeout "${MUTANTS_TEST_TIMEOUT:-300}" --build-timeout 900 \
     --test-package "${MUTANTS_PACKAGES:-unshard,unshard-cli}" \
     "${test_args[@]}" "${file_args[@]}" --output "$out" ${MUTANTS_ARGS:-} || status=$?
