@@ -350,4 +350,51 @@ mod tests {
             assert!(e.contains(says), "{json}: {e}");
         }
     }
+
+    /// A file of `len` bytes whose first 8 say `n`, the rest zeros; reads are served
+    /// without storing the file (a header length near the cap costs no disk).
+    #[derive(Debug)]
+    struct Sparse(u64, u64);
+
+    impl crate::source::ByteSource for Sparse {
+        fn name(&self) -> &Path {
+            Path::new("sparse.safetensors")
+        }
+        fn len(&self) -> u64 {
+            self.0
+        }
+        fn read_at(&self, offset: u64, buf: &mut [u8]) -> Result<()> {
+            buf.fill(0);
+            let n = self.1.to_le_bytes();
+            for (i, b) in buf.iter_mut().enumerate().take(8) {
+                if let Some(&v) = n.get((offset + i as u64) as usize) {
+                    *b = v;
+                }
+            }
+            Ok(())
+        }
+    }
+
+    #[test]
+    fn only_a_header_within_the_cap_is_read() {
+        let blob = |len, n| Blob::new(std::sync::Arc::new(Sparse(len, n)));
+        // Over the cap: the length alone, however long the file.
+        assert_eq!(
+            header_bytes(&blob(1 << 40, MAX_HEADER + 1)).unwrap().len(),
+            8
+        );
+        // At the cap, in a file that holds it: the whole header.
+        let at_cap = header_bytes(&blob(8 + MAX_HEADER, MAX_HEADER)).unwrap();
+        assert_eq!(at_cap.len() as u64, 8 + MAX_HEADER);
+        // An 8-byte file of an empty header, and a file of a header and no data.
+        assert_eq!(header_bytes(&blob(8, 0)).unwrap(), [0u8; 8]);
+        let empty = file("{}", 2, 0);
+        let h = read_header(Path::new("x"), &empty).unwrap();
+        assert_eq!((h.data_start, h.tensors.len()), (10, 0));
+        // The file's length is checked, not only the bytes given.
+        let e = err(&empty, 7);
+        assert!(e.contains("too short"), "{e}");
+        let e = err(&[0u8; 8], 8);
+        assert!(e.contains("not a JSON object"), "{e}");
+    }
 }
