@@ -289,3 +289,103 @@ fn another_compression_method_is_named() {
         .to_string();
     assert!(e.contains("zip method 12"), "{e}");
 }
+
+/// A stored archive of `n` one-byte entries named `archive/data/I`.
+fn many(n: usize) -> Vec<u8> {
+    let mut v = Vec::new();
+    let mut locals = Vec::new();
+    for i in 0..n {
+        let name = format!("archive/data/{i}");
+        locals.push(v.len() as u32);
+        v.extend_from_slice(&LOCAL_SIG.to_le_bytes());
+        v.extend_from_slice(&[0u8; 22]);
+        v.extend_from_slice(&(name.len() as u16).to_le_bytes());
+        v.extend_from_slice(&0u16.to_le_bytes());
+        v.extend_from_slice(name.as_bytes());
+        v.push(i as u8);
+    }
+    let cd = v.len() as u32;
+    for (i, local) in locals.iter().enumerate() {
+        let name = format!("archive/data/{i}");
+        v.extend_from_slice(&CENTRAL_SIG.to_le_bytes());
+        v.extend_from_slice(&[0u8; 12]);
+        v.extend_from_slice(&crc32fast::hash(&[i as u8]).to_le_bytes());
+        v.extend_from_slice(&1u32.to_le_bytes());
+        v.extend_from_slice(&1u32.to_le_bytes());
+        v.extend_from_slice(&(name.len() as u16).to_le_bytes());
+        v.extend_from_slice(&[0u8; 12]);
+        v.extend_from_slice(&local.to_le_bytes());
+        v.extend_from_slice(name.as_bytes());
+    }
+    let cd_size = v.len() as u32 - cd;
+    v.extend_from_slice(&EOCD_SIG.to_le_bytes());
+    v.extend_from_slice(&[0u8; 4]);
+    v.extend_from_slice(&(n as u16).to_le_bytes());
+    v.extend_from_slice(&(n as u16).to_le_bytes());
+    v.extend_from_slice(&cd_size.to_le_bytes());
+    v.extend_from_slice(&cd.to_le_bytes());
+    v.extend_from_slice(&0u16.to_le_bytes());
+    v
+}
+
+#[test]
+fn a_directory_larger_than_the_tail_is_read_in_one_block() {
+    use std::sync::atomic::Ordering::Relaxed;
+    // 2000 entries: a 124 KB directory, far more than the 4 KiB tail read first.
+    let data = many(2000);
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("many.zip");
+    std::fs::write(&path, &data).unwrap();
+    let file = crate::source::LocalFile::open(&path).unwrap();
+    let counting = std::sync::Arc::new(Counting(file, Default::default(), Default::default()));
+    let blob = Blob::new(counting.clone());
+    let idx = ZipIndex::read(&mut Archive::whole(&blob)).unwrap();
+    assert_eq!(idx.entries.len(), 2000);
+    for (i, e) in idx.entries.iter().enumerate() {
+        assert_eq!(e.name, format!("archive/data/{i}"));
+        assert_eq!(data[e.data_offset as usize], i as u8, "{}", e.name);
+    }
+    // The tail, the directory in one block, the local headers in one request
+    // (which a file source may split into a few reads).
+    let reads = counting.1.load(Relaxed);
+    assert!(reads < 50, "{reads} reads");
+}
+
+#[test]
+fn a_stored_record_is_read_up_to_the_end_and_not_past_it() {
+    let mut a = stored_archive(b"payload", 1, 0);
+    let n = a.len() as u32;
+    // The declared size (central directory + 24) set to reach the archive's last
+    // byte, then one byte further: the record is read, then refused unread.
+    let cd = a.len() - 22 - 46 - 3;
+    a[cd + 24..cd + 28].copy_from_slice(&(n - 38).to_le_bytes());
+    let idx = ZipIndex::parse(&a).unwrap();
+    let blob = Blob::owned(PathBuf::from("a.zip"), a.clone());
+    let archive = Archive::whole(&blob);
+    assert_eq!(
+        idx.stored(&archive, &idx.entries[0]).unwrap().len() as u32,
+        n - 38
+    );
+    a[cd + 24..cd + 28].copy_from_slice(&(n - 37).to_le_bytes());
+    let idx = ZipIndex::parse(&a).unwrap();
+    let blob = Blob::owned(PathBuf::from("a.zip"), a.clone());
+    let e = idx
+        .stored(&Archive::whole(&blob), &idx.entries[0])
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("entry 'x/e' at byte 38"), "{e}");
+    assert!(e.contains("lies past the end of the archive"), "{e}");
+}
+
+#[test]
+fn two_entries_of_one_name_are_found() {
+    let idx = ZipIndex::parse(&stored_archive(b"p", 1, 0)).unwrap();
+    assert!(idx.duplicate().is_none());
+    let twice = ZipIndex {
+        entries: vec![idx.entries[0].clone(), idx.entries[0].clone()],
+    };
+    assert_eq!(twice.duplicate().map(|e| e.name.as_str()), Some("x/e"));
+    // The error type prints its message.
+    let e = ZipIndex::parse(&[0u8; 21]).unwrap_err();
+    assert_eq!(e.to_string(), e.0);
+}
