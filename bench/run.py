@@ -132,6 +132,11 @@ def fmt_bytes(n):
     return "%.0f MB" % (n / 1e6)
 
 
+def model_fields(meta):
+    """What bench/tables.py needs to name the model of a row (meta.json's shape fields)."""
+    return {k: meta[k] for k in ("layers", "parameters", "ranks", "chunks", "optim") if k in meta}
+
+
 def run(args):
     unshard = os.path.abspath(args.unshard)
     here = os.path.dirname(os.path.abspath(__file__))
@@ -231,18 +236,21 @@ def run(args):
                                         skipped="failed: %s" % failed.get(tool, "?")))
                     continue
                 results.append(dict(
-                    data=data, meta=meta, kind=kind, label=label, input_bytes=size, tool=tool,
+                    data=data, meta=meta, model=model_fields(meta), kind=kind, label=label,
+                    input_bytes=size, tool=tool,
                     wall=statistics.median(r[0] for r in rs),
                     wall_sync=statistics.median(r[0] + r[2] for r in rs),
                     rss=statistics.median(r[1] for r in rs),
                     walls=[r[0] for r in rs]))
                 if skipped and tool == "cp":
-                    results.append(dict(data=data, meta=meta, kind=kind, label=label,
-                                        input_bytes=size, tool="unshard", skipped=skipped))
+                    results.append(dict(data=data, meta=meta, model=model_fields(meta), kind=kind,
+                                        label=label, input_bytes=size, tool="unshard",
+                                        skipped=skipped))
                     skipped = None
             if skipped:
-                results.append(dict(data=data, meta=meta, kind=kind, label=label,
-                                    input_bytes=size, tool="unshard", skipped=skipped))
+                results.append(dict(data=data, meta=meta, model=model_fields(meta), kind=kind,
+                                    label=label, input_bytes=size, tool="unshard",
+                                    skipped=skipped))
     return results, cache
 
 
@@ -302,11 +310,11 @@ def main():
     ap.add_argument("--kinds", default="policy,dcp,ranks,zero2,zero3")
     ap.add_argument("--work", default="/tmp/unshard-bench",
                     help="where outputs go (removed after each run); put it on the inputs' disk")
-    ap.add_argument("--json", help="also write the results here")
+    ap.add_argument("--json", help="also write the results here (bench/tables.py renders "
+                    "README.md's tables from bench/results/*.json)")
     ap.add_argument("--nofile", type=int,
                     help="run the unshard rows with this hard limit on open files (ulimit -n)")
-    ap.add_argument("--note", default="",
-                    help="a note kept in the JSON (e.g. that the machine was shared)")
+    ap.add_argument("--note", help="how the machine was shared etc., kept in the JSON")
     ap.add_argument("--compare", action="append", default=[], metavar="NAME=PATH",
                     help="another unshard build to run beside the first (repeatable)")
     ap.add_argument("--name", default=TOOL_NAMES["unshard"],
@@ -328,8 +336,10 @@ def main():
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(machine=machine(), cache=cache, repeat=args.repeat,
-                           date=datetime.date.today().isoformat(), note=args.note,
-                           nofile=args.nofile, results=results),
+                           date=datetime.date.today().isoformat(),
+                           **({"note": args.note} if args.note else {}),
+                           nofile=args.nofile,
+                           results=[{k: v for k, v in r.items() if k != "meta"} for r in results]),
                       f, indent=2)
 
 

@@ -18,6 +18,13 @@
 #                   and the CLI tests that pin the README's policies).
 #   MUTANTS_ARGS    extra arguments for cargo mutants (e.g. --iterate, --list).
 #   MUTANTS_TEST_TIMEOUT  seconds a mutant's tests may take (default 300).
+#   MUTANTS_IN_PLACE=1    mutate this tree and build in its target/ (no copy of the
+#                   tree or of target/, so no rebuild of the dependencies; do not
+#                   edit or build this tree meanwhile; cargo-mutants restores
+#                   each file after its mutant, also when interrupted).
+#   MUTANTS_PACKAGES      packages whose tests run (default unshard,unshard-cli;
+#                   with MUTANTS_TESTS=--lib, `unshard` alone builds only the
+#                   library's test binary per mutant, several times faster).
 #
 # There is no baseline run: cargo-mutants would test only the mutated package
 # there, without the CLI suites named above. Run the same tests unmutated first
@@ -36,8 +43,10 @@ else
   files=(
     'crates/unshard/src/plan/*.rs'
     'crates/unshard/src/write/staging.rs'
-    'crates/unshard/src/source/zip.rs'
+    'crates/unshard/src/write/sink.rs'
+    'crates/unshard/src/source/zip/*.rs'
     'crates/unshard/src/source/safetensors.rs'
+    'crates/unshard/src/source/bytes/*.rs'
     'crates/unshard/src/verify/*.rs'
   )
 fi
@@ -52,12 +61,15 @@ read -r -a tests <<< "${MUTANTS_TESTS:---lib --test claims --test merge --test v
 test_args=()
 for t in "${tests[@]}"; do test_args+=("--cargo-test-arg=$t"); done
 
+where=(--copy-target=true --jobs "${MUTANTS_JOBS:-1}")
+if [ -n "${MUTANTS_IN_PLACE:-}" ]; then where=(--in-place); fi
+
 # SIGINT on the budget: cargo-mutants stops, kills its build, keeps what it has.
 status=0
 timeout --signal=INT --kill-after=120 "$budget" \
-  cargo mutants --no-shuffle --copy-target=true --jobs "${MUTANTS_JOBS:-1}" \
+  cargo mutants --no-shuffle "${where[@]}" \
     --baseline=skip --timeout "${MUTANTS_TEST_TIMEOUT:-300}" --build-timeout 900 \
-    --test-package unshard,unshard-cli \
+    --test-package "${MUTANTS_PACKAGES:-unshard,unshard-cli}" \
     "${test_args[@]}" "${file_args[@]}" --output "$out" ${MUTANTS_ARGS:-} || status=$?
 for f in caught missed timeout unviable; do
   n=$(grep -c . "$out/mutants.out/$f.txt" 2>/dev/null || true)

@@ -62,6 +62,7 @@ struct MergeJson {
     seconds: f64,
 }
 
+/// [`crate::error::NonFiniteTensor`] as the JSON report spells it (`tensor`, no dtype).
 #[derive(Serialize)]
 struct NonFinite {
     tensor: String,
@@ -72,17 +73,13 @@ struct NonFinite {
 
 impl From<MergeOutcome> for MergeJson {
     fn from(o: MergeOutcome) -> Self {
-        let nonfinite = o
-            .plan
-            .tensors
-            .iter()
-            .zip(&o.write.stats)
-            .filter(|(_, s)| s.nan + s.inf + s.overflow > 0)
-            .map(|(t, s)| NonFinite {
-                tensor: t.name.clone(),
-                nan: s.nan,
-                inf: s.inf,
-                overflow: s.overflow,
+        let nonfinite = verify::nonfinite_tensors(&o.plan, &o.write.stats)
+            .into_iter()
+            .map(|t| NonFinite {
+                tensor: t.name,
+                nan: t.nan,
+                inf: t.inf,
+                overflow: t.overflow,
             })
             .collect();
         let r = o.plan.report;

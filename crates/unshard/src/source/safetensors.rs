@@ -195,3 +195,207 @@ pub fn sources(file: FileId, header: &Header) -> Vec<TensorSource> {
         })
         .collect()
 }
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+
+    /// A safetensors file: the length, `header` padded to `pad` bytes with spaces
+    /// (as the reference writer pads), then `data` bytes.
+    fn file(header: &str, pad: usize, data: usize) -> Vec<u8> {
+        let mut h = header.as_bytes().to_vec();
+        h.resize(h.len().max(pad), b' ');
+        let mut v = (h.len() as u64).to_le_bytes().to_vec();
+        v.extend_from_slice(&h);
+        v.extend((0..data).map(|i| i as u8));
+        v
+    }
+
+    fn err(bytes: &[u8], len: u64) -> String {
+        parse_header(Path::new("x.safetensors"), bytes, len)
+            .unwrap_err()
+            .to_string()
+    }
+
+    const TWO: &str = r#"{"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},"b":{"dtype":"BF16","shape":[1,3],"data_offsets":[8,14]},"__metadata__":{"format":"pt"}}"#;
+
+    #[test]
+    fn a_good_header_gives_offsets_relative_to_the_data() {
+        let f = file(TWO, 160, 14);
+        let h = read_header(Path::new("x"), &f).unwrap();
+        assert_eq!(h.data_start, 8 + 160);
+        assert_eq!(
+            h.tensors,
+            [
+                ("a".to_string(), DType::F32, vec![2], 0, 8),
+                ("b".to_string(), DType::BF16, vec![1, 3], 8, 14),
+            ]
+        );
+        assert_eq!(h.metadata, [("format".to_string(), "pt".to_string())]);
+        // Read through a blob: only the header is fetched, the same result.
+        let blob = Blob::owned("x".into(), f.clone());
+        assert_eq!(header_bytes(&blob).unwrap(), f[..168]);
+        assert_eq!(read_header_from(&blob).unwrap().tensors, h.tensors);
+        let s = sources(3, &h);
+        let at: Vec<(&str, usize, u64)> = s
+            .iter()
+            .map(|t| (t.name.as_str(), t.pieces[0].file, t.pieces[0].byte_offset))
+            .collect();
+        assert_eq!(at, [("a", 3, 168), ("b", 3, 176)]);
+    }
+
+    #[test]
+    fn sniffing_needs_a_plausible_length_and_a_brace() {
+        let f = file("{}", 2, 0);
+        assert_eq!(f.len(), 10);
+        assert!(looks_like_safetensors(&f, 10));
+        assert!(!looks_like_safetensors(&f[..9], 10), "9 bytes are too few");
+        assert!(
+            !looks_like_safetensors(&f, 9),
+            "the header runs past the end"
+        );
+        let mut one = f.clone();
+        one[0] = 1;
+        assert!(!looks_like_safetensors(&one, 10), "a 1-byte header");
+        let mut brace = f.clone();
+        brace[8] = b'[';
+        assert!(!looks_like_safetensors(&brace, 10));
+        let mut max = (MAX_HEADER).to_le_bytes().to_vec();
+        max.extend_from_slice(b"{}");
+        assert!(looks_like_safetensors(&max, 8 + MAX_HEADER));
+        let mut over = (MAX_HEADER + 1).to_le_bytes().to_vec();
+        over.extend_from_slice(b"{}");
+        assert!(!looks_like_safetensors(&over, 9 + MAX_HEADER));
+    }
+
+    #[test]
+    fn header_lengths_over_the_cap_or_the_file_are_refused_by_name() {
+        let e = err(&(MAX_HEADER + 1).to_le_bytes(), 1 << 40);
+        assert!(e.contains("exceeds the 100000000-byte limit"), "{e}");
+        // At the cap the length itself is fine; this file is just too short.
+        let e = err(&MAX_HEADER.to_le_bytes(), 1000);
+        assert!(e.contains("truncated"), "{e}");
+        let f = file(TWO, 160, 14);
+        let e = err(&f[..100], f.len() as u64);
+        assert!(e.contains("claims 160 bytes"), "{e}");
+        let e = err(&f, 167);
+        assert!(e.contains("claims 160 bytes but the file has 167"), "{e}");
+        assert!(err(&f[..7], 7).contains("too short"));
+        assert!(err(&f[..7], 100).contains("too short"));
+
+        // header_bytes gives only the length when the header cannot be read whole.
+        let blob = Blob::owned("x".into(), f[..100].to_vec());
+        assert_eq!(header_bytes(&blob).unwrap(), f[..8]);
+        let blob = Blob::owned("x".into(), f[..168].to_vec());
+        assert_eq!(header_bytes(&blob).unwrap(), f[..168]);
+        let mut big = (MAX_HEADER + 1).to_le_bytes().to_vec();
+        big.extend(std::iter::repeat_n(b' ', 64));
+        let blob = Blob::owned("x".into(), big.clone());
+        assert_eq!(header_bytes(&blob).unwrap(), big[..8]);
+        let blob = Blob::owned("x".into(), vec![1, 2, 3]);
+        assert_eq!(header_bytes(&blob).unwrap(), [1, 2, 3]);
+    }
+
+    #[test]
+    fn data_must_tile_the_buffer_exactly() {
+        let f = file(TWO, 160, 14);
+        let e = err(&f[..f.len() - 1], f.len() as u64 - 1);
+        assert!(e.contains("ends at byte 182 but the file has 181"), "{e}");
+        let mut longer = f.clone();
+        longer.push(0);
+        let e = err(&longer, longer.len() as u64);
+        assert!(e.contains("trailing bytes"), "{e}");
+
+        let gap = r#"{"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},"b":{"dtype":"BF16","shape":[1,3],"data_offsets":[10,16]}}"#;
+        let g = file(gap, 160, 16);
+        assert!(err(&g, g.len() as u64).contains("gap or overlap"));
+        let late = r#"{"a":{"dtype":"F32","shape":[2],"data_offsets":[4,12]}}"#;
+        let l = file(late, 96, 12);
+        let e = err(&l, l.len() as u64);
+        assert!(
+            e.contains("starts at 4 but the previous tensor ends at 0"),
+            "{e}"
+        );
+        let short = r#"{"a":{"dtype":"F32","shape":[2],"data_offsets":[0,7]}}"#;
+        let s = file(short, 96, 7);
+        let e = err(&s, s.len() as u64);
+        assert!(e.contains("do not match 8 bytes"), "{e}");
+        let huge = r#"{"a":{"dtype":"F32","shape":[4294967296,4294967296],"data_offsets":[0,8]}}"#;
+        let h = file(huge, 96, 8);
+        assert!(err(&h, h.len() as u64).contains("overflows"));
+    }
+
+    #[test]
+    fn malformed_entries_name_what_is_wrong() {
+        for (json, says) in [
+            (r#"{"a":{"shape":[1],"data_offsets":[0,4]}}"#, "no dtype"),
+            (
+                r#"{"a":{"dtype":"X9","shape":[1],"data_offsets":[0,4]}}"#,
+                "unsupported dtype X9",
+            ),
+            (
+                r#"{"a":{"dtype":"F32","shape":[-1],"data_offsets":[0,4]}}"#,
+                "shape is not",
+            ),
+            (
+                r#"{"a":{"dtype":"F32","shape":[1],"data_offsets":[0]}}"#,
+                "data_offsets",
+            ),
+            (r#"{"__metadata__":{"k":1}}"#, "'k' is not a string"),
+            (r#"{"__metadata__":[]}"#, "__metadata__ is not an object"),
+            ("[]", "not a JSON object"),
+        ] {
+            let f = file(json, 0, 4);
+            let e = err(&f, f.len() as u64);
+            assert!(e.contains(says), "{json}: {e}");
+        }
+    }
+
+    /// A file of `len` bytes whose first 8 say `n`, the rest zeros; reads are served
+    /// without storing the file (a header length near the cap costs no disk).
+    #[derive(Debug)]
+    struct Sparse(u64, u64);
+
+    impl crate::source::ByteSource for Sparse {
+        fn name(&self) -> &Path {
+            Path::new("sparse.safetensors")
+        }
+        fn len(&self) -> u64 {
+            self.0
+        }
+        fn read_at(&self, offset: u64, buf: &mut [u8]) -> Result<()> {
+            buf.fill(0);
+            let n = self.1.to_le_bytes();
+            for (i, b) in buf.iter_mut().enumerate().take(8) {
+                if let Some(&v) = n.get((offset + i as u64) as usize) {
+                    *b = v;
+                }
+            }
+            Ok(())
+        }
+    }
+
+    #[test]
+    fn only_a_header_within_the_cap_is_read() {
+        let blob = |len, n| Blob::new(std::sync::Arc::new(Sparse(len, n)));
+        // Over the cap: the length alone, however long the file.
+        assert_eq!(
+            header_bytes(&blob(1 << 40, MAX_HEADER + 1)).unwrap().len(),
+            8
+        );
+        // At the cap, in a file that holds it: the whole header.
+        let at_cap = header_bytes(&blob(8 + MAX_HEADER, MAX_HEADER)).unwrap();
+        assert_eq!(at_cap.len() as u64, 8 + MAX_HEADER);
+        // An 8-byte file of an empty header, and a file of a header and no data.
+        assert_eq!(header_bytes(&blob(8, 0)).unwrap(), [0u8; 8]);
+        let empty = file("{}", 2, 0);
+        let h = read_header(Path::new("x"), &empty).unwrap();
+        assert_eq!((h.data_start, h.tensors.len()), (10, 0));
+        // The file's length is checked, not only the bytes given.
+        let e = err(&empty, 7);
+        assert!(e.contains("too short"), "{e}");
+        let e = err(&[0u8; 8], 8);
+        assert!(e.contains("not a JSON object"), "{e}");
+    }
+}

@@ -102,11 +102,12 @@ pub fn unchanged_from_base(
     }
 }
 
-/// `fail_on_nonfinite`: an error naming every tensor that holds NaN or inf in
-/// the checkpoint or that overflowed to inf in the cast.
-pub fn check_finite(plan: &Plan, stats: &[ConvertStats]) -> Result<()> {
-    let tensors: Vec<NonFiniteTensor> = plan
-        .tensors
+/// The tensors that hold NaN or inf in the checkpoint or that overflowed to inf in
+/// the cast, from the writer's own counts (this is a report of what writing saw, not
+/// a check of the output: no second reading is needed). Both `fail_on_nonfinite` and
+/// the merge's JSON report list them from here.
+pub fn nonfinite_tensors(plan: &Plan, stats: &[ConvertStats]) -> Vec<NonFiniteTensor> {
+    plan.tensors
         .iter()
         .zip(stats)
         .filter(|(_, s)| s.nan + s.inf + s.overflow > 0)
@@ -117,7 +118,13 @@ pub fn check_finite(plan: &Plan, stats: &[ConvertStats]) -> Result<()> {
             overflow: s.overflow,
             dtype: t.dtype,
         })
-        .collect();
+        .collect()
+}
+
+/// `fail_on_nonfinite`: an error naming every tensor that holds NaN or inf in
+/// the checkpoint or that overflowed to inf in the cast.
+pub fn check_finite(plan: &Plan, stats: &[ConvertStats]) -> Result<()> {
+    let tensors = nonfinite_tensors(plan, stats);
     if tensors.is_empty() {
         return Ok(());
     }

@@ -59,7 +59,7 @@ mod reference;
 pub mod report;
 mod structure;
 
-pub use checks::{check_finite, drop_cached, unchanged_from_base};
+pub use checks::{check_finite, drop_cached, nonfinite_tensors, unchanged_from_base};
 pub use checksums::{Expected, ExpectedDigest};
 pub use report::{unravel, FirstDiff, Mismatch, Problem, VerifyReport};
 

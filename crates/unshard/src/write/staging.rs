@@ -175,3 +175,158 @@ pub(crate) fn sync_dir(path: &Path) -> Result<()> {
         .and_then(|f| f.sync_all())
         .map_err(|e| Error::io("flush", path, e))
 }
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+
+    fn opts(protected: &[&Path], force: bool) -> WriteOptions {
+        WriteOptions {
+            force,
+            protected: protected.iter().map(|p| p.to_path_buf()).collect(),
+            ..WriteOptions::default()
+        }
+    }
+
+    fn names(dir: &Path) -> Vec<String> {
+        let mut v: Vec<String> = std::fs::read_dir(dir)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        v.sort();
+        v
+    }
+
+    fn output_msg(r: Result<Vec<PathBuf>>) -> String {
+        match r {
+            Err(Error::Output { msg, .. }) => msg,
+            other => panic!("expected an output error, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn a_bare_output_name_is_staged_in_the_current_directory() {
+        assert_eq!(parent_of(Path::new("out")), PathBuf::from("."));
+        assert_eq!(parent_of(Path::new("a/out")), PathBuf::from("a"));
+        assert_eq!(parent_of(Path::new("/x/out")), PathBuf::from("/x"));
+        assert_eq!(staging_prefix(Path::new("/x/out")), ".out.unshard-tmp-");
+    }
+
+    #[test]
+    fn pid_alive_tells_a_running_process_from_a_gone_one() {
+        assert!(pid_alive(std::process::id() as i32));
+        // Above any pid_max (at most 2^22): no such process.
+        assert!(!pid_alive(i32::MAX));
+    }
+
+    #[test]
+    fn a_live_runs_staging_is_refused_and_dead_ones_are_removed() {
+        let tmp = tempfile::tempdir().unwrap();
+        let out = tmp.path().join("out");
+        let live = tmp
+            .path()
+            .join(format!(".out.unshard-tmp-{}", std::process::id()));
+        std::fs::create_dir(&live).unwrap();
+        let msg = output_msg(check_output(&out, &opts(&[], false)));
+        assert!(
+            msg.contains(&format!("another unshard (pid {})", std::process::id())),
+            "{msg}"
+        );
+        assert!(live.is_dir(), "a live run's staging must stay");
+        std::fs::remove_dir(&live).unwrap();
+
+        // A pid no process has, a name with no pid, and another output's staging.
+        for n in [
+            ".out.unshard-tmp-2147483647",
+            ".out.unshard-tmp-junk",
+            ".other.unshard-tmp-2147483647",
+        ] {
+            std::fs::create_dir(tmp.path().join(n)).unwrap();
+        }
+        let mut cleaned = check_output(&out, &opts(&[], false)).unwrap();
+        cleaned.sort();
+        assert_eq!(
+            cleaned,
+            [
+                tmp.path().join(".out.unshard-tmp-2147483647"),
+                tmp.path().join(".out.unshard-tmp-junk"),
+            ]
+        );
+        assert_eq!(names(tmp.path()), [".other.unshard-tmp-2147483647"]);
+    }
+
+    #[test]
+    fn an_output_that_is_a_file_or_under_one_is_refused() {
+        let tmp = tempfile::tempdir().unwrap();
+        let file = tmp.path().join("file");
+        std::fs::write(&file, "x").unwrap();
+        let msg = output_msg(check_output(&file, &opts(&[], true)));
+        assert!(msg.contains("not a directory"), "{msg}");
+        // Looking at file/out fails with ENOTDIR, which is not "absent".
+        match check_output(&file.join("out"), &opts(&[], true)) {
+            Err(Error::Io { op, .. }) => assert_eq!(op, "inspect"),
+            other => panic!("expected an I/O error, got {other:?}"),
+        }
+        assert_eq!(std::fs::read_to_string(&file).unwrap(), "x");
+    }
+
+    #[test]
+    fn an_output_inside_an_input_or_holding_one_is_refused() {
+        let tmp = tempfile::tempdir().unwrap();
+        let input = tmp.path().join("in");
+        std::fs::create_dir(&input).unwrap();
+        let ckpt = tmp.path().join("ckpt.pt");
+        std::fs::write(&ckpt, "x").unwrap();
+        let protected = [input.as_path(), ckpt.as_path()];
+        for out in [input.clone(), input.join("sub"), ckpt.clone()] {
+            let msg = output_msg(check_output(&out, &opts(&protected, true)));
+            assert!(msg.contains("inside the input"), "{}: {msg}", out.display());
+        }
+        let msg = output_msg(check_output(tmp.path(), &opts(&protected, true)));
+        assert!(msg.contains("contains the input"), "{msg}");
+        // A sibling whose name merely starts like the input's is fine.
+        assert_eq!(
+            check_output(&tmp.path().join("in2"), &opts(&protected, false)).unwrap(),
+            Vec::<PathBuf>::new()
+        );
+    }
+
+    #[test]
+    fn a_non_empty_output_needs_force() {
+        let tmp = tempfile::tempdir().unwrap();
+        let out = tmp.path().join("out");
+        std::fs::create_dir(&out).unwrap();
+        check_output(&out, &opts(&[], false)).unwrap();
+        std::fs::write(out.join("mine"), "x").unwrap();
+        assert!(matches!(
+            check_output(&out, &opts(&[], false)),
+            Err(Error::OutputExists { .. })
+        ));
+        check_output(&out, &opts(&[], true)).unwrap();
+    }
+
+    #[test]
+    fn staging_goes_away_unless_committed_and_commit_replaces_the_output() {
+        let tmp = tempfile::tempdir().unwrap();
+        let out = tmp.path().join("out");
+        let staging = create_staging(&out).unwrap();
+        assert_eq!(
+            staging.path,
+            tmp.path()
+                .join(format!(".out.unshard-tmp-{}", std::process::id()))
+        );
+        assert!(staging.path.is_dir());
+        drop(staging);
+        assert_eq!(names(tmp.path()), Vec::<String>::new());
+
+        std::fs::create_dir(&out).unwrap();
+        std::fs::write(out.join("old"), "old").unwrap();
+        let staging = create_staging(&out).unwrap();
+        write_file(&staging.path.join("new"), b"new").unwrap();
+        commit(staging, &out).unwrap();
+        assert_eq!(names(tmp.path()), ["out"]);
+        assert_eq!(names(&out), ["new"]);
+        assert_eq!(std::fs::read(out.join("new")).unwrap(), b"new");
+    }
+}
