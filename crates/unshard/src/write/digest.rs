@@ -10,10 +10,9 @@
 //! the file (the README shows how); `verify` recomputes the block digests from the
 //! one read it makes of the output.
 //!
-//! Blocks that hold a computed tensor (a fused adapter, a remapped tensor) are
-//! finished by a later pass of positioned writes, so the block engine cannot hash
-//! them: they are hashed once the file is complete, by reading those blocks back
-//! ([`FileDigest::complete`]), which costs a read of those blocks only.
+//! A block the engine did not hash (its hashing thread could not start) is hashed
+//! once the file is complete, by reading it back ([`FileDigest::complete`]), which
+//! costs a read of those blocks only.
 
 use std::fs::File;
 use std::os::unix::fs::FileExt;
