@@ -269,6 +269,8 @@ fn write_options(opts: &MergeOptions) -> WriteOptions {
         extra_files: Vec::new(),
         protected,
         cancel: opts.cancel.clone(),
+        // Hashing costs about a core-second per GB: only for what uses it.
+        checksums: !opts.no_manifest || opts.verify,
     }
 }
 

@@ -155,3 +155,54 @@ fn a_block_stored_other_than_written_fails_the_verify_and_names_the_file() {
     );
     assert!(!out.exists());
 }
+
+/// The defined checksum, computed here with `sha2` from the file as written: the
+/// SHA-256 of the SHA-256 of each 8 MiB block, in file order.
+fn checksum_of(path: &Path) -> [u8; 32] {
+    use sha2::{Digest, Sha256};
+    let bytes = std::fs::read(path).unwrap();
+    let mut tree = Sha256::new();
+    for block in bytes.chunks(8 << 20) {
+        tree.update(Sha256::digest(block));
+    }
+    tree.finalize().into()
+}
+
+/// Hashing costs about a core-second per GB written, so a merge hashes only when
+/// something uses the checksums: `unshard.json` or `--verify`.
+#[test]
+fn blocks_are_hashed_only_when_a_manifest_or_verify_uses_them() {
+    let tmp = tempfile::tempdir().unwrap();
+    for (no_manifest, verify, hashed) in [
+        (false, false, true),
+        (true, true, true),
+        (true, false, false),
+    ] {
+        let out = tmp.path().join(format!("out-{no_manifest}-{verify}"));
+        let o = merge::merge(
+            &MergeOptions {
+                no_manifest,
+                verify,
+                ..options(&out)
+            },
+            &NoProgress,
+        )
+        .unwrap();
+        let i = o
+            .write
+            .files
+            .iter()
+            .position(|f| f == "model.safetensors")
+            .unwrap();
+        let tree = o.write.digests[i].tree();
+        if hashed {
+            assert_eq!(
+                tree,
+                Some(checksum_of(&out.join("model.safetensors"))),
+                "no_manifest {no_manifest}, verify {verify}"
+            );
+        } else {
+            assert_eq!(tree, None, "hashed without a use for it");
+        }
+    }
+}

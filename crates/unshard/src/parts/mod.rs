@@ -98,6 +98,7 @@ pub fn merge_part(opts: &MergeOptions, part: Part, progress: &dyn Progress) -> R
         extra_files: Vec::new(),
         protected,
         cancel: opts.cancel.clone(),
+        checksums: !opts.no_manifest,
     };
     if !remote {
         write::check_output(&opts.output, &wopts)?;

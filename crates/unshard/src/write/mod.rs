@@ -85,6 +85,10 @@ pub struct WriteOptions {
     pub protected: Vec<PathBuf>,
     /// Stops the writer at its next block.
     pub cancel: Cancel,
+    /// Hash each block as it is written (the checksums of `unshard.json` and of
+    /// `--verify`'s read-back); without, [`WriteSummary::digests`] of the shards
+    /// hold no block digests.
+    pub checksums: bool,
 }
 
 /// What writing did.
@@ -123,7 +127,15 @@ pub fn write_into(
         .sum();
     progress.start(total);
     let cancel = &opts.cancel;
-    let (stats, blocks) = write_blocks(plan, inputs, &files, WINDOW_BYTES, progress, cancel)?;
+    let (stats, blocks) = write_blocks(
+        plan,
+        inputs,
+        &files,
+        WINDOW_BYTES,
+        opts.checksums,
+        progress,
+        cancel,
+    )?;
     let mut digests: Vec<FileDigest> = plan
         .shards
         .iter()
@@ -146,8 +158,8 @@ pub fn write_into(
     }
     for (f, d) in files.iter().zip(&mut digests) {
         f.finish()?;
-        // Blocks holding computed tensors: hashed from the finished file.
-        if let (true, Some(path)) = (d.tree().is_none(), f.local_path()) {
+        // Blocks the engine did not hash: hashed from the finished file.
+        if let (true, true, Some(path)) = (opts.checksums, d.tree().is_none(), f.local_path()) {
             let file = std::fs::File::open(path).map_err(|e| Error::io("open", path, e))?;
             d.complete(&file, path)?;
         }
