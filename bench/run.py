@@ -214,6 +214,7 @@ def run(args):
                             read_all(base)
                         subprocess.run(["sync"], check=True)
                     nofile = args.nofile if tool.startswith("unshard") else None
+                    load = os.getloadavg()[0]
                     try:
                         wall, rss, flush, _ = measure(make_cmd(out), nofile)
                     except RuntimeError as e:
@@ -224,7 +225,7 @@ def run(args):
                             os.path.basename(data), label, tool, failed[tool]), flush=True)
                         shutil.rmtree(out, ignore_errors=True)
                         continue
-                    runs[tool].append((wall, rss, flush))
+                    runs[tool].append((wall, rss, flush, load))
                     print("  %s %-24s %-8s run %d: %6.2f s (+sync %5.2f s), peak RSS %s"
                           % (os.path.basename(data), label, tool, rep + 1, wall, flush,
                              fmt_bytes(rss)), flush=True)
@@ -241,7 +242,10 @@ def run(args):
                     wall=statistics.median(r[0] for r in rs),
                     wall_sync=statistics.median(r[0] + r[2] for r in rs),
                     rss=statistics.median(r[1] for r in rs),
-                    walls=[r[0] for r in rs]))
+                    walls=[r[0] for r in rs],
+                    # The 1-minute load average as each run started: how busy the
+                    # machine was besides this benchmark (about 1 while it runs alone).
+                    load_1min=[round(r[3], 2) for r in rs]))
                 if skipped and tool == "cp":
                     results.append(dict(data=data, meta=meta, model=model_fields(meta), kind=kind,
                                         label=label, input_bytes=size, tool="unshard",
@@ -338,6 +342,7 @@ def main():
             json.dump(dict(machine=machine(), cache=cache, repeat=args.repeat,
                            date=datetime.date.today().isoformat(),
                            **({"note": args.note} if args.note else {}),
+                           load_1min_at_end=round(os.getloadavg()[0], 2),
                            nofile=args.nofile,
                            results=[{k: v for k, v in r.items() if k != "meta"} for r in results]),
                       f, indent=2)

@@ -47,7 +47,8 @@ Columns (layout=rows):
 
 Columns (layout=pivot), one row per input: model, input, size, field:K as above,
 and METRIC:TOOL with METRIC one of wall, sync, xcp, xread, rss, runs, e.g.
-`wall:cp`, `rss:unshard`; `rss:unshard+unshard old` prints "47 / 44 MB".
+`wall:cp`, `rss:unshard`; `rss:unshard+unshard old` prints "47 / 44 MB"; and
+`ratio:A/B`, the wall time of tool A over tool B's, e.g. `ratio:unshard/unshard old`.
 
 To add a table for new results: commit the JSON from `bench/run.py --json
 bench/results/DATE-WHAT.json` (`--note` says how the machine was shared), put an
@@ -262,9 +263,13 @@ def pivot_table(rows, keep, cols):
         elif metric in METRICS and tools:
             header.append(head or "%s, %s" % (HEADERS[metric], command(tools)))
             align.append("r")
+        elif metric == "ratio" and len(tools.split("/")) == 2:
+            a, b = tools.split("/")
+            header.append(head or "%s / %s" % (command(a), command(b)))
+            align.append("r")
         else:
-            raise Bad("unknown pivot column %r (model, input, size, field:K, METRIC:TOOL "
-                      "with METRIC one of %s)" % (name, ", ".join(METRICS)))
+            raise Bad("unknown pivot column %r (model, input, size, field:K, ratio:A/B, "
+                      "METRIC:TOOL with METRIC one of %s)" % (name, ", ".join(METRICS)))
     lines = []
     for (fname, data, kind), first in inputs:
         cells = []
@@ -274,6 +279,11 @@ def pivot_table(rows, keep, cols):
                 cells.append(field(first, tools))
             elif not tools:
                 cells.append(COLUMNS[metric](rows, first))
+            elif metric == "ratio":
+                a, b = (peer(rows, first, t) for t in tools.split("/"))
+                if a is None or b is None:
+                    raise Bad("%s: no %r row for %s" % (fname, tools, first["label"]))
+                cells.append("%.2f" % (a["wall"] / b["wall"]))
             else:
                 vals = []
                 for tool in tools.split("+"):
