@@ -42,11 +42,12 @@ Columns (layout=rows):
   xcp      wall time over `cp -r`'s, same input, same run
   xread    wall time over the read-only row's, same input, same run
   rss      median peak RSS
+  cpu      median CPU time (user + system), seconds
   runs     every run's wall time
   field:K  the row's own field K (or its model's), printed as it is
 
 Columns (layout=pivot), one row per input: model, input, size, field:K as above,
-and METRIC:TOOL with METRIC one of wall, sync, xcp, xread, rss, runs, e.g.
+and METRIC:TOOL with METRIC one of wall, sync, xcp, xread, rss, cpu, runs, e.g.
 `wall:cp`, `rss:unshard`; `rss:unshard+unshard old` prints "47 / 44 MB"; and
 `ratio:A/B`, the wall time of tool A over tool B's, e.g. `ratio:unshard/unshard old`.
 
@@ -126,6 +127,15 @@ def ratio(rows, r, tool):
     return "%.2f" % (r["wall"] / p["wall"]) if p else ""
 
 
+def cpu(r):
+    if "cpu" not in r:
+        raise Bad("row %s/%s has no CPU times (run.py writes them since 2026-12-01)"
+                  % (r["kind"], r["tool"]))
+    c = sorted(r["cpu"])
+    mid = len(c) // 2
+    return "%.2f" % (c[mid] if len(c) % 2 else (c[mid - 1] + c[mid]) / 2)
+
+
 METRICS = {
     "wall": lambda rows, r: "%.2f" % r["wall"],
     "sync": lambda rows, r: "%.2f" % r["wall_sync"],
@@ -133,6 +143,7 @@ METRICS = {
     "xread": lambda rows, r: ratio(rows, r, "read"),
     "rss": lambda rows, r: fmt_bytes(r["rss"]),
     "runs": lambda rows, r: ", ".join("%.2f" % w for w in r["walls"]),
+    "cpu": lambda rows, r: cpu(r),
 }
 
 COLUMNS = dict(METRICS, **{
@@ -145,9 +156,9 @@ COLUMNS = dict(METRICS, **{
 HEADERS = {
     "model": "model", "input": "input", "size": "size", "command": "command",
     "wall": "wall s", "sync": "wall+sync s", "xcp": "x cp", "xread": "x read",
-    "rss": "peak RSS", "runs": "runs, s",
+    "rss": "peak RSS", "runs": "runs, s", "cpu": "CPU s",
 }
-UNITS = {"wall": " s", "sync": " s"}
+UNITS = {"wall": " s", "sync": " s", "cpu": " s"}
 TEXT_COLUMNS = {"model", "input", "command"}
 
 
