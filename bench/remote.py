@@ -10,19 +10,31 @@
    unshard's requests (one GET per 16 MiB span, 32 in flight), and 20 ranged GETs
    of 4 KiB one after another (the cost of a request on this server, whatever its
    size).
-2. `--part I/N` over N local processes against one process, same output.
+2. `--part I/N` over N local processes run at once against one process, same
+   output (on the inputs' disk), rows interleaved: the wall time from the first
+   start to the last exit, each part's own wall time and peak RSS (the largest
+   part's and the sum over the parts). Two rows tell the fixed costs apart: a part
+   that owns no shard (part 63 of 64, run alone: open and plan only), and the same
+   part run after parts 0-62 finished, so that it finds every done-marker and
+   commits (open, plan and commit). With --warm the inputs are read into the page
+   cache before every row.
 
-Input: a directory written by bench/gen.py (uses policy.pt and base/):
+Input: a directory written by bench/gen.py (uses base/ and policy.pt, or --input):
 
   /work/venv/bin/python bench/gen.py --out /tmp/bench-4l --layers 4 --kinds policy
   /work/venv/bin/python bench/remote.py --data /tmp/bench-4l --unshard target/release/unshard \\
       --json bench/results/remote.json
+  python3 bench/remote.py --data /data/bench/tinyllama-22l --skip-s3 --parts 1,2,4 --warm \\
+      --json bench/results/parts.json --note "how the machine was shared"
+
+With --skip-s3 only the --part rows run (moto_server is still started).
 
 Needs boto3 and moto[server] (pip install 'moto[server]').
 """
 
 import argparse
 import datetime
+import glob
 import json
 import os
 import platform
@@ -32,6 +44,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
 
@@ -42,6 +55,48 @@ def free_port():
     port = s.getsockname()[1]
     s.close()
     return port
+
+
+def du(path):
+    if os.path.isfile(path):
+        return os.path.getsize(path)
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs)
+
+
+def read_all(path):
+    """Pulls a file or directory into the page cache."""
+    paths = [path] if os.path.isfile(path) else [
+        os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs]
+    for p in paths:
+        with open(p, "rb") as f:
+            while f.read(16 << 20):
+                pass
+
+
+def concurrent(cmds):
+    """Starts every command at once; returns (wall seconds from the first start to the
+    last exit, [(own wall seconds, peak RSS bytes, CPU seconds) per command])."""
+    t = time.perf_counter()
+    procs = [subprocess.Popen(c, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+             for c in cmds]
+    each = [None] * len(procs)
+
+    def reap(i):
+        # wait4 on the pid: this child's own rusage, and its exit time.
+        _, status, ru = os.wait4(procs[i].pid, 0)
+        each[i] = (time.perf_counter() - t, ru.ru_maxrss * 1024,
+                   os.waitstatus_to_exitcode(status), ru.ru_utime + ru.ru_stime)
+
+    threads = [threading.Thread(target=reap, args=(i,)) for i in range(len(procs))]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    wall = time.perf_counter() - t
+    for c, p, (_, _, code, _) in zip(cmds, procs, each):
+        if code != 0:
+            sys.exit(f"failed: {' '.join(c)}\n{p.stderr.read().decode(errors='replace')}")
+    return wall, [(w, rss, cpu) for w, rss, _, cpu in each]
 
 
 def timed(cmd, env=None):
@@ -108,6 +163,13 @@ def main():
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--json", help="write the results here")
     ap.add_argument("--skip-s3", action="store_true", help="only the --part rows")
+    ap.add_argument("--input", default="policy.pt",
+                    help="the checkpoint inside --data for the --part rows (policy.pt, dcp, ranks)")
+    ap.add_argument("--max-shard-size", default="200MB",
+                    help="output shard size for the --part rows (parts are dealt whole shards)")
+    ap.add_argument("--warm", action="store_true",
+                    help="read the inputs into the page cache before every --part row")
+    ap.add_argument("--note", help="how the machine was shared etc., kept in the JSON")
     args = ap.parse_args()
     data = os.path.abspath(args.data)
     unshard = os.path.abspath(args.unshard)
@@ -172,33 +234,72 @@ def main():
                 record("unshard merge from local disk",
                        [unshard, "merge", policy, "--base", os.path.join(data, "base"), "-o", out, "-q"])
                 shutil.rmtree(out)
-            # --part: N processes at once against one, and what every part pays
-            # before its share of the bytes (opening the inputs and planning): a
-            # part of 64 that gets no shard.
-            for i in range(args.repeat if args.parts else 0):
+            # --part: N processes at once against one, rows interleaved, and what
+            # every part pays besides its share of the bytes: opening the inputs and
+            # planning (a part of 64 that gets no shard), and the commit (the same
+            # part, run after the other 63 finished, finds every marker and commits).
+            src = os.path.join(data, args.input)
+            base = os.path.join(data, "base")
+            shard = args.max_shard_size
+
+            def part_cmd(out, k, n):
+                cmd = [unshard, "merge", src, "--base", base, "-o", out, "-q",
+                       "--max-shard-size", shard]
+                return cmd + (["--part", f"{k}/{n}"] if n else [])
+
+            def warm():
+                if args.warm:
+                    read_all(src)
+                    read_all(base)
+                subprocess.run(["sync"], check=True)
+
+            counts = [int(x) for x in args.parts.split(",") if x]
+            for i in range(args.repeat if counts else 0):
                 out = os.path.join(tmp, "open-only")
-                record("open and plan only (part 63/64, no shard of its own)",
-                       [unshard, "merge", policy, "--base", os.path.join(data, "base"),
-                        "-o", out, "-q", "--max-shard-size", "200MB", "--part", "63/64"])
-            for n in [int(x) for x in args.parts.split(",") if x]:
-                for i in range(args.repeat):
+                warm()
+                name = f"open and plan only (part 63/64, no shard of its own; {shard} shards)"
+                load = os.getloadavg()[0]
+                record(name, part_cmd(out, 63, 64))
+                rows[name].setdefault("load", []).append(load)
+                # Its done-marker stays in the staging directory beside the output:
+                # removed, or part 62 below would find every marker and commit.
+                for stage in glob.glob(os.path.join(tmp, ".open-only.unshard-parts-*")):
+                    shutil.rmtree(stage)
+                assert not os.path.exists(out), out
+                for k in range(63):
+                    timed(part_cmd(out, k, 64))
+                assert not os.path.exists(out), "committed before part 63 ran"
+                warm()
+                name = f"open, plan and commit (part 63/64 after parts 0-62; {shard} shards)"
+                load = os.getloadavg()[0]
+                record(name, part_cmd(out, 63, 64))
+                rows[name].setdefault("load", []).append(load)
+                assert os.path.exists(os.path.join(out, "model.safetensors.index.json")), out
+                shutil.rmtree(out)
+                for n in counts:
                     out = os.path.join(tmp, f"parts{n}-{i}")
-                    t = time.perf_counter()
-                    procs = [subprocess.Popen([unshard, "merge", policy, "--base", os.path.join(data, "base"),
-                                               "-o", out, "-q", "--max-shard-size", "200MB",
-                                               "--part", f"{k}/{n}"]) for k in range(n)]
-                    codes = [p.wait() for p in procs]
-                    w = time.perf_counter() - t
-                    assert all(c == 0 for c in codes), codes
-                    r = rows.setdefault(f"--part over {n} local processes (200MB shards)",
-                                        {"walls": [], "rss": [], "gets": []})
+                    warm()
+                    load = os.getloadavg()[0]
+                    if n == 1:
+                        name = f"one process, no --part ({shard} shards)"
+                        w, each = concurrent([part_cmd(out, 0, None)])
+                    else:
+                        name = f"--part over {n} local processes at once ({shard} shards)"
+                        w, each = concurrent([part_cmd(out, k, n) for k in range(n)])
+                    assert os.path.exists(os.path.join(out, "model.safetensors.index.json")), out
+                    r = rows.setdefault(name, {"walls": [], "rss": [], "gets": [],
+                                               "part_walls": [], "part_rss": [], "load": [],
+                                               "cpu": []})
                     r["walls"].append(w)
-                    shutil.rmtree(out)
-                    record("one process (200MB shards)",
-                           [unshard, "merge", policy, "--base", os.path.join(data, "base"),
-                            "-o", out, "-q", "--max-shard-size", "200MB"])
+                    r["rss"].append(max(rss for _, rss, _ in each))
+                    r["part_walls"].append([pw for pw, _, _ in each])
+                    r["part_rss"].append([rss for _, rss, _ in each])
+                    r["cpu"].append(sum(cpu for _, _, cpu in each))
+                    r["load"].append(load)
                     shutil.rmtree(out)
         print(f"input: {policy} ({size / 1e9:.2f} GB), moto {moto_version} at {endpoint}; medians of {args.repeat}")
+        if args.parts:
+            print(f"--part rows: {src} ({du(src) / 1e9:.2f} GB)")
         results = []
         for name, r in rows.items():
             wall = statistics.median(r["walls"])
@@ -207,15 +308,38 @@ def main():
             mem = f"{rss / 2**20:6.0f} MiB" if rss else "      -"
             g = f"{gets:5.0f} GETs" if gets is not None else ""
             print(f"{name:66s} {wall:7.2f} s  peak RSS {mem}  {g}")
-            results.append(dict(row=name, wall=wall, walls=r["walls"], rss=rss,
-                                gets=gets, gets_each=r["gets"]))
+            res = dict(row=name, wall=wall, walls=r["walls"], rss=rss,
+                       gets=gets, gets_each=r["gets"])
+            if "part_rss" in r:
+                # Peak RSS: the largest part's (rss, max over runs), and the sum of
+                # the parts' peaks (what N processes held at most, together).
+                res.update(parts=len(r["part_rss"][0]), part_walls=r["part_walls"],
+                           part_rss=r["part_rss"],
+                           rss_sum=max(sum(x) for x in r["part_rss"]))
+                print(f"{'':66s} sum of the parts' peak RSS {res['rss_sum'] / 2**20:6.0f} MiB")
+            if "cpu" in r:
+                # User plus system CPU seconds of all the parts together, per run: on
+                # a shared machine, what the work cost apart from the CPU share it got.
+                res["cpu"] = r["cpu"]
+                print(f"{'':66s} CPU seconds (user+sys, all parts) {statistics.median(r['cpu']):6.2f}")
+            if "load" in r:
+                res["load_1min"] = r["load"]
+            results.append(res)
         if args.json:
             with open(args.json, "w") as f:
-                json.dump(dict(machine=machine(),
-                               note="a shared machine (other builds running); walls are medians of interleaved runs",
-                               date=datetime.date.today().isoformat(),
-                               server=f"moto_server {moto_version} on loopback",
-                               input=dict(path=policy, bytes=size),
+                doc = dict(machine=machine(),
+                           note=args.note or "a shared machine (other builds running); "
+                           "walls are medians of interleaved runs",
+                           date=datetime.date.today().isoformat(),
+                           load_1min_at_end=os.getloadavg()[0])
+                if not args.skip_s3:
+                    doc.update(server=f"moto_server {moto_version} on loopback",
+                               input=dict(path=policy, bytes=size))
+                if args.parts:
+                    doc.update(parts_input=dict(path=src, bytes=du(src)),
+                               max_shard_size=shard, cache="warm" if args.warm else "as left",
+                               unshard=unshard)
+                json.dump(dict(doc,
                                repeat=args.repeat, results=results), f, indent=2)
                 f.write("\n")
     finally:

@@ -88,7 +88,8 @@ def du(path):
 
 def measure(cmd, nofile=None):
     """Runs cmd (with the limit on open files set to nofile, soft and hard, if given);
-    returns (wall seconds, peak RSS bytes, seconds of the sync after, stderr)."""
+    returns (wall seconds, peak RSS bytes, seconds of the sync after, stderr, CPU
+    seconds: user plus system)."""
     def limit():
         if nofile:
             resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile))
@@ -106,7 +107,7 @@ def measure(cmd, nofile=None):
     if p.returncode != 0:
         raise RuntimeError("%s failed (exit %d): %s" % (" ".join(cmd), p.returncode,
                                                        err.decode(errors="replace")[-2000:]))
-    return wall, ru.ru_maxrss * 1024, flush, err
+    return wall, ru.ru_maxrss * 1024, flush, err, ru.ru_utime + ru.ru_stime
 
 
 def has_torch(python):
@@ -214,8 +215,9 @@ def run(args):
                             read_all(base)
                         subprocess.run(["sync"], check=True)
                     nofile = args.nofile if tool.startswith("unshard") else None
+                    load = os.getloadavg()[0]
                     try:
-                        wall, rss, flush, _ = measure(make_cmd(out), nofile)
+                        wall, rss, flush, _, cpu = measure(make_cmd(out), nofile)
                     except RuntimeError as e:
                         # Kept as a result (a build that cannot read the input, or
                         # not within the limit on open files), not an abort.
@@ -224,9 +226,9 @@ def run(args):
                             os.path.basename(data), label, tool, failed[tool]), flush=True)
                         shutil.rmtree(out, ignore_errors=True)
                         continue
-                    runs[tool].append((wall, rss, flush))
-                    print("  %s %-24s %-8s run %d: %6.2f s (+sync %5.2f s), peak RSS %s"
-                          % (os.path.basename(data), label, tool, rep + 1, wall, flush,
+                    runs[tool].append((wall, rss, flush, load, cpu))
+                    print("  %s %-24s %-8s run %d: %6.2f s (+sync %5.2f s), %5.2f CPU s, peak RSS %s"
+                          % (os.path.basename(data), label, tool, rep + 1, wall, flush, cpu,
                              fmt_bytes(rss)), flush=True)
                     shutil.rmtree(out, ignore_errors=True)
             for tool, rs in runs.items():
@@ -241,7 +243,13 @@ def run(args):
                     wall=statistics.median(r[0] for r in rs),
                     wall_sync=statistics.median(r[0] + r[2] for r in rs),
                     rss=statistics.median(r[1] for r in rs),
-                    walls=[r[0] for r in rs]))
+                    walls=[r[0] for r in rs],
+                    # The 1-minute load average as each run started: how busy the
+                    # machine was besides this benchmark (about 1 while it runs alone).
+                    load_1min=[round(r[3], 2) for r in rs],
+                    # CPU seconds (user + system) of each run: what the work cost,
+                    # apart from the share of a busy machine it was given.
+                    cpu=[round(r[4], 3) for r in rs]))
                 if skipped and tool == "cp":
                     results.append(dict(data=data, meta=meta, model=model_fields(meta), kind=kind,
                                         label=label, input_bytes=size, tool="unshard",
@@ -338,6 +346,7 @@ def main():
             json.dump(dict(machine=machine(), cache=cache, repeat=args.repeat,
                            date=datetime.date.today().isoformat(),
                            **({"note": args.note} if args.note else {}),
+                           load_1min_at_end=round(os.getloadavg()[0], 2),
                            nofile=args.nofile,
                            results=[{k: v for k, v in r.items() if k != "meta"} for r in results]),
                       f, indent=2)

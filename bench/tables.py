@@ -42,12 +42,14 @@ Columns (layout=rows):
   xcp      wall time over `cp -r`'s, same input, same run
   xread    wall time over the read-only row's, same input, same run
   rss      median peak RSS
+  cpu      median CPU time (user + system), seconds
   runs     every run's wall time
   field:K  the row's own field K (or its model's), printed as it is
 
 Columns (layout=pivot), one row per input: model, input, size, field:K as above,
-and METRIC:TOOL with METRIC one of wall, sync, xcp, xread, rss, runs, e.g.
-`wall:cp`, `rss:unshard`; `rss:unshard+unshard old` prints "47 / 44 MB".
+and METRIC:TOOL with METRIC one of wall, sync, xcp, xread, rss, cpu, runs, e.g.
+`wall:cp`, `rss:unshard`; `rss:unshard+unshard old` prints "47 / 44 MB"; and
+`ratio:A/B`, the wall time of tool A over tool B's, e.g. `ratio:unshard/unshard old`.
 
 To add a table for new results: commit the JSON from `bench/run.py --json
 bench/results/DATE-WHAT.json` (`--note` says how the machine was shared), put an
@@ -125,6 +127,15 @@ def ratio(rows, r, tool):
     return "%.2f" % (r["wall"] / p["wall"]) if p else ""
 
 
+def cpu(r):
+    if "cpu" not in r:
+        raise Bad("row %s/%s has no CPU times (run.py writes them since 2026-12-01)"
+                  % (r["kind"], r["tool"]))
+    c = sorted(r["cpu"])
+    mid = len(c) // 2
+    return "%.2f" % (c[mid] if len(c) % 2 else (c[mid - 1] + c[mid]) / 2)
+
+
 METRICS = {
     "wall": lambda rows, r: "%.2f" % r["wall"],
     "sync": lambda rows, r: "%.2f" % r["wall_sync"],
@@ -132,6 +143,7 @@ METRICS = {
     "xread": lambda rows, r: ratio(rows, r, "read"),
     "rss": lambda rows, r: fmt_bytes(r["rss"]),
     "runs": lambda rows, r: ", ".join("%.2f" % w for w in r["walls"]),
+    "cpu": lambda rows, r: cpu(r),
 }
 
 COLUMNS = dict(METRICS, **{
@@ -144,9 +156,9 @@ COLUMNS = dict(METRICS, **{
 HEADERS = {
     "model": "model", "input": "input", "size": "size", "command": "command",
     "wall": "wall s", "sync": "wall+sync s", "xcp": "x cp", "xread": "x read",
-    "rss": "peak RSS", "runs": "runs, s",
+    "rss": "peak RSS", "runs": "runs, s", "cpu": "CPU s",
 }
-UNITS = {"wall": " s", "sync": " s"}
+UNITS = {"wall": " s", "sync": " s", "cpu": " s"}
 TEXT_COLUMNS = {"model", "input", "command"}
 
 
@@ -262,9 +274,13 @@ def pivot_table(rows, keep, cols):
         elif metric in METRICS and tools:
             header.append(head or "%s, %s" % (HEADERS[metric], command(tools)))
             align.append("r")
+        elif metric == "ratio" and len(tools.split("/")) == 2:
+            a, b = tools.split("/")
+            header.append(head or "%s / %s" % (command(a), command(b)))
+            align.append("r")
         else:
-            raise Bad("unknown pivot column %r (model, input, size, field:K, METRIC:TOOL "
-                      "with METRIC one of %s)" % (name, ", ".join(METRICS)))
+            raise Bad("unknown pivot column %r (model, input, size, field:K, ratio:A/B, "
+                      "METRIC:TOOL with METRIC one of %s)" % (name, ", ".join(METRICS)))
     lines = []
     for (fname, data, kind), first in inputs:
         cells = []
@@ -274,6 +290,11 @@ def pivot_table(rows, keep, cols):
                 cells.append(field(first, tools))
             elif not tools:
                 cells.append(COLUMNS[metric](rows, first))
+            elif metric == "ratio":
+                a, b = (peer(rows, first, t) for t in tools.split("/"))
+                if a is None or b is None:
+                    raise Bad("%s: no %r row for %s" % (fname, tools, first["label"]))
+                cells.append("%.2f" % (a["wall"] / b["wall"]))
             else:
                 vals = []
                 for tool in tools.split("+"):
