@@ -171,6 +171,12 @@ fn concat_permute_and_slice_are_written_with_the_values_they_compute() {
     .unwrap();
     assert!(report.is_ok(), "{:?}", report.findings());
     assert_eq!(report.tensors_compared, names.len());
+    // Every tensor's bytes were compared: the data of each, as the file holds it.
+    let data: usize = names
+        .iter()
+        .map(|n| st.tensor(n).unwrap().data().len())
+        .sum();
+    assert_eq!(report.bytes_compared, data as u64);
 }
 
 #[test]

@@ -172,6 +172,31 @@ mod tests {
     }
 
     #[test]
+    fn casts_are_counted_per_pair_of_dtypes_in_the_order_first_seen() {
+        let cast = |name: &str, from: DType, to: DType| {
+            let mut t = planned(name, from);
+            t.dtype = to;
+            t
+        };
+        let t = vec![
+            cast("a", DType::F32, DType::BF16),
+            cast("b", DType::F16, DType::BF16),
+            cast("c", DType::F32, DType::BF16),
+            planned("d", DType::BF16),
+            cast("e", DType::F32, DType::F16),
+            cast("f", DType::F32, DType::BF16),
+        ];
+        assert_eq!(
+            count_casts(&t),
+            [
+                (DType::F32, DType::BF16, 3),
+                (DType::F16, DType::BF16, 1),
+                (DType::F32, DType::F16, 1)
+            ]
+        );
+    }
+
+    #[test]
     fn the_config_keeps_its_keys_and_gets_the_dtype() {
         let cfg: Map<String, Value> = serde_json::from_str(
             r#"{"torch_dtype": null, "vision": {"dtype": "float32"}, "x": 1}"#,

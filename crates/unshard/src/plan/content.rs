@@ -320,6 +320,21 @@ mod tests {
     }
 
     #[test]
+    fn a_slice_along_a_dimension_the_tensor_lacks_is_refused() {
+        let past = Expr::Slice {
+            dim: 2,
+            start: 0,
+            len: 1,
+            input: Box::new(leaf("w", &[2, 2])),
+        };
+        let e = past.shape("w").unwrap_err().to_string();
+        assert!(
+            e.contains("along dimension 2 are outside a [2, 2] tensor"),
+            "{e}"
+        );
+    }
+
+    #[test]
     fn a_fuse_keeps_the_weight_shape_and_checks_its_factors() {
         let f32s = |name: &str, shape: &[u64]| {
             Expr::leaf(Origin::Checkpoint, tensor(name, DType::F32, shape))
@@ -345,6 +360,12 @@ mod tests {
             [6, 4]
         );
         let e = fuse(&[2, 6], &[4, 2], Layout::Linear)
+            .shape("w")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("do not fit"), "{e}");
+        // One factor that does not fit is enough: here lora_B only.
+        let e = fuse(&[2, 4], &[4, 2], Layout::Linear)
             .shape("w")
             .unwrap_err()
             .to_string();

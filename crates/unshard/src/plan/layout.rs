@@ -228,6 +228,24 @@ mod tests {
     }
 
     #[test]
+    fn an_empty_weight_the_base_lacks_is_refused_as_unknown_not_as_a_placeholder() {
+        // With base weights only the base's shapes say what a placeholder is; a
+        // name the base lacks is the overlay's error, which names the base.
+        let ckpt = checkpoint("c.pt", f32s(&[("x.weight", &[0])]));
+        let base_w = checkpoint("b", f32s(&[("y.weight", &[2])]));
+        let base = BaseView {
+            config: None,
+            weights: Some(&base_w),
+            total_parameters: None,
+        };
+        let e = plan(&ckpt, base, &[], &PlanOptions::default()).unwrap_err();
+        assert!(
+            e.to_string().contains("not in the base model b: x.weight"),
+            "{e}"
+        );
+    }
+
+    #[test]
     fn an_unknown_architecture_warns_that_nothing_was_checked() {
         let mut c = llama_config();
         c.insert(

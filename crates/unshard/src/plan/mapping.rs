@@ -132,3 +132,36 @@ pub fn candidates(ckpt: &Checkpoint) -> Vec<Candidate> {
         .map(|t| Candidate::copy(Origin::Checkpoint, t))
         .collect()
 }
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+    use crate::plan::testing::tensor;
+
+    #[test]
+    fn a_computed_candidate_whose_shape_is_not_its_expressions_is_refused() {
+        // A mapping outside this crate may build a candidate by hand.
+        let expr = Expr::Slice {
+            dim: 0,
+            start: 1,
+            len: 2,
+            input: Box::new(Expr::leaf(
+                Origin::Checkpoint,
+                tensor("qkv", DType::F32, &[6, 4]),
+            )),
+        };
+        let good = Candidate::computed("k", "qkv", Origin::Checkpoint, expr).unwrap();
+        assert_eq!(good.shape, [2, 4]);
+        check(std::slice::from_ref(&good)).unwrap();
+        let bad = Candidate {
+            shape: vec![4, 2],
+            ..good
+        };
+        let e = check(&[bad]).unwrap_err().to_string();
+        assert!(
+            e.contains("computed tensor 'k': its expression gives shape [2, 4], not [4, 2]"),
+            "{e}"
+        );
+    }
+}

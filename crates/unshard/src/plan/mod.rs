@@ -396,6 +396,36 @@ mod tests {
     }
 
     #[test]
+    fn an_index_is_written_only_for_more_than_one_shard() {
+        // Two float32 tensors of 16 bytes each.
+        let ckpt = checkpoint("c", f32s(&[("a.weight", &[4]), ("b.weight", &[4])]));
+        let one = plan(&ckpt, BaseView::default(), &[], &PlanOptions::default()).unwrap();
+        assert_eq!(one.shards.len(), 1);
+        assert!(one.index.is_none());
+        let opts = PlanOptions {
+            max_shard_size: 16,
+            ..PlanOptions::default()
+        };
+        let two = plan(&ckpt, BaseView::default(), &[], &opts).unwrap();
+        assert_eq!(two.shards.len(), 2);
+        let index = two.index.unwrap();
+        assert!(
+            index.contains("\"b.weight\": \"model-00002-of-00002.safetensors\""),
+            "{index}"
+        );
+    }
+
+    #[test]
+    fn a_copy_exposes_its_pieces_and_a_computed_tensor_none() {
+        let t = testing::tensor("w", DType::F32, &[2, 2]);
+        let copy = PlannedTensor::from_candidate(Candidate::copy(Origin::Checkpoint, &t));
+        assert_eq!(copy.copied().map(|s| s.name.as_str()), Some("w"));
+        let expr = Expr::leaf(Origin::Checkpoint, t);
+        let computed = Candidate::computed("v", "w", Origin::Checkpoint, expr).unwrap();
+        assert!(PlannedTensor::from_candidate(computed).copied().is_none());
+    }
+
+    #[test]
     fn a_base_gives_names_dtype_config_and_missing_tensors() {
         let ckpt = checkpoint("c", f32s(&[("layers.0.w", &[4])]));
         let base_w = checkpoint(

@@ -210,6 +210,22 @@ mod tests {
     }
 
     #[test]
+    fn a_lone_module_component_is_a_name_not_a_wrapper() {
+        // DDP's wrapper is a `module.` before a name: a tensor called `module`
+        // keeps its name, also once other wrappers around it are gone.
+        assert_eq!(strip_wrappers("module"), "module");
+        assert_eq!(strip_wrappers("_orig_mod.module"), "module");
+    }
+
+    #[test]
+    fn an_empty_component_is_text_and_sorts_after_numbers() {
+        use std::cmp::Ordering;
+        // All-digit components sort first; an empty one is not all digits.
+        assert_eq!(natural_cmp("a.0", "a."), Ordering::Less);
+        assert_eq!(natural_cmp("a..x", "a.7.x"), Ordering::Greater);
+    }
+
+    #[test]
     fn natural_order_compares_numbers_numerically() {
         let mut v = vec![
             "model.layers.10.w",
@@ -253,6 +269,34 @@ mod tests {
         assert_eq!(
             align_prefix(&names, &base),
             Some((String::new(), "model.".into()))
+        );
+    }
+
+    #[test]
+    fn the_prefix_matching_most_names_wins_and_one_that_gains_nothing_is_not_taken() {
+        // Stripping `a.` matches one name, stripping `a.b.` two: the later wins.
+        let base: HashSet<&str> = ["x", "y", "z"].into_iter().collect();
+        let names: Vec<String> = ["a.x", "a.b.y", "a.b.z"].map(String::from).to_vec();
+        assert_eq!(
+            align_prefix(&names, &base),
+            Some(("a.b.".into(), String::new()))
+        );
+        // Stripping `a.` would match `a.x` and lose `x`: no gain, no alignment.
+        let base: HashSet<&str> = ["x"].into_iter().collect();
+        let names: Vec<String> = ["a.x", "x"].map(String::from).to_vec();
+        assert_eq!(align_prefix(&names, &base), None);
+    }
+
+    #[test]
+    fn stripping_a_prefix_is_noted_as_a_strip() {
+        let base: HashSet<&str> = ["a", "b"].into_iter().collect();
+        let mut names = vec!["model.a".to_string(), "model.b".to_string()];
+        let mut report = Report::default();
+        align_with_base(&mut names, &base, "the base's names", &mut report);
+        assert_eq!(names, ["a", "b"]);
+        assert_eq!(
+            report.notes,
+            ["stripped the prefix 'model.' to match the base's names"]
         );
     }
 

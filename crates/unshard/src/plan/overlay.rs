@@ -204,6 +204,51 @@ mod tests {
     }
 
     #[test]
+    fn kept_tensors_are_written_under_their_output_names() {
+        // The names step may have changed a name after the mappings (a prefix
+        // aligned with the base): the output name is that one, not the candidate's.
+        let ckpt = checkpoint("c", f32s(&[("a", &[2]), ("b", &[2]), ("c", &[2])]));
+        let mut report = Report::default();
+        let t = overlay(
+            candidates(&ckpt),
+            &["model.a".into(), "model.b".into(), "model.c".into()],
+            &[true, false, true],
+            None,
+            false,
+            &mut report,
+        )
+        .unwrap();
+        let got: Vec<&str> = t.iter().map(|t| t.name.as_str()).collect();
+        assert_eq!(got, ["model.a", "model.c"]);
+    }
+
+    #[test]
+    fn the_hint_is_the_base_name_sharing_most_trailing_components() {
+        let base = checkpoint(
+            "b",
+            f32s(&[
+                ("model.layers.1.mlp.w", &[2]),
+                ("model.layers.0.mlp.w", &[2]),
+                ("other.1.mlp.w", &[2]),
+                ("lm_head.w", &[2]),
+            ]),
+        );
+        let names = || base.tensors.iter().map(|t| t.name.as_str());
+        // 4 trailing components shared, against 2, 2 and 1.
+        assert_eq!(
+            closest("layers.0.mlp.w", names()),
+            Some("model.layers.0.mlp.w".to_string())
+        );
+        // Two shared components are a hint, one is not; of equally close names
+        // the base's first is the hint, so the message is the same on every run.
+        assert_eq!(
+            closest("up.mlp.w", names()),
+            Some("model.layers.1.mlp.w".to_string())
+        );
+        assert_eq!(closest("head.w", names()), None);
+    }
+
+    #[test]
     fn nothing_left_is_an_error() {
         let ckpt = checkpoint("c", f32s(&[("a", &[2])]));
         let mut report = Report::default();

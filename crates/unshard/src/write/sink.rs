@@ -121,3 +121,41 @@ impl Sink for StagingDir {
         commit(staging, &output)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+
+    #[test]
+    fn the_staging_dir_holds_what_is_written_until_the_commit_moves_it_into_place() {
+        let tmp = tempfile::tempdir().unwrap();
+        let out = tmp.path().join("merged");
+        let extra = tmp.path().join("tokenizer.json");
+        std::fs::write(&extra, b"{\"version\": 1}").unwrap();
+        let sink: Box<dyn Sink> = Box::new(StagingDir::create(&out).unwrap());
+        let staged = sink.staged_dir().unwrap().to_path_buf();
+        assert!(staged.is_dir() && staged != out);
+
+        sink.write_file("config.json", b"{}").unwrap();
+        assert!(sink.copy_file("tokenizer.json", &extra).unwrap());
+        // A file of that name written already is kept, not copied over.
+        sink.write_file("special_tokens_map.json", b"mine").unwrap();
+        assert!(!sink.copy_file("special_tokens_map.json", &extra).unwrap());
+        let shard = sink.create_shard("model.safetensors", 4).unwrap();
+        shard.write_at(b"abcd", 0).unwrap();
+        shard.finish().unwrap();
+        drop(shard);
+
+        // Before the commit the files are in the staging directory only.
+        assert_eq!(std::fs::read(staged.join("config.json")).unwrap(), b"{}");
+        assert!(!out.exists());
+        sink.commit().unwrap();
+        assert!(!staged.exists());
+        let read = |name: &str| std::fs::read(out.join(name)).unwrap();
+        assert_eq!(read("config.json"), b"{}");
+        assert_eq!(read("tokenizer.json"), b"{\"version\": 1}");
+        assert_eq!(read("special_tokens_map.json"), b"mine");
+        assert_eq!(read("model.safetensors"), b"abcd");
+    }
+}
