@@ -36,6 +36,7 @@ Columns (layout=rows):
   model    "1.10B (22 layers)" from the row's model fields (run.py writes them)
   input    the input's label (run.py's)
   size     the input's size
+  cache    the page cache of the run (cold or warm: the JSON's `cache`)
   command  what ran (read only, `cp -r`, `unshard merge`, ...)
   wall     median wall time, seconds
   sync     median wall time plus the `sync` after it, seconds
@@ -46,8 +47,8 @@ Columns (layout=rows):
   runs     every run's wall time
   field:K  the row's own field K (or its model's), printed as it is
 
-Columns (layout=pivot), one row per input: model, input, size, field:K as above,
-and METRIC:TOOL with METRIC one of wall, sync, xcp, xread, rss, cpu, runs, e.g.
+Columns (layout=pivot), one row per input: model, input, size, cache, field:K as
+above, and METRIC:TOOL with METRIC one of wall, sync, xcp, xread, rss, cpu, runs, e.g.
 `wall:cp`, `rss:unshard`; `rss:unshard+unshard old` prints "47 / 44 MB"; and
 `ratio:A/B`, the wall time of tool A over tool B's, e.g. `ratio:unshard/unshard old`.
 
@@ -150,16 +151,17 @@ COLUMNS = dict(METRICS, **{
     "model": lambda rows, r: model(r),
     "input": lambda rows, r: r["label"],
     "size": lambda rows, r: fmt_bytes(r["input_bytes"]),
+    "cache": lambda rows, r: r["_cache"],
     "command": lambda rows, r: command(r["tool"]),
 })
 
 HEADERS = {
-    "model": "model", "input": "input", "size": "size", "command": "command",
+    "model": "model", "input": "input", "size": "size", "cache": "cache", "command": "command",
     "wall": "wall s", "sync": "wall+sync s", "xcp": "x cp", "xread": "x read",
     "rss": "peak RSS", "runs": "runs, s", "cpu": "CPU s",
 }
 UNITS = {"wall": " s", "sync": " s", "cpu": " s"}
-TEXT_COLUMNS = {"model", "input", "command"}
+TEXT_COLUMNS = {"model", "input", "cache", "command"}
 
 
 def load(names):
@@ -176,7 +178,7 @@ def load(names):
                 raise Bad("%s has no %r: write it with bench/run.py --json" % (path, key))
         heads.append((name, doc))
         for r in doc["results"]:
-            rows.append(dict(r, _file=name))
+            rows.append(dict(r, _file=name, _cache=doc["cache"]))
     return rows, heads
 
 
@@ -265,7 +267,7 @@ def pivot_table(rows, keep, cols):
     header, align = [], []
     for name, head in cols:
         metric, _, tools = name.partition(":")
-        if metric in ("model", "input", "size") and not tools:
+        if metric in ("model", "input", "size", "cache") and not tools:
             header.append(head or HEADERS[metric])
             align.append("r" if metric == "size" else "l")
         elif metric == "field":
@@ -279,7 +281,7 @@ def pivot_table(rows, keep, cols):
             header.append(head or "%s / %s" % (command(a), command(b)))
             align.append("r")
         else:
-            raise Bad("unknown pivot column %r (model, input, size, field:K, ratio:A/B, "
+            raise Bad("unknown pivot column %r (model, input, size, cache, field:K, ratio:A/B, "
                       "METRIC:TOOL with METRIC one of %s)" % (name, ", ".join(METRICS)))
     lines = []
     for (fname, data, kind), first in inputs:

@@ -372,9 +372,18 @@ pub(crate) fn fill_window(
 /// so that the chunked reads that follow do not wait for the disk one after the other
 /// (several threads reading different places of one file confuse the kernel's own
 /// readahead). Only for contiguous runs whose span is not mostly gaps.
+///
+/// A span read by a single read (one run of at most [`CHUNK_BYTES`]) is not hinted:
+/// that read asks for all of it at once anyway, and a checkpoint of many ranks has
+/// hundreds of thousands of such pieces, where the hint would be one more system
+/// call each.
 pub(crate) fn prefetch(blob: &Blob, p: &Piece, runs: &PieceRuns<'_>, e0: u64, e1: u64) {
     if let Some((offset, len)) = piece_span(p, runs, e0, e1) {
-        blob.will_need(offset, len);
+        let j = runs.first_ending_after(e0);
+        let one_run = j + 1 >= runs.count || runs.run(j + 1).out >= e1;
+        if !(one_run && len <= CHUNK_BYTES as u64) {
+            blob.will_need(offset, len);
+        }
     }
 }
 

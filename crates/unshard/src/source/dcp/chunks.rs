@@ -4,8 +4,13 @@
 //! archive's records (both ends, in one request) and turns the chunk into a piece.
 //!
 //! A checkpoint of many ranks has hundreds of thousands of chunks, so reading their
-//! records one wait at a time would take longer than merging: the ends of the next
-//! thousand archives are asked for ahead of the parse.
+//! records one read (and one wait) at a time would take longer than merging. Before
+//! the tensors are built, [`Reader::scan`] takes the archives file by file, in the
+//! order they lie in each file, reads their ends with a few large reads (`batch`)
+//! and checks each against the template of its structure (parsing the first of
+//! each): what it resolves needs no read when the tensor is built. Archives it
+//! leaves (compressed, unusual, broken) are read and parsed one by one as before,
+//! their ends asked for a thousand ahead, and report what is wrong with them.
 
 use std::collections::{HashMap, HashSet};
 use std::io::Read;
@@ -15,8 +20,9 @@ use std::sync::Arc;
 use super::super::bytes::{FilePool, PooledFile};
 use super::super::torch::{self, Leaf};
 use super::super::zip::Archive;
-use super::super::{check_coverage, Blob, FileId, TensorSource};
-use super::metadata::{Entry, EntryKind, Item, Metadata};
+use super::super::{check_coverage, Blob, FileId, Piece, TensorSource};
+use super::batch::{for_each_ends, WINDOW};
+use super::metadata::{Chunk, Chunks, Entry, EntryKind, Item, Metadata};
 use super::template::Templates;
 use crate::{Error, Result};
 
@@ -45,6 +51,33 @@ pub(super) struct Reader<'a> {
     /// Parsed archives that others of the same structure are checked against
     /// (`None`: every archive is parsed).
     pub(super) templates: Option<Templates>,
+    /// Per chunk archive that is read in place (see [`plain`]), in the order the
+    /// tensors are built: what [`Reader::scan`] found, if it resolved it.
+    resolved: Vec<Option<Resolved>>,
+    /// How many of `resolved` the tensors built so far went through.
+    next: usize,
+    /// The strides and byte order of the resolved pieces, each once.
+    layouts: Vec<(Vec<u64>, bool)>,
+    /// Reads the scan made (for tests).
+    pub(super) scan_reads: usize,
+}
+
+/// Where the tensor of a chunk archive resolved by [`Reader::scan`] is.
+#[derive(Clone, Copy, Debug)]
+struct Resolved {
+    file: u32,
+    /// Index in [`Reader::layouts`].
+    layout: u32,
+    byte_offset: u64,
+}
+
+/// Whether a chunk's archive is read in place from its file, and so goes through the
+/// scan and the prefetch: it has bytes, a storage entry and no transform.
+fn plain(md: &Metadata, chunks: &Chunks, chunk: &Chunk) -> bool {
+    chunk
+        .item
+        .is_some_and(|item| md.transforms(&item).is_empty())
+        && !chunks.sizes(chunk).contains(&0)
 }
 
 /// Chunk archives whose ends are asked for ahead of the parse.
@@ -75,35 +108,173 @@ impl<'a> Reader<'a> {
             parsed: 0,
             ends,
             unsafe_calls: Vec::new(),
+            resolved: Vec::new(),
+            next: 0,
+            layouts: Vec::new(),
+            scan_reads: 0,
         }
     }
 
-    /// Lists the chunk archives that are about to be parsed, in the order they will
-    /// be, and asks for the first [`PREFETCH_CHUNKS`] of them. Parsing touches each
-    /// archive's two ends one after the other; from a cold cache each touch would wait
-    /// for its own disk read, which for a checkpoint of many ranks (hundreds of
-    /// thousands of chunks) takes longer than reading the weights. Asking the kernel
-    /// for the ends of the next thousand archives keeps the disk busy with many small
-    /// reads at once, and no more than a few MB of them ahead of the parse. Files that
-    /// do not open are left for the parse to report.
-    pub(super) fn plan_prefetch(&mut self, md: &Metadata, tensors: &[(String, &Entry)]) {
-        for (_, entry) in tensors {
+    /// Resolves the chunk archives of `tensors` (the entries about to be built, in
+    /// that order) from their template where it can: file by file, each file's
+    /// archives in the order they lie in it, their ends read a window of up to
+    /// [`WINDOW`] bytes at a time. The first archive of each structure is parsed
+    /// (and kept as a template) if it is clean; anything unexpected is left for
+    /// [`Reader::tensor`] to read, parse and report as before. Then asks for the
+    /// ends of the first archives left: parsing touches each archive's two ends one
+    /// after the other, and from a cold cache each touch would wait for its own disk
+    /// read; asking the kernel for the ends of the next thousand keeps the disk busy
+    /// with many small reads at once, no more than a few MB of them ahead of the
+    /// parse. Files that do not open are left for the parse to report.
+    pub(super) fn scan(&mut self, md: &Metadata, tensors: &[(String, &Entry)]) {
+        // (file, offset, length, index in `resolved`, tensor, chunk)
+        let mut jobs: Vec<(u32, u64, u64, u32, u32, u32)> = Vec::new();
+        for (t, (_, entry)) in tensors.iter().enumerate() {
             let EntryKind::Tensor { chunks, .. } = &entry.kind else {
                 continue;
             };
-            for chunk in &chunks.list {
-                let Some(item) = &chunk.item else {
+            for (c, chunk) in chunks.list.iter().enumerate() {
+                let Some(item) = chunk.item.filter(|_| plain(md, chunks, chunk)) else {
                     continue;
                 };
-                if chunks.sizes(chunk).contains(&0) || !md.transforms(item).is_empty() {
+                let idx = self.resolved.len();
+                self.resolved.push(None);
+                let Ok(id) = self.file(md.file(&item), &entry.fqn) else {
                     continue;
-                }
-                if let Ok(id) = self.file(md.file(item), &entry.fqn) {
-                    self.ahead.push((id, item.offset, item.length));
+                };
+                let inside = item
+                    .offset
+                    .checked_add(item.length)
+                    .is_some_and(|end| end <= self.files[id].len());
+                let fits = u32::try_from(idx).is_ok() && u32::try_from(id).is_ok();
+                if inside && fits {
+                    jobs.push((
+                        id as u32,
+                        item.offset,
+                        item.length,
+                        idx as u32,
+                        t as u32,
+                        c as u32,
+                    ));
                 }
             }
         }
+        if self.ends > 0 {
+            if let Some(templates) = self.templates.take() {
+                jobs.sort_unstable_by_key(|j| (j.0, j.1));
+                self.templates = Some(self.scan_jobs(tensors, &jobs, templates));
+            }
+        }
+        let left: Vec<(FileId, u64, u64)> = {
+            let mut left: Vec<_> = jobs
+                .iter()
+                .filter(|j| self.resolved[j.3 as usize].is_none())
+                .map(|j| (j.3, j.0 as FileId, j.1, j.2))
+                .collect();
+            left.sort_unstable_by_key(|j| j.0);
+            left.into_iter().map(|(_, f, o, l)| (f, o, l)).collect()
+        };
+        drop(jobs);
+        self.ahead = left;
         self.prefetch_more();
+    }
+
+    /// [`Reader::scan`] of `jobs` (sorted by file and offset): the files are split
+    /// between threads (one per core, up to [`SCAN_THREADS`]), each with its own
+    /// templates and window; returns the first thread's templates, with the hits
+    /// of all.
+    fn scan_jobs(
+        &mut self,
+        tensors: &[(String, &Entry)],
+        jobs: &[Job],
+        first: Templates,
+    ) -> Templates {
+        let threads = std::thread::available_parallelism()
+            .map_or(1, |n| n.get())
+            .clamp(1, SCAN_THREADS);
+        // Runs of whole files, of about the same number of archives each.
+        let mut parts: Vec<&[Job]> = Vec::new();
+        let mut rest = jobs;
+        for k in (1..=threads).rev() {
+            let mut cut = rest.len().div_ceil(k);
+            while cut > 0 && cut < rest.len() && rest[cut].0 == rest[cut - 1].0 {
+                cut += 1;
+            }
+            let (a, b) = rest.split_at(cut);
+            if !a.is_empty() {
+                parts.push(a);
+            }
+            rest = b;
+        }
+        let mut templates = vec![first];
+        templates.resize_with(parts.len().max(1), Templates::default);
+        let (files, ends) = (&self.files, self.ends);
+        let outs: Vec<Scanned> = {
+            let (head, tail) = templates.split_at_mut(1);
+            std::thread::scope(|scope| {
+                let handles: Vec<_> = parts
+                    .iter()
+                    .skip(1)
+                    .zip(tail.iter_mut())
+                    .map(|(&part, t)| {
+                        std::thread::Builder::new()
+                            .name("unshard-scan".into())
+                            .spawn_scoped(scope, move || scan_part(files, tensors, part, t, ends))
+                    })
+                    .collect();
+                let mut outs: Vec<Scanned> = parts
+                    .first()
+                    .map(|&part| scan_part(files, tensors, part, &mut head[0], ends))
+                    .into_iter()
+                    .collect();
+                for (h, &part) in handles.into_iter().zip(parts.iter().skip(1)) {
+                    // A thread that cannot start (or stops) leaves its files to
+                    // this one.
+                    let out = h.ok().and_then(|h| h.join().ok());
+                    outs.push(
+                        out.unwrap_or_else(|| scan_part(files, tensors, part, &mut head[0], ends)),
+                    );
+                }
+                outs
+            })
+        };
+        for out in outs {
+            self.scan_reads += out.reads;
+            let ids: Vec<Option<u32>> = out
+                .layouts
+                .into_iter()
+                .map(|(strides, big_endian)| self.layout_id(strides, big_endian))
+                .collect();
+            for (idx, file, byte_offset, layout) in out.resolved {
+                if let Some(Some(layout)) = ids.get(layout as usize) {
+                    self.resolved[idx as usize] = Some(Resolved {
+                        file,
+                        layout: *layout,
+                        byte_offset,
+                    });
+                }
+            }
+        }
+        let mut templates = templates.into_iter();
+        let mut first = templates.next().unwrap_or_default();
+        first.hits += templates.map(|t| t.hits).sum::<u64>();
+        first
+    }
+
+    /// The index of a layout in [`Reader::layouts`], added if new.
+    fn layout_id(&mut self, strides: Vec<u64>, big_endian: bool) -> Option<u32> {
+        let i = match self
+            .layouts
+            .iter()
+            .position(|(s, b)| *s == strides && *b == big_endian)
+        {
+            Some(i) => i,
+            None => {
+                self.layouts.push((strides, big_endian));
+                self.layouts.len() - 1
+            }
+        };
+        u32::try_from(i).ok()
     }
 
     /// Notes that one more chunk archive has been parsed and asks for the next.
@@ -235,6 +406,24 @@ impl<'a> Reader<'a> {
                 })?;
             if numel == 0 {
                 continue;
+            }
+            if plain(md, chunks, chunk) {
+                let idx = self.next;
+                self.next += 1;
+                if let Some(r) = self.resolved.get(idx).copied().flatten() {
+                    let (strides, big_endian) = &self.layouts[r.layout as usize];
+                    files_used.insert(chunk.item.map_or(0, |i| i.file_index()));
+                    pieces.push(Piece {
+                        file: r.file as FileId,
+                        byte_offset: r.byte_offset,
+                        dtype: *dtype,
+                        shape: sizes.to_vec(),
+                        strides: strides.clone(),
+                        global_offset: offsets.to_vec(),
+                        big_endian: *big_endian,
+                    });
+                    continue;
+                }
             }
             let what = format!("tensor '{}' chunk at {offsets:?}", entry.fqn);
             let item = chunk.item.ok_or_else(|| {
@@ -377,6 +566,127 @@ impl<'a> Reader<'a> {
             Err(_) => fallback,
         }
     }
+}
+
+/// A chunk archive for [`Reader::scan`]: file, offset, length, index in
+/// `resolved`, and the tensor (in the list being built) and chunk it holds.
+type Job = (u32, u64, u64, u32, u32, u32);
+
+/// Threads [`Reader::scan`] uses at most.
+const SCAN_THREADS: usize = 4;
+
+/// What one thread of [`Reader::scan`] resolved.
+#[derive(Default)]
+struct Scanned {
+    /// `(index in resolved, file, byte offset, index in layouts)`.
+    resolved: Vec<(u32, u32, u64, u32)>,
+    layouts: Vec<(Vec<u64>, bool)>,
+    reads: usize,
+}
+
+/// Resolves the archives of `jobs` (whole files, sorted by file and offset) against
+/// `templates`, a file at a time (see [`for_each_ends`]).
+fn scan_part(
+    files: &[Arc<Blob>],
+    tensors: &[(String, &Entry)],
+    jobs: &[Job],
+    templates: &mut Templates,
+    ends_len: u64,
+) -> Scanned {
+    let mut out = Scanned::default();
+    let Scanned {
+        resolved,
+        layouts,
+        reads,
+    } = &mut out;
+    let mut layout_of = |strides: &[u64], big_endian: bool| -> Option<u32> {
+        let i = match layouts
+            .iter()
+            .position(|(s, b)| s == strides && *b == big_endian)
+        {
+            Some(i) => i,
+            None => {
+                layouts.push((strides.to_vec(), big_endian));
+                layouts.len() - 1
+            }
+        };
+        u32::try_from(i).ok()
+    };
+    for group in jobs.chunk_by(|a, b| a.0 == b.0) {
+        let Some(blob) = group.first().and_then(|j| files.get(j.0 as usize)) else {
+            continue;
+        };
+        let archives: Vec<(u64, u64)> = group.iter().map(|j| (j.1, j.2)).collect();
+        let n = for_each_ends(blob, &archives, ends_len, WINDOW, |i, ends| {
+            let (id, offset, length, idx, t, c) = group[i];
+            let entry = tensors[t as usize].1;
+            let EntryKind::Tensor { dtype, chunks, .. } = &entry.kind else {
+                return Ok(());
+            };
+            let sizes = chunks.sizes(&chunks.list[c as usize]);
+            let found = match templates.layout(length, *dtype, sizes, &ends) {
+                Some(l) => layout_of(l.strides, l.big_endian).map(|k| (l.rel_offset, k)),
+                None => {
+                    // Parsed here only if it is clean and says what the metadata
+                    // says; anything else is parsed again when its tensor is built,
+                    // which reports it.
+                    let Ok(mut archive) = Archive::new(blob, offset, length) else {
+                        return Ok(());
+                    };
+                    archive.hold(0, ends.head.to_vec());
+                    if !ends.tail.is_empty() {
+                        archive.hold(ends.tail_at, ends.tail.to_vec());
+                    }
+                    let file = id as FileId;
+                    learn_from(templates, &mut archive, ends_len, *dtype, sizes, file).and_then(
+                        |p| {
+                            let rel = p.byte_offset.checked_sub(offset)?;
+                            Some((rel, layout_of(&p.strides, p.big_endian)?))
+                        },
+                    )
+                }
+            };
+            if let Some((rel, layout)) = found {
+                resolved.push((idx, id, offset + rel, layout));
+            }
+            Ok(())
+        });
+        // A read that fails leaves the rest of the file to be read (and the failure
+        // reported) when its tensors are built.
+        *reads += n.unwrap_or(0);
+    }
+    out
+}
+
+/// Parses archive `a` (its ends held) and, when it is clean and holds the `dtype`
+/// tensor of `sizes` the metadata says, keeps it as the template of its structure
+/// and returns its piece (in file `file`, placed at the origin). `None` for anything
+/// else, which is parsed again, and reported, when its tensor is built.
+fn learn_from(
+    templates: &mut Templates,
+    a: &mut Archive<'_>,
+    ends: u64,
+    dtype: crate::DType,
+    sizes: &[u64],
+    file: FileId,
+) -> Option<Piece> {
+    let payload = torch::read_zip_payload(a).ok()?;
+    if !payload.unsafe_calls.is_empty() || !payload.inflated.is_empty() {
+        return None;
+    }
+    let Ok(Some(Leaf::Tensor(t))) = torch::leaf(&payload.pickle, payload.pickle.root()) else {
+        return None;
+    };
+    if t.shape != sizes || t.dtype != dtype {
+        return None;
+    }
+    let origin = vec![0; sizes.len()];
+    let piece = payload.piece(file, "", &t, origin).ok()?;
+    if piece.file != file {
+        return None;
+    }
+    templates.learn(a, ends, &piece).ok()?;
+    Some(piece)
 }
 
 /// Decompresses a zstd stream, refusing to produce more than `limit` bytes.

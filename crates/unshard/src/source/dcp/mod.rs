@@ -29,6 +29,7 @@ use super::torch;
 use super::{Checkpoint, Extra, Format, OpenOptions};
 use crate::{Error, Result};
 
+mod batch;
 mod chunks;
 mod metadata;
 mod template;
@@ -89,12 +90,14 @@ impl Default for Tuning {
     }
 }
 
-/// Statistics of an open, for tests: the file pool, if one was used, and how many
-/// archives were taken from a template.
+/// Statistics of an open, for tests: the file pool, if one was used, how many
+/// archives were taken from a template, and how many reads the scan of the archives
+/// made.
 #[cfg_attr(not(test), allow(dead_code))]
 struct Opened {
     pool: Option<Arc<FilePool>>,
     template_hits: u64,
+    scan_reads: usize,
 }
 
 /// [`open`], tuned.
@@ -121,7 +124,7 @@ fn open_tuned(dir: &Path, opts: &OpenOptions, tuning: &Tuning) -> Result<(Checkp
         .iter()
         .map(|(name, i)| (name.clone(), &md.entries[*i]))
         .collect();
-    reader.plan_prefetch(&md, &chosen);
+    reader.scan(&md, &chosen);
     drop(chosen);
     let mut tensors = Vec::with_capacity(selection.tensors.len());
     for (name, i) in &selection.tensors {
@@ -147,6 +150,7 @@ fn open_tuned(dir: &Path, opts: &OpenOptions, tuning: &Tuning) -> Result<(Checkp
     let opened = Opened {
         pool: reader.pool.clone(),
         template_hits: reader.templates.as_ref().map_or(0, |t| t.hits),
+        scan_reads: reader.scan_reads,
     };
     let checkpoint = Checkpoint {
         format: Format::Dcp,
@@ -442,6 +446,14 @@ mod tests {
             c.template_hits as usize > chunks / 2,
             "{} of {chunks}",
             c.template_hits
+        );
+        // The archives' ends were read a file at a time, not one read each.
+        assert_eq!(p.scan_reads, 0);
+        assert!(
+            (1..=checked.files.len()).contains(&c.scan_reads),
+            "{} reads for {} files",
+            c.scan_reads,
+            checked.files.len()
         );
         assert_eq!(parsed.tensors.len(), checked.tensors.len());
         for (a, b) in parsed.tensors.iter().zip(&checked.tensors) {

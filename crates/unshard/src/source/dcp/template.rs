@@ -16,10 +16,9 @@
 //! CRC of the records it reads (the pickle and the byte order), which are compared
 //! here byte for byte with CRC fields included, and never reads the free bytes.
 
-use std::collections::HashMap;
-
 use super::super::zip::{Archive, ZipIndex};
 use super::super::Piece;
+use super::batch::Ends;
 use crate::{DType, Result};
 
 /// Templates kept at once (keys are few: one per chunk shape and length).
@@ -49,7 +48,8 @@ struct Template {
 /// The templates of one checkpoint.
 #[derive(Default)]
 pub(super) struct Templates {
-    by_key: HashMap<Key, Template>,
+    /// Few (one per chunk shape and length): looked through in order.
+    by_key: Vec<(Key, Template)>,
     /// Archives taken from a template.
     pub(super) hits: u64,
 }
@@ -87,7 +87,50 @@ fn same(at: u64, bytes: &[u8], want: &[u8], free: &[(u64, u64)]) -> bool {
     true
 }
 
+/// Where a template puts the tensor of an archive that matches it.
+pub(super) struct Layout<'t> {
+    /// The tensor's first byte, from the start of the archive.
+    pub(super) rel_offset: u64,
+    pub(super) strides: &'t [u64],
+    pub(super) big_endian: bool,
+}
+
 impl Templates {
+    fn find(&self, len: u64, dtype: DType, sizes: &[u64]) -> Option<&Template> {
+        self.by_key
+            .iter()
+            .find(|(k, _)| k.len == len && k.dtype == dtype && k.sizes == sizes)
+            .map(|(_, t)| t)
+    }
+
+    /// The layout of the tensor of an archive of `len` bytes whose ends are `ends`
+    /// (read as [`Archive::read_ends`] reads them), if the archive matches the
+    /// template of its key; `None` when it must be parsed.
+    pub(super) fn layout(
+        &mut self,
+        len: u64,
+        dtype: DType,
+        sizes: &[u64],
+        ends: &Ends<'_>,
+    ) -> Option<Layout<'_>> {
+        let hit = {
+            let t = self.find(len, dtype, sizes)?;
+            ends.tail_at == t.tail_at
+                && same(0, ends.head, &t.head, &t.free)
+                && same(ends.tail_at, ends.tail, &t.tail, &t.free)
+        };
+        if !hit {
+            return None;
+        }
+        self.hits += 1;
+        let t = self.find(len, dtype, sizes)?;
+        Some(Layout {
+            rel_offset: t.rel_offset,
+            strides: &t.strides,
+            big_endian: t.big_endian,
+        })
+    }
+
     /// The piece of archive `a` (read with [`Archive::read_ends`]`(ends, ends)`), if it
     /// matches the template of its key; `None` when it must be parsed.
     pub(super) fn piece(
@@ -99,30 +142,24 @@ impl Templates {
         file: usize,
         offsets: &[u64],
     ) -> Result<Option<Piece>> {
-        let key = Key {
-            len: a.len(),
-            dtype,
-            sizes: sizes.to_vec(),
-        };
-        let Some(t) = self.by_key.get(&key) else {
-            return Ok(None);
-        };
-        let (head, tail_at, tail) = ends(a, ends_len)?;
-        if tail_at != t.tail_at
-            || !same(0, &head, &t.head, &t.free)
-            || !same(tail_at, &tail, &t.tail, &t.free)
-        {
+        if self.find(a.len(), dtype, sizes).is_none() {
             return Ok(None);
         }
-        self.hits += 1;
-        Ok(Some(Piece {
+        let (head, tail_at, tail) = ends(a, ends_len)?;
+        let ends = Ends {
+            head: &head,
+            tail_at,
+            tail: &tail,
+        };
+        let base = a.base();
+        Ok(self.layout(a.len(), dtype, sizes, &ends).map(|l| Piece {
             file,
-            byte_offset: a.base() + t.rel_offset,
+            byte_offset: base + l.rel_offset,
             dtype,
             shape: sizes.to_vec(),
-            strides: t.strides.clone(),
+            strides: l.strides.to_vec(),
             global_offset: offsets.to_vec(),
-            big_endian: t.big_endian,
+            big_endian: l.big_endian,
         }))
     }
 
@@ -140,7 +177,7 @@ impl Templates {
             dtype: piece.dtype,
             sizes: piece.shape.clone(),
         };
-        if self.by_key.contains_key(&key) || self.by_key.len() >= MAX_TEMPLATES {
+        if self.by_key.iter().any(|(k, _)| *k == key) || self.by_key.len() >= MAX_TEMPLATES {
             return Ok(());
         }
         let Ok(index) = ZipIndex::read(a) else {
@@ -196,7 +233,7 @@ impl Templates {
         let Some(rel_offset) = piece.byte_offset.checked_sub(a.base()) else {
             return Ok(());
         };
-        self.by_key.insert(
+        self.by_key.push((
             key,
             Template {
                 head,
@@ -207,7 +244,7 @@ impl Templates {
                 strides: piece.strides.clone(),
                 big_endian: piece.big_endian,
             },
-        );
+        ));
         Ok(())
     }
 }

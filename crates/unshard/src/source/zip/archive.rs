@@ -86,6 +86,18 @@ impl<'a> Archive<'a> {
         Ok(())
     }
 
+    /// Holds `bytes` as the archive's bytes from `at` on, read by the caller (the
+    /// ends of many archives read at once): reads they cover are served from them.
+    /// They must be the archive's bytes and lie inside it.
+    pub fn hold(&mut self, at: u64, bytes: Vec<u8>) {
+        if at
+            .checked_add(bytes.len() as u64)
+            .is_some_and(|end| end <= self.len)
+        {
+            self.held.push((at, bytes));
+        }
+    }
+
     /// Fills `buf` with the bytes at `at` of the archive.
     pub fn read(&self, at: u64, buf: &mut [u8]) -> Result<()> {
         let len = buf.len() as u64;
