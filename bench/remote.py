@@ -6,6 +6,8 @@
    boto3 with its default concurrency (TransferConfig(): 10 threads, 8 MiB parts).
    Rows are interleaved, each repeated; medians are reported. Peak RSS of each row
    (ru_maxrss of the child) and the GET requests the server logged are reported.
+   ru_maxrss counts the pages of the process a child was forked from, so a peak
+   below this script's own RSS (about 50 MB with boto3 loaded) reads as that RSS.
    Two more rows tell the server's cost apart from the client's: boto3 making
    unshard's requests (one GET per 16 MiB span, 32 in flight), and 20 ranged GETs
    of 4 KiB one after another (the cost of a request on this server, whatever its

@@ -566,8 +566,16 @@ mod tests {
             base: None,
             extra: &[],
         };
-        let (stats, digests) =
-            write_blocks(&plan, inputs, &files, 4096, true, &NoProgress, &Cancel::new()).unwrap();
+        let (stats, digests) = write_blocks(
+            &plan,
+            inputs,
+            &files,
+            4096,
+            true,
+            &NoProgress,
+            &Cancel::new(),
+        )
+        .unwrap();
         drop(files);
 
         let mut want = header;

@@ -25,7 +25,16 @@ fn write(plan: &Plan, inputs: Inputs<'_>, block: u64) -> Vec<Vec<u8>> {
             Box::new(f) as Box<dyn ShardFile>
         })
         .collect();
-    write_blocks(plan, inputs, &files, block, true, &NoProgress, &Cancel::new()).unwrap();
+    write_blocks(
+        plan,
+        inputs,
+        &files,
+        block,
+        true,
+        &NoProgress,
+        &Cancel::new(),
+    )
+    .unwrap();
     drop(files);
     let read = |s: &ShardPlan| std::fs::read(dir.path().join(&s.file_name)).unwrap();
     plan.shards.iter().map(read).collect()
