@@ -11,7 +11,7 @@
 //! name and ignore it (README: "unshard.json").
 //!
 //! A file's checksum is the SHA-256 of the SHA-256 digests of its consecutive
-//! [`WINDOW_BYTES`](crate::write::WINDOW_BYTES) blocks ([`FileDigest::tree`]):
+//! [`WINDOW_BYTES`](crate::write::WINDOW_BYTES) blocks ([`FileDigest::tree`](crate::write::FileDigest::tree)):
 //! the writer hashes blocks as it writes them, in any order, which a plain
 //! SHA-256 of the whole file would not allow without a second read.
 
