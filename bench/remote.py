@@ -6,8 +6,8 @@
    boto3 with its default concurrency (TransferConfig(): 10 threads, 8 MiB parts).
    Rows are interleaved, each repeated; medians are reported. Peak RSS of each row
    (ru_maxrss of the child) and the GET requests the server logged are reported.
-   ru_maxrss counts the pages of the process a child was forked from, so a peak
-   below this script's own RSS (about 50 MB with boto3 loaded) reads as that RSS.
+   The commands run under GNU time where it is installed: a child forked from this
+   script would count this script's pages (about 50 MB with boto3 loaded) in its peak.
    Two more rows tell the server's cost apart from the client's: boto3 making
    unshard's requests (one GET per 16 MiB span, 32 in flight), and 20 ranged GETs
    of 4 KiB one after another (the cost of a request on this server, whatever its
@@ -75,19 +75,48 @@ def read_all(path):
                 pass
 
 
+# GNU time forks the command from a small process of its own, so the child's
+# ru_maxrss is its own peak; a child forked from this script would count this
+# script's pages too (ru_maxrss keeps the peak of the process image replaced by exec).
+GNU_TIME = "/usr/bin/time" if os.path.exists("/usr/bin/time") else None
+
+
+def spawn(cmd, env=None):
+    """Starts cmd; returns (Popen, the file GNU time writes the child's peak RSS in
+    KiB and its user and system seconds to, or None)."""
+    out = None
+    if GNU_TIME:
+        fd, out = tempfile.mkstemp(prefix="unshard-bench-rusage-")
+        os.close(fd)
+        cmd = [GNU_TIME, "-f", "%M %U %S", "-o", out] + list(cmd)
+    p = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    return p, out
+
+
+def reaped(p, out):
+    """Waits for p; returns (exit code, peak RSS bytes, CPU seconds) of the command."""
+    _, status, ru = os.wait4(p.pid, 0)
+    code = os.waitstatus_to_exitcode(status)
+    rss, cpu = ru.ru_maxrss * 1024, ru.ru_utime + ru.ru_stime
+    if out:
+        with open(out) as f:
+            fields = f.read().split()
+        os.unlink(out)
+        if code == 0 and len(fields) >= 3:
+            rss, cpu = int(fields[-3]) * 1024, float(fields[-2]) + float(fields[-1])
+    return code, rss, cpu
+
+
 def concurrent(cmds):
     """Starts every command at once; returns (wall seconds from the first start to the
     last exit, [(own wall seconds, peak RSS bytes, CPU seconds) per command])."""
     t = time.perf_counter()
-    procs = [subprocess.Popen(c, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-             for c in cmds]
+    procs = [spawn(c) for c in cmds]
     each = [None] * len(procs)
 
     def reap(i):
-        # wait4 on the pid: this child's own rusage, and its exit time.
-        _, status, ru = os.wait4(procs[i].pid, 0)
-        each[i] = (time.perf_counter() - t, ru.ru_maxrss * 1024,
-                   os.waitstatus_to_exitcode(status), ru.ru_utime + ru.ru_stime)
+        code, rss, cpu = reaped(*procs[i])
+        each[i] = (time.perf_counter() - t, rss, code, cpu)
 
     threads = [threading.Thread(target=reap, args=(i,)) for i in range(len(procs))]
     for th in threads:
@@ -95,22 +124,22 @@ def concurrent(cmds):
     for th in threads:
         th.join()
     wall = time.perf_counter() - t
-    for c, p, (_, _, code, _) in zip(cmds, procs, each):
+    for c, (p, _), (_, _, code, _) in zip(cmds, procs, each):
         if code != 0:
             sys.exit(f"failed: {' '.join(c)}\n{p.stderr.read().decode(errors='replace')}")
     return wall, [(w, rss, cpu) for w, rss, _, cpu in each]
 
 
 def timed(cmd, env=None):
-    """Runs cmd; returns (wall seconds, peak RSS bytes of the child)."""
+    """Runs cmd; returns (wall seconds, peak RSS bytes of the command)."""
     t = time.perf_counter()
-    p = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    _, status, ru = os.wait4(p.pid, 0)
+    p, out = spawn(cmd, env)
+    code, rss, _ = reaped(p, out)
     wall = time.perf_counter() - t
     err = p.stderr.read().decode(errors="replace")
-    if os.waitstatus_to_exitcode(status) != 0:
+    if code != 0:
         sys.exit(f"failed: {' '.join(cmd)}\n{err}")
-    return wall, ru.ru_maxrss * 1024
+    return wall, rss
 
 
 def machine():
