@@ -93,7 +93,7 @@ mod error;
 mod keys;
 mod literal;
 mod machine;
-mod opcode;
+pub mod opcode;
 pub mod trace;
 
 pub use access::ObjectRef;

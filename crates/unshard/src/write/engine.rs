@@ -172,6 +172,36 @@ pub(crate) struct Block {
     pub(super) len: u64,
 }
 
+/// A tensor a block overlaps.
+pub(crate) struct Overlap {
+    /// The tensor, by index in the plan.
+    pub(crate) ti: usize,
+    /// Where it starts in the shard file.
+    pub(crate) off: u64,
+    /// The bytes of the shard file `[lo, hi)` it has in the block (never empty).
+    pub(crate) lo: u64,
+    pub(crate) hi: u64,
+}
+
+impl Block {
+    /// The tensors with bytes in the block, in file order.
+    pub(crate) fn overlaps<'p>(&self, plan: &'p Plan) -> impl Iterator<Item = Overlap> + 'p {
+        let entries = &plan.shards[self.shard].entries;
+        let (b0, b1) = (self.start, self.start + self.len);
+        let first = entries.partition_point(|&(ti, off)| off + plan.tensors[ti].nbytes() <= b0);
+        entries[first..]
+            .iter()
+            .take_while(move |&&(_, off)| off < b1)
+            .map(move |&(ti, off)| Overlap {
+                ti,
+                off,
+                lo: off.max(b0),
+                hi: (off + plan.tensors[ti].nbytes()).min(b1),
+            })
+            .filter(|o| o.lo < o.hi)
+    }
+}
+
 /// Input bytes read and converted at a time: small enough to stay in a core's cache
 /// between the read and the conversion.
 pub(crate) const CHUNK_BYTES: usize = 1 << 20;
@@ -196,18 +226,8 @@ pub(crate) fn fill_block(
         filled = n;
     }
     let mut stats = Vec::new();
-    let first = shard
-        .entries
-        .partition_point(|&(ti, off)| off + plan.tensors[ti].nbytes() <= b0);
-    for &(ti, off) in &shard.entries[first..] {
-        if off >= b1 {
-            break;
-        }
+    for Overlap { ti, off, lo, hi } in block.overlaps(plan) {
         let t = &plan.tensors[ti];
-        let (lo, hi) = (off.max(b0), (off + t.nbytes()).min(b1));
-        if lo >= hi {
-            continue;
-        }
         if lo - b0 > filled {
             out[filled as usize..(lo - b0) as usize].fill(0);
         }

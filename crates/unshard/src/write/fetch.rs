@@ -9,7 +9,7 @@
 
 use std::sync::Arc;
 
-use super::engine::{piece_span, Block};
+use super::engine::{piece_span, Block, Overlap};
 use super::geometry::PieceRuns;
 use super::Inputs;
 use crate::plan::Plan;
@@ -35,18 +35,9 @@ impl Drop for BlockFetch<'_> {
 /// Announces to each input file the byte ranges block `b` will read from it.
 pub(crate) fn announce<'a>(plan: &Plan, inputs: Inputs<'a>, b: &Block) -> BlockFetch<'a> {
     let mut files: Vec<FileRanges<'a>> = Vec::new();
-    let shard = &plan.shards[b.shard];
-    let (b0, b1) = (b.start, b.start + b.len);
-    let first = shard
-        .entries
-        .partition_point(|&(ti, off)| off + plan.tensors[ti].nbytes() <= b0);
-    for &(ti, off) in &shard.entries[first..] {
-        if off >= b1 {
-            break;
-        }
+    for Overlap { ti, off, lo, hi } in b.overlaps(plan) {
         let t = &plan.tensors[ti];
-        let (lo, hi) = (off.max(b0), (off + t.nbytes()).min(b1));
-        let Some(source) = t.copied().filter(|_| lo < hi) else {
+        let Some(source) = t.copied() else {
             continue;
         };
         // Whole elements: a cut one is read whole (see `engine::fill_bytes`).

@@ -59,48 +59,8 @@ pub(super) fn read(blob: &Blob, keep: Keep<'_>) -> crate::Result<Option<Metadata
     }
 }
 
-/// Opcode bytes (the `pickletools` names).
-mod op {
-    pub const MARK: u8 = b'(';
-    pub const STOP: u8 = b'.';
-    pub const POP: u8 = b'0';
-    pub const BININT: u8 = b'J';
-    pub const BININT1: u8 = b'K';
-    pub const BININT2: u8 = b'M';
-    pub const NONE: u8 = b'N';
-    pub const REDUCE: u8 = b'R';
-    pub const BINUNICODE: u8 = b'X';
-    pub const APPEND: u8 = b'a';
-    pub const BUILD: u8 = b'b';
-    pub const GLOBAL: u8 = b'c';
-    pub const EMPTY_DICT: u8 = b'}';
-    pub const APPENDS: u8 = b'e';
-    pub const BINGET: u8 = b'h';
-    pub const LONG_BINGET: u8 = b'j';
-    pub const EMPTY_LIST: u8 = b']';
-    pub const BINPUT: u8 = b'q';
-    pub const LONG_BINPUT: u8 = b'r';
-    pub const SETITEM: u8 = b's';
-    pub const TUPLE: u8 = b't';
-    pub const EMPTY_TUPLE: u8 = b')';
-    pub const SETITEMS: u8 = b'u';
-    pub const BINFLOAT: u8 = b'G';
-    pub const PROTO: u8 = 0x80;
-    pub const NEWOBJ: u8 = 0x81;
-    pub const TUPLE1: u8 = 0x85;
-    pub const TUPLE2: u8 = 0x86;
-    pub const TUPLE3: u8 = 0x87;
-    pub const NEWTRUE: u8 = 0x88;
-    pub const NEWFALSE: u8 = 0x89;
-    pub const LONG1: u8 = 0x8a;
-    pub const SHORT_BINBYTES: u8 = b'C';
-    pub const BINBYTES: u8 = b'B';
-    pub const SHORT_BINUNICODE: u8 = 0x8c;
-    pub const BINUNICODE8: u8 = 0x8d;
-    pub const STACK_GLOBAL: u8 = 0x93;
-    pub const MEMOIZE: u8 = 0x94;
-    pub const FRAME: u8 = 0x95;
-}
+// Opcode bytes (the `pickletools` names).
+use unshard_pickle::opcode as op;
 
 /// The globals this reader knows, and what it makes of them.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
