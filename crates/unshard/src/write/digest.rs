@@ -9,10 +9,6 @@
 //! block digests in order ([`FileDigest::tree`]), which anyone can recompute from
 //! the file (the README shows how); `verify` recomputes the block digests from the
 //! one read it makes of the output.
-//!
-//! A block the engine did not hash (its hashing thread could not start) is hashed
-//! once the file is complete, by reading it back ([`FileDigest::complete`]), which
-//! costs a read of those blocks only.
 
 use std::fs::File;
 use std::os::unix::fs::FileExt;
@@ -72,25 +68,17 @@ impl FileDigest {
             .metadata()
             .map_err(|e| Error::io("inspect", path, e))?
             .len();
-        let mut d = FileDigest::new(size);
-        d.complete(&f, path)?;
-        Ok(d)
-    }
-
-    /// Hashes the blocks not known yet by reading them from `file`.
-    pub fn complete(&mut self, file: &File, path: &Path) -> Result<()> {
         let mut buf = Vec::new();
-        for (k, slot) in self.blocks.iter_mut().enumerate() {
-            if slot.is_some() {
-                continue;
-            }
-            let start = k as u64 * WINDOW_BYTES;
-            buf.resize(WINDOW_BYTES.min(self.size - start) as usize, 0);
-            file.read_exact_at(&mut buf, start)
-                .map_err(|e| Error::io("read back", path, e))?;
-            *slot = Some(sha256(&buf));
-        }
-        Ok(())
+        let blocks = (0..size.div_ceil(WINDOW_BYTES))
+            .map(|k| {
+                let start = k * WINDOW_BYTES;
+                buf.resize(WINDOW_BYTES.min(size - start) as usize, 0);
+                f.read_exact_at(&mut buf, start)
+                    .map_err(|e| Error::io("read back", path, e))?;
+                Ok(Some(sha256(&buf)))
+            })
+            .collect::<Result<_>>()?;
+        Ok(FileDigest { size, blocks })
     }
 
     /// The file's checksum: the SHA-256 of its block digests, concatenated in

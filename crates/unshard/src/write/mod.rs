@@ -156,13 +156,8 @@ pub fn write_into(
             });
         }
     }
-    for (f, d) in files.iter().zip(&mut digests) {
+    for f in &files {
         f.finish()?;
-        // Blocks the engine did not hash: hashed from the finished file.
-        if let (true, true, Some(path)) = (opts.checksums, d.tree().is_none(), f.local_path()) {
-            let file = std::fs::File::open(path).map_err(|e| Error::io("open", path, e))?;
-            d.complete(&file, path)?;
-        }
     }
     let mut names: Vec<String> = plan.shards.iter().map(|s| s.file_name.clone()).collect();
     if let Some(index) = &plan.index {
