@@ -50,7 +50,7 @@ use crate::manifest::{FileEntry, Manifest, MANIFEST};
 use crate::merge::MergeOptions;
 use crate::plan::Plan;
 use crate::prepare::{prepare, Prepared};
-use crate::source::fs;
+use crate::source::{fs, Checkpoint};
 use crate::write::{self, Progress, WriteOptions};
 use crate::{Error, Result};
 use sink::PartDir;
@@ -158,9 +158,7 @@ pub fn merge_part(opts: &MergeOptions, part: Part, progress: &dyn Progress) -> R
                 let sink = meeting.commit_sink()?;
                 let small = write::write_into(&last, inputs, &sink, &extra, &write::NoProgress)?;
                 if !opts.no_manifest {
-                    let mut files = in_plan_order(&plan, meeting.checksums()?);
-                    files.extend(FileEntry::of_written(&small.files, &small.digests));
-                    let bytes = Manifest::new(opts, ckpt.format.id(), plan.dtype, files).to_bytes();
+                    let bytes = manifest(opts, &ckpt, &plan, meeting.checksums()?, &small);
                     write::Sink::write_file(&sink, MANIFEST, &bytes)?;
                 }
                 write::Sink::commit(Box::new(sink))?;
@@ -200,9 +198,7 @@ pub fn merge_part(opts: &MergeOptions, part: Part, progress: &dyn Progress) -> R
         // The last part: index, config and the base's small files, then the rename.
         let small = write::write_into(&last, inputs, &dir, &extra, &write::NoProgress)?;
         if !opts.no_manifest {
-            let mut files = in_plan_order(&plan, shard_checksums(dir.path())?);
-            files.extend(FileEntry::of_written(&small.files, &small.digests));
-            let bytes = Manifest::new(opts, ckpt.format.id(), plan.dtype, files).to_bytes();
+            let bytes = manifest(opts, &ckpt, &plan, shard_checksums(dir.path())?, &small);
             write::write_file(&dir.path().join(MANIFEST), &bytes)?;
         }
         if let Some(a) = adapter.as_deref().filter(|a| a.no_fuse()) {
@@ -243,6 +239,20 @@ fn shard_checksums(dir: &Path) -> Result<Vec<FileEntry>> {
         found.extend(entries);
     }
     Ok(found)
+}
+
+/// `unshard.json` of a split merge: every shard's entry from the checksums the parts
+/// left (`shards`), then the small files the committing part wrote.
+fn manifest(
+    opts: &MergeOptions,
+    ckpt: &Checkpoint,
+    plan: &Plan,
+    shards: Vec<FileEntry>,
+    small: &write::WriteSummary,
+) -> Vec<u8> {
+    let mut files = in_plan_order(plan, shards);
+    files.extend(FileEntry::of_written(&small.files, &small.digests));
+    Manifest::new(opts, ckpt.format.id(), plan.dtype, files).to_bytes()
 }
 
 /// Every shard's entry for `unshard.json`, in the plan's order, from those the
