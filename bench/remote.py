@@ -39,7 +39,6 @@ import datetime
 import glob
 import json
 import os
-import platform
 import shutil
 import socket
 import statistics
@@ -49,6 +48,8 @@ import tempfile
 import threading
 import time
 import urllib.request
+
+from run import machine
 
 
 def free_port():
@@ -140,19 +141,6 @@ def timed(cmd, env=None):
     if code != 0:
         sys.exit(f"failed: {' '.join(cmd)}\n{err}")
     return wall, rss
-
-
-def machine():
-    cpu = platform.processor()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    with open("/proc/meminfo") as f:
-        mem = int(f.readline().split()[1]) * 1024
-    return "%s, %d cores, %.0f GB RAM, Linux %s" % (cpu, os.cpu_count(), mem / 2**30,
-                                                  platform.release())
 
 
 class ServerLog:
