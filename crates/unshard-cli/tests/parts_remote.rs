@@ -45,6 +45,17 @@ fn llama(size: &str) -> Vec<String> {
     ]
 }
 
+/// `ckpt` (a `big_checkpoint`) to bfloat16 in 3 MB shards: one shard a tensor.
+fn to_bf16_in_3mb_shards(ckpt: &Path) -> Vec<String> {
+    vec![
+        ckpt.to_str().unwrap().into(),
+        "--dtype".into(),
+        "bfloat16".into(),
+        "--max-shard-size".into(),
+        "3MB".into(),
+    ]
+}
+
 /// A local one-process merge of `args` into `dir`.
 fn single(args: &[String], dir: &Path) {
     let o = Command::new(env!("CARGO_BIN_EXE_unshard"))
@@ -116,13 +127,7 @@ fn a_killed_part_run_again_finishes_the_job_in_a_bucket() {
     let b = Bucket::create(&ep, &bucket_name("parts-bucket-killed"));
     let tmp = tempfile::tempdir().unwrap();
     let ckpt = big_checkpoint(tmp.path(), 6);
-    let args: Vec<String> = vec![
-        ckpt.to_str().unwrap().into(),
-        "--dtype".into(),
-        "bfloat16".into(),
-        "--max-shard-size".into(),
-        "3MB".into(),
-    ];
+    let args = to_bf16_in_3mb_shards(&ckpt);
     let out = b.url("out");
     // Part 1 is slowed down and killed once the parts' plan is in the bucket.
     let mut slow = merge_cmd(&b, &args, &out)
@@ -237,13 +242,7 @@ fn a_part_stopped_with_ctrl_c_keeps_its_completed_shards_and_a_rerun_commits() {
     let tmp = tempfile::tempdir().unwrap();
     // 24 shards of 2 MiB, 12 per part, completed one after another once written.
     let ckpt = big_checkpoint(tmp.path(), 24);
-    let args: Vec<String> = vec![
-        ckpt.to_str().unwrap().into(),
-        "--dtype".into(),
-        "bfloat16".into(),
-        "--max-shard-size".into(),
-        "3MB".into(),
-    ];
+    let args = to_bf16_in_3mb_shards(&ckpt);
     let out = b.url("out");
     let o = part(&b, &args, &out, "0/2");
     assert!(o.status.success(), "{}", stderr(&o));
