@@ -51,22 +51,24 @@ def main():
     for i in range(a.repeat):
         for k, cmd in cmds.items():
             shutil.rmtree(out, ignore_errors=True)
-            wall, rss, flush, _ = measure(cmd)
-            runs[k].append({"wall_s": round(wall, 3), "sync_s": round(flush, 3), "peak_rss": rss})
-            print("%s run %d: %.2f s (+%.2f s sync), %.0f MB" % (k, i + 1, wall, flush, rss / 1e6),
-                  flush=True)
+            wall, rss, flush, _, cpu = measure(cmd)
+            runs[k].append({"wall_s": round(wall, 3), "sync_s": round(flush, 3), "peak_rss": rss,
+                            "cpu_s": round(cpu, 3)})
+            print("%s run %d: %.2f s (+%.2f s sync), %.1f CPU s, %.0f MB" % (
+                k, i + 1, wall, flush, cpu, rss / 1e6), flush=True)
     shutil.rmtree(out, ignore_errors=True)
     if a.peft:
         peft_out = a.peft_out or out
         cmd = [a.python, os.path.join(os.path.dirname(__file__), "peft_merge.py"), base, adapter,
                peft_out]
-        wall, rss, flush, _ = measure(cmd)
+        wall, rss, flush, _, cpu = measure(cmd)
         runs["peft"] = [{"wall_s": round(wall, 3), "sync_s": round(flush, 3), "peak_rss": rss,
-                         "output": peft_out}]
+                         "cpu_s": round(cpu, 3), "output": peft_out}]
         print("peft: %.2f s (+%.2f s sync), %.0f MB" % (wall, flush, rss / 1e6), flush=True)
         shutil.rmtree(peft_out, ignore_errors=True)
     med = {k: {"wall_s": statistics.median(r["wall_s"] for r in v),
-               "peak_rss": statistics.median(r["peak_rss"] for r in v)} for k, v in runs.items()}
+               "peak_rss": statistics.median(r["peak_rss"] for r in v),
+               "cpu_s": statistics.median(r["cpu_s"] for r in v)} for k, v in runs.items()}
     ratio = med["lora"]["wall_s"] / med["plain"]["wall_s"]
     print("median: plain %.2f s %.0f MB; lora %.2f s %.0f MB; lora/plain %.2fx" % (
         med["plain"]["wall_s"], med["plain"]["peak_rss"] / 1e6, med["lora"]["wall_s"],
