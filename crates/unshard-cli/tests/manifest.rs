@@ -1,15 +1,14 @@
 //! `unshard.json`: what a merge records in its output, and `verify` reading it.
 //!
-//! The checksums are recomputed here from their definition (the SHA-256 of the
-//! SHA-256 of each 8 MiB block, with the `sha2` crate), not with unshard's code.
+//! The checksums are recomputed here from their definition (each file's BLAKE3
+//! hash, with the `blake3` crate's one-shot hash of the whole file), not with
+//! unshard's code, which assembles them from blocks hashed out of order.
 #![allow(clippy::unwrap_used)]
 
 mod common;
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
-
-use sha2::{Digest, Sha256};
 
 use common::{fixtures, names};
 
@@ -52,13 +51,9 @@ fn manifest(out: &Path) -> serde_json::Value {
     serde_json::from_slice(&std::fs::read(out.join("unshard.json")).unwrap()).unwrap()
 }
 
-/// The README's definition of a file's checksum.
+/// The README's definition of a file's checksum: its BLAKE3 hash (`b3sum`).
 fn checksum(bytes: &[u8]) -> String {
-    let mut h = Sha256::new();
-    for block in bytes.chunks(8 << 20) {
-        h.update(Sha256::digest(block));
-    }
-    h.finalize().iter().map(|b| format!("{b:02x}")).collect()
+    blake3::hash(bytes).to_hex().to_string()
 }
 
 /// Every file but unshard.json is listed, with its size and checksum.
@@ -184,6 +179,47 @@ fn a_file_changed_after_the_merge_is_named_by_its_checksum() {
         "{t}"
     );
     assert_eq!(t.matches("changed since").count(), 1, "{t}");
+}
+
+/// A manifest of an older unshard (SHA-256 of block SHA-256s) still gives verify
+/// the checkpoint and options, and says its checksums are not compared: a changed
+/// file is then found only by the content check, and nothing claims the
+/// checksums were held.
+#[test]
+fn a_manifest_with_checksums_of_another_scheme_says_they_are_not_compared() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (ckpt, base) = llama();
+    let out = merged(tmp.path(), &ckpt, &base, &[]);
+    let mut m = manifest(&out);
+    m["checksum"]["algorithm"] = "sha256 of the sha256 of each block".into();
+    std::fs::write(out.join("unshard.json"), m.to_string()).unwrap();
+    let o = unshard(&["verify", out.to_str().unwrap(), "-q"]);
+    let t = text(&o);
+    assert!(o.status.success(), "{t}");
+    assert!(
+        t.contains("warning: ")
+            && t.contains("'sha256 of the sha256 of each block'")
+            && t.contains("not against those checksums"),
+        "{t}"
+    );
+    // config.json re-indented (same JSON): only a checksum sees it, and none is
+    // compared, so verify passes; with the current scheme it fails.
+    let config = out.join("config.json");
+    let reindented = std::fs::read_to_string(&config)
+        .unwrap()
+        .replace("  ", "   ");
+    std::fs::write(&config, reindented).unwrap();
+    let o = unshard(&["verify", out.to_str().unwrap(), "-q"]);
+    assert!(o.status.success(), "{}", text(&o));
+    m["checksum"]["algorithm"] = "blake3".into();
+    std::fs::write(out.join("unshard.json"), m.to_string()).unwrap();
+    let o = unshard(&["verify", out.to_str().unwrap(), "-q"]);
+    assert_eq!(o.status.code(), Some(1), "{}", text(&o));
+    assert!(
+        !text(&o).contains("not against those checksums"),
+        "{}",
+        text(&o)
+    );
 }
 
 #[test]

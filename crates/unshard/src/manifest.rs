@@ -10,10 +10,9 @@
 //! what `save_pretrained` writes; loaders read `config.json` and the weights by
 //! name and ignore it (README: "unshard.json").
 //!
-//! A file's checksum is the SHA-256 of the SHA-256 digests of its consecutive
-//! [`WINDOW_BYTES`](crate::write::WINDOW_BYTES) blocks ([`FileDigest::tree`](crate::write::FileDigest::tree)):
-//! the writer hashes blocks as it writes them, in any order, which a plain
-//! SHA-256 of the whole file would not allow without a second read.
+//! A file's checksum is its BLAKE3 hash (what `b3sum` prints), which the writer
+//! assembles from the [`WINDOW_BYTES`](crate::write::WINDOW_BYTES) blocks it
+//! hashes as it writes them, in any order ([`FileDigest::tree`](crate::write::FileDigest::tree)).
 
 use std::path::{Path, PathBuf};
 
@@ -31,7 +30,7 @@ use crate::{DType, Error, Result};
 pub const MANIFEST: &str = "unshard.json";
 
 /// The checksum algorithm, as recorded.
-const ALGORITHM: &str = "sha256 of the sha256 of each block";
+const ALGORITHM: &str = "blake3";
 
 /// `unshard.json`.
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
@@ -179,7 +178,7 @@ impl Manifest {
     /// The checksums to hold the files to (those with one recorded, in a scheme
     /// this unshard computes).
     pub fn expected(&self) -> Vec<Expected> {
-        if self.checksum.algorithm != ALGORITHM || self.checksum.block_size != WINDOW_BYTES {
+        if !self.computes_checksums() {
             return Vec::new();
         }
         self.files
@@ -193,6 +192,13 @@ impl Manifest {
                 })
             })
             .collect()
+    }
+}
+
+impl Manifest {
+    /// Whether the checksums are in the scheme this unshard computes.
+    fn computes_checksums(&self) -> bool {
+        self.checksum.algorithm == ALGORITHM && self.checksum.block_size == WINDOW_BYTES
     }
 }
 
@@ -225,6 +231,9 @@ pub struct Filled {
     /// Flags given that differ from the manifest, with its value
     /// (`--dtype float16 (unshard.json: bfloat16)`).
     pub overridden: Vec<String>,
+    /// Why the recorded checksums are not compared (a scheme this unshard does
+    /// not compute: a manifest of an older unshard), if so.
+    pub checksums_skipped: Option<String>,
 }
 
 impl Manifest {
@@ -329,6 +338,12 @@ impl Manifest {
         flag("--strict", &mut opts.plan.strict, r.strict);
         flag("--no-fuse", &mut opts.adapter.no_fuse, r.no_fuse);
         opts.checksums = self.expected();
+        if !self.computes_checksums() {
+            f.checksums_skipped = Some(format!(
+                "its checksums are '{}' in blocks of {} bytes, which this unshard does not compute ('{ALGORITHM}' in blocks of {WINDOW_BYTES}): the files are checked against the checkpoint but not against those checksums; merge again to record new ones",
+                self.checksum.algorithm, self.checksum.block_size
+            ));
+        }
         Ok(f)
     }
 

@@ -69,6 +69,9 @@ pub fn run(args: VerifyArgs) -> anyhow::Result<Status> {
                         filled.taken.join(" ")
                     )?;
                 }
+                if let Some(why) = &filled.checksums_skipped {
+                    writeln!(w, "warning: {}: {why}", manifest_path.display())?;
+                }
                 if !filled.overridden.is_empty() {
                     writeln!(
                         w,

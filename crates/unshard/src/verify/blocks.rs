@@ -1,6 +1,6 @@
 //! The content pass of `verify`: each shard is read once, in blocks of
 //! [`WINDOW_BYTES`] at file offsets `k × WINDOW_BYTES` (the writer's blocks), and
-//! each block serves twice: its SHA-256 is taken (compared by `checksums` with
+//! each block serves twice: its BLAKE3 digest is taken (compared by `checksums` with
 //! what the writer hashed, or with `unshard.json`), and the tensor elements that
 //! start in it are compared with the expected values (gathered from the inputs,
 //! or a computed tensor's reference). So verifying costs one read of the output.
@@ -22,7 +22,7 @@ use super::structure::{read_output, Located, Written};
 use crate::cancel::Cancel;
 use crate::plan::{Content, Plan};
 use crate::prepare::Inputs;
-use crate::write::digest::{sha256, FileDigest};
+use crate::write::digest::{block, FileDigest};
 use crate::write::{Progress, WINDOW_BYTES};
 use crate::Result;
 
@@ -221,7 +221,10 @@ pub(crate) fn check_blocks(
                         refs.done(s.ci);
                     }
                 }
-                found.digest = read.is_ok().then(|| sha256(buf));
+                found.digest = read
+                    .is_ok()
+                    .then(|| block(buf, start, file.len()))
+                    .flatten();
                 progress.advance(len);
                 Ok(found)
             },

@@ -29,7 +29,7 @@ pub struct Expected {
 /// The checksums a file is held to.
 #[derive(Clone, Debug)]
 pub enum ExpectedDigest {
-    /// Each block's SHA-256 as the writer hashed it (`None`: not hashed).
+    /// Each block's digest as the writer hashed it (`None`: not hashed).
     Written(Vec<Option<Sha>>),
     /// The file checksum recorded in `unshard.json`
     /// ([`FileDigest::tree`](crate::write::FileDigest::tree)).
@@ -110,7 +110,7 @@ pub(crate) fn check_files(
                         Some(&e.name),
                         None,
                         format!(
-                            "{} block(s) read back differ from what was written, the first at bytes {from}..{to} (SHA-256 of each {} MiB block): a torn or corrupted write; check the disk and run the merge again",
+                            "{} block(s) read back differ from what was written, the first at bytes {from}..{to} (BLAKE3 of each {} MiB block): a torn or corrupted write; check the disk and run the merge again",
                             bad.len(),
                             WINDOW_BYTES >> 20
                         ),

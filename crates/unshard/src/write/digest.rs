@@ -1,30 +1,59 @@
-//! Checksums of the output, taken while it is written: the SHA-256 of each
-//! [`WINDOW_BYTES`] block of each file (file offsets `k × WINDOW_BYTES`, the last
-//! block shorter), hashed from the buffer handed to the write.
+//! Checksums of the output, taken while it is written: a file's checksum is its
+//! BLAKE3 hash, the same value `b3sum FILE` prints, computed from the output's
+//! [`WINDOW_BYTES`] blocks (file offsets `k × WINDOW_BYTES`, the last shorter),
+//! each hashed from the buffer handed to the write.
 //!
-//! Blocks are written in any order and by many threads, so a streaming SHA-256 of
-//! a whole file would need the blocks in file order, which only a second read (or
-//! buffering most of the file) gives. Per-block digests cost nothing of the sort:
-//! each worker hashes its own block. A file's checksum is then the SHA-256 of its
-//! block digests in order ([`FileDigest::tree`]), which anyone can recompute from
-//! the file (the README shows how); `verify` recomputes the block digests from the
-//! one read it makes of the output.
+//! Blocks are written in any order and by many threads, so a streaming hash of a
+//! whole file would need the blocks in file order, which only a second read (or
+//! buffering most of the file) gives. BLAKE3 is a tree hash: each block is a
+//! complete subtree of the file's tree (the window is a power of two times
+//! BLAKE3's 1 KiB chunk, and every block starts at a multiple of it), so each
+//! worker hashes its own block to the subtree's chaining value ([`block`]) and
+//! the file's hash is those values merged up the tree ([`FileDigest::tree`]).
+//! A file of one block is hashed whole: its block digest is the file's hash.
+//! `verify` recomputes the block digests from the one read it makes of the
+//! output; the tests hold every combination to `blake3::hash` of the whole file.
 
 use std::fs::File;
 use std::os::unix::fs::FileExt;
 use std::path::Path;
 
-use sha2::{Digest, Sha256};
+use blake3::hazmat::{
+    left_subtree_len, max_subtree_len, merge_subtrees_non_root, merge_subtrees_root, HasherExt,
+    Mode,
+};
 
 use super::WINDOW_BYTES;
 use crate::{Error, Result};
 
-/// A SHA-256 digest.
+/// A 32-byte digest: a block's chaining value, or a file's BLAKE3 hash.
 pub type Sha = [u8; 32];
 
-/// The SHA-256 of `bytes`.
-pub fn sha256(bytes: &[u8]) -> Sha {
-    Sha256::digest(bytes).into()
+/// The digest of the block `bytes` of a file of `file_size` bytes, starting at
+/// `offset`: the file's BLAKE3 hash when the block is the whole file, else the
+/// block's subtree chaining value. `None` when the block is not a complete
+/// subtree of the file's tree (blocks must be a power of two of at least 1 KiB,
+/// at a multiple of their size, the last one possibly shorter).
+pub fn block(bytes: &[u8], offset: u64, file_size: u64) -> Option<Sha> {
+    let len = bytes.len() as u64;
+    if offset == 0 && len == file_size {
+        return Some(blake3::hash(bytes).into());
+    }
+    let whole = offset % blake3::CHUNK_LEN as u64 == 0
+        && max_subtree_len(offset).is_none_or(|max| len <= max)
+        && (offset + len == file_size || len.is_power_of_two())
+        && len > 0;
+    whole.then(|| {
+        blake3::Hasher::new()
+            .set_input_offset(offset)
+            .update(bytes)
+            .finalize_non_root()
+    })
+}
+
+/// The BLAKE3 hash of `bytes`.
+pub fn hash(bytes: &[u8]) -> Sha {
+    blake3::hash(bytes).into()
 }
 
 /// Lowercase hexadecimal.
@@ -37,7 +66,7 @@ pub fn hex(d: &Sha) -> String {
 pub struct FileDigest {
     /// The file's size in bytes.
     pub size: u64,
-    /// The SHA-256 of each block, in file order; `None` until known.
+    /// Each block's digest ([`block`]), in file order; `None` until known.
     pub blocks: Vec<Option<Sha>>,
 }
 
@@ -52,11 +81,13 @@ impl FileDigest {
 
     /// The digests of a file held whole in memory (the index, the config).
     pub fn of_bytes(bytes: &[u8]) -> FileDigest {
+        let size = bytes.len() as u64;
         FileDigest {
-            size: bytes.len() as u64,
+            size,
             blocks: bytes
                 .chunks(WINDOW_BYTES as usize)
-                .map(|c| Some(sha256(c)))
+                .enumerate()
+                .map(|(k, c)| block(c, k as u64 * WINDOW_BYTES, size))
                 .collect(),
         }
     }
@@ -75,49 +106,139 @@ impl FileDigest {
                 buf.resize(WINDOW_BYTES.min(size - start) as usize, 0);
                 f.read_exact_at(&mut buf, start)
                     .map_err(|e| Error::io("read back", path, e))?;
-                Ok(Some(sha256(&buf)))
+                Ok(block(&buf, start, size))
             })
             .collect::<Result<_>>()?;
         Ok(FileDigest { size, blocks })
     }
 
-    /// The file's checksum: the SHA-256 of its block digests, concatenated in
-    /// order; `None` while a block is not hashed.
+    /// The file's checksum, its BLAKE3 hash: the block digests merged up the
+    /// tree. `None` while a block is not hashed, or when the digests do not
+    /// cover the size (one per block).
     pub fn tree(&self) -> Option<Sha> {
-        let mut h = Sha256::new();
-        for b in &self.blocks {
-            h.update(b.as_ref()?);
+        self.tree_in(WINDOW_BYTES)
+    }
+
+    /// [`tree`](Self::tree) for blocks of `window` bytes (a power of two of at
+    /// least 1 KiB).
+    pub(crate) fn tree_in(&self, window: u64) -> Option<Sha> {
+        let cvs = self.blocks.iter().copied().collect::<Option<Vec<Sha>>>()?;
+        if !window.is_power_of_two()
+            || window < blake3::CHUNK_LEN as u64
+            || cvs.len() as u64 != self.size.div_ceil(window)
+        {
+            return None;
         }
-        Some(h.finalize().into())
+        if self.size <= window {
+            // One block is the whole file, hashed as such; no block at all is
+            // the empty file.
+            return Some(cvs.first().copied().unwrap_or_else(|| hash(b"")));
+        }
+        let ((l, ll), (r, rl)) = split(&cvs, self.size, window);
+        let (l, r) = (subtree(l, ll, window), subtree(r, rl, window));
+        Some(merge_subtrees_root(&l, &r, Mode::Hash).into())
     }
 }
+
+/// Digests of a subtree's blocks, and its length in bytes.
+type Part<'a> = (&'a [Sha], u64);
+
+/// A subtree of `len` bytes (more than one block) cut where BLAKE3 cuts it: the
+/// left part is the largest power of two of chunks that leaves some for the
+/// right, a whole number of blocks since the block is a power of two of chunks.
+fn split(cvs: &[Sha], len: u64, window: u64) -> (Part<'_>, Part<'_>) {
+    let left = left_subtree_len(len);
+    let n = (left / window) as usize;
+    ((&cvs[..n], left), (&cvs[n..], len - left))
+}
+
+/// The chaining value of the subtree of `len` bytes whose blocks have digests `cvs`.
+fn subtree(cvs: &[Sha], len: u64, window: u64) -> Sha {
+    if len <= window {
+        return cvs[0];
+    }
+    let ((l, ll), (r, rl)) = split(cvs, len, window);
+    merge_subtrees_non_root(&subtree(l, ll, window), &subtree(r, rl, window), Mode::Hash)
+}
+
+const _: () = assert!(WINDOW_BYTES.is_power_of_two() && WINDOW_BYTES >= blake3::CHUNK_LEN as u64);
 
 #[cfg(test)]
 #[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
 
-    /// The definition the README gives, spelled out with a plain SHA-256 of each
-    /// slice: a file of two and a half blocks has three block digests.
+    /// Every shape of tree a file can have — empty, one block, exactly k blocks,
+    /// a partial last block, sizes where BLAKE3's left subtree is 1, 2 or 4
+    /// blocks — merges to `blake3::hash` of the whole file, the value `b3sum`
+    /// prints.
     #[test]
-    fn a_files_checksum_is_the_sha256_of_its_block_digests() {
+    fn a_files_checksum_is_its_blake3_hash() {
         let w = WINDOW_BYTES as usize;
-        let bytes: Vec<u8> = (0..2 * w + w / 2).map(|i| (i * 7 % 251) as u8).collect();
-        let d = FileDigest::of_bytes(&bytes);
-        assert_eq!(d.blocks.len(), 3);
-        let mut cat = Vec::new();
-        for c in [&bytes[..w], &bytes[w..2 * w], &bytes[2 * w..]] {
-            cat.extend_from_slice(&Sha256::digest(c));
+        let all: Vec<u8> = (0..5 * w + 3).map(|i| (i * 7 % 251) as u8).collect();
+        for len in [
+            0,
+            1,
+            1024,
+            w - 1,
+            w,
+            w + 1,
+            w + 1024,
+            2 * w,
+            2 * w + 5,
+            3 * w,
+            3 * w + w / 2,
+            4 * w,
+            4 * w + 1,
+            5 * w + 3,
+        ] {
+            let bytes = &all[..len];
+            let d = FileDigest::of_bytes(bytes);
+            assert_eq!(d.blocks.len(), len.div_ceil(w), "{len}");
+            assert_eq!(
+                d.tree().unwrap(),
+                <Sha>::from(blake3::hash(bytes)),
+                "a file of {len} bytes"
+            );
         }
-        assert_eq!(d.tree().unwrap(), <Sha>::from(Sha256::digest(&cat)));
         let dir = tempfile::tempdir().unwrap();
         let p = dir.path().join("f");
-        std::fs::write(&p, &bytes).unwrap();
-        assert_eq!(FileDigest::of_file(&p).unwrap(), d);
-        // Known value: SHA-256 of "abc".
+        std::fs::write(&p, &all).unwrap();
+        assert_eq!(FileDigest::of_file(&p).unwrap(), FileDigest::of_bytes(&all));
+        // Known value (the BLAKE3 test vectors): the hash of "abc".
         assert_eq!(
-            hex(&sha256(b"abc")),
-            "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad"
+            hex(&hash(b"abc")),
+            "6437b3ac38465133ffb63b75273a8db548c558465d79db03fd359c6cd5bd9d85"
         );
+    }
+
+    /// A missing block, or digests that do not match the size, give no checksum
+    /// rather than a wrong one (or a panic on a malformed record).
+    #[test]
+    fn incomplete_digests_give_no_checksum() {
+        let w = WINDOW_BYTES as usize;
+        let bytes = vec![1u8; 2 * w + 1];
+        let mut d = FileDigest::of_bytes(&bytes);
+        d.blocks[1] = None;
+        assert_eq!(d.tree(), None);
+        let mut d = FileDigest::of_bytes(&bytes);
+        d.blocks.pop();
+        assert_eq!(d.tree(), None);
+        d.size = 0;
+        assert_eq!(d.tree(), None);
+    }
+
+    /// A block that is not a complete subtree of the file's tree (not a power of
+    /// two, or not at a multiple of its size) has no digest, rather than a wrong
+    /// one or a panic inside the hash; a shorter last block has one.
+    #[test]
+    fn only_whole_subtrees_are_hashed() {
+        let b = vec![5u8; 12288];
+        assert_eq!(block(&b, 12288, 100_000), None, "not a power of two");
+        assert_eq!(block(&b[..4096], 1000, 100_000), None, "not chunk-aligned");
+        assert_eq!(block(&b[..8192], 4096, 100_000), None, "past its subtree");
+        assert!(block(&b[..4096], 4096, 100_000).is_some());
+        assert!(block(&b, 16384, 16384 + 12288).is_some(), "the last block");
+        assert_eq!(block(&[], 4096, 100_000), None);
     }
 }

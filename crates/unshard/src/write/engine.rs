@@ -24,7 +24,7 @@ use crate::source::{Blob, FileId, Piece, TensorSource};
 use crate::{DType, Error, Result};
 
 /// Fills and writes every block of every shard, in parallel; returns what conversion
-/// saw per planned tensor, and per shard the SHA-256 of each block as written (see
+/// saw per planned tensor, and per shard the digest of each block as written (see
 /// `digest`) when `checksums`, else `None` for every block. `block_bytes` is a
 /// multiple of [`DIRECT_ALIGN`].
 pub(crate) fn write_blocks(
@@ -80,7 +80,10 @@ pub(crate) fn write_blocks(
                 let out = bufs.block.slice_mut(b.len as usize);
                 let (stats, tensor_bytes) =
                     fill_block(plan, inputs, &computed, b, out, &mut bufs.scratch)?;
-                let digest = checksums.then(|| digest::sha256(out));
+                let size = plan.shards[b.shard].file_size;
+                let digest = checksums
+                    .then(|| digest::block(out, b.start, size))
+                    .flatten();
                 files[b.shard].write_block(out, b.start)?;
                 pool.give(bufs);
                 progress.advance(tensor_bytes);
@@ -112,7 +115,7 @@ pub(crate) fn write_blocks(
     Ok((stats, digests))
 }
 
-/// Per shard, the SHA-256 of each block as written (`None`: not hashed).
+/// Per shard, the digest of each block as written (`None`: not hashed).
 pub(crate) type BlockDigests = Vec<Vec<Option<Sha>>>;
 
 /// Where a block starts reading: the input (checkpoint before base), file and byte
@@ -605,10 +608,13 @@ mod tests {
         want.extend(a_bf16);
         want.extend(le_bytes(&c));
         assert_eq!(std::fs::read(&path).unwrap(), want);
-        // Each block's digest is the SHA-256 of that block of the file.
-        let per_block: Vec<Option<Sha>> =
-            want.chunks(4096).map(|c| Some(digest::sha256(c))).collect();
-        assert_eq!(digests, vec![per_block]);
+        // The blocks' digests merge to the file's BLAKE3 hash.
+        let d = digest::FileDigest {
+            size: want.len() as u64,
+            blocks: digests[0].clone(),
+        };
+        assert_eq!(d.blocks.len(), want.len().div_ceil(4096));
+        assert_eq!(d.tree_in(4096), Some(<Sha>::from(blake3::hash(&want))));
         assert_eq!(stats[0].nan, 1, "a NaN cut by a block edge is counted once");
         assert_eq!(
             stats[2].inf, 1,
