@@ -1,17 +1,19 @@
 #!/usr/bin/env python3
-"""Renders README.md's performance tables from the benchmark output in bench/results/.
+"""Renders the performance tables of README.md and docs/*.md from the benchmark output
+in bench/results/.
 
-Every figure in a performance table of README.md comes from a JSON file that
-bench/run.py wrote (`--json`) and that is committed under bench/results/, with
-the machine, the date, the page-cache state and the number of runs inside it.
+Every figure in a performance table comes from a JSON file that bench/run.py,
+bench/lora.py or bench/remote.py wrote (`--json`) and that is committed under
+bench/results/, with the machine, the date and how the runs were taken inside it.
 A table lives between two marker comments that say where its figures come from:
 
     <!-- bench: file=2026-12-01-tinyllama.json kinds=policy cols=model,input,size,command,wall,xcp,rss -->
     (generated: leave it to this script)
     <!-- /bench -->
 
-  python3 bench/tables.py            rewrites every table of README.md from its JSON
-  python3 bench/tables.py --check    fails (exit 1, with a diff) when README.md is not
+  python3 bench/tables.py            rewrites every table of README.md and docs/*.md
+                                     from its JSON
+  python3 bench/tables.py --check    fails (exit 1, with a diff) when a document is not
                                      what the JSON says; .ci/run runs this
 
 Needs only Python 3 (no torch). Below each table a line names the JSON file, the
@@ -26,8 +28,11 @@ Marker options (space-separated KEY=VALUE; quote a value holding spaces):
   tools=read,cp,unshard only these rows (run.py's tool names: read, cp, unshard,
                         "unshard NAME" for --compare NAME=..., python, zero_to_fp32)
   data=NAME[,NAME]      only the data directories with these base names
-  layout=rows|pivot     rows (default): one table row per result (per tool);
-                        pivot: one table row per input, tools as columns
+  layout=rows|pivot|lora|remote
+                        rows (default): one table row per result (per tool);
+                        pivot: one table row per input, tools as columns;
+                        lora, remote: bench/lora.py's and bench/remote.py's JSON
+                        (below)
   cols=C1,C2,...        the columns, in order; a column is NAME or NAME=Header
                         (a header with spaces needs the whole cols value quoted;
                         a comma in a header is written \\,)
@@ -51,6 +56,20 @@ Columns (layout=pivot), one row per input: model, input, size, cache, field:K as
 above, and METRIC:TOOL with METRIC one of wall, sync, xcp, xread, rss, cpu, runs, e.g.
 `wall:cp`, `rss:unshard`; `rss:unshard+unshard old` prints "47 / 44 MB"; and
 `ratio:A/B`, the wall time of tool A over tool B's, e.g. `ratio:unshard/unshard old`.
+
+layout=lora (bench/lora.py's JSON; options file, tools=plain,lora,peft, cols): one
+row per command of each file, from the file's medians. Columns: date (of the run),
+output (where it wrote), command, runs (how many), wall, cpu ("not recorded" in
+files from before CPU times), rss, xplain (wall time over the plain merge's, same
+file), peftmem (peft's peak RSS over the row's, same file; blank on peft's row),
+load (the load averages at the end).
+
+layout=remote (bench/remote.py's JSON; options file, match=REGEX, cols): one row
+per row of each file whose name REGEX finds. Columns: row (its name), wall, runs,
+gets (GET requests the server logged, median), rss (the largest peak over the
+runs, of the largest part), rss_sum (the parts' peaks summed), cpu (CPU seconds of
+all the parts, median), parts (processes), xrow:PREFIX (wall time over the wall
+time of the one row of the same file whose name starts with PREFIX).
 
 To add a table for new results: commit the JSON from `bench/run.py --json
 bench/results/DATE-WHAT.json` (`--note` says how the machine was shared), put an
