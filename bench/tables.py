@@ -53,7 +53,9 @@ Columns (layout=rows):
   field:K  the row's own field K (or its model's), printed as it is
 
 Columns (layout=pivot), one row per input: model, input, size, cache, field:K as
-above, and METRIC:TOOL with METRIC one of wall, sync, xcp, xread, rss, cpu, runs, e.g.
+above, bytes:K (the field K as a size, to 0.1 MB below 10 MB), and METRIC:TOOL with METRIC one of wall,
+sync, xcp, xread, rss, cpu, runs (a tool with no result for the input says
+"failed" or "skipped" as run.py kept it, or "–" when its file has no such row), e.g.
 `wall:cp`, `rss:unshard`; `rss:unshard+unshard old` prints "47 / 44 MB"; and
 `ratio:A/B`, the wall time of tool A over tool B's, e.g. `ratio:unshard/unshard old`.
 
@@ -118,8 +120,13 @@ def fmt_bytes(n):
     return "%.0f MB" % (n / 1e6)
 
 
+def shape(r):
+    """The row's model fields (run.py's `model`; files before it kept the whole `meta`)."""
+    return r.get("model") or r.get("meta") or {}
+
+
 def model(r):
-    m = r.get("model") or {}
+    m = shape(r)
     if "ranks" in m:
         return "wide (%d layers over %d ranks%s)" % (
             m["layers"], m["ranks"], ", + Adam state" if m.get("optim") else "")
@@ -130,7 +137,7 @@ def model(r):
 
 
 def field(r, key):
-    v = r.get(key, (r.get("model") or {}).get(key))
+    v = r.get(key, shape(r).get(key))
     if v is None:
         raise Bad("row %s/%s has no field %r" % (r["kind"], r["tool"], key))
     return str(v)
@@ -297,6 +304,9 @@ def pivot_table(rows, keep, cols):
         elif metric == "field":
             header.append(head or tools)
             align.append("l")
+        elif metric == "bytes" and tools:
+            header.append(head or tools)
+            align.append("r")
         elif metric in METRICS and tools:
             header.append(head or "%s, %s" % (HEADERS[metric], command(tools)))
             align.append("r")
@@ -305,8 +315,21 @@ def pivot_table(rows, keep, cols):
             header.append(head or "%s / %s" % (command(a), command(b)))
             align.append("r")
         else:
-            raise Bad("unknown pivot column %r (model, input, size, cache, field:K, ratio:A/B, "
+            raise Bad("unknown pivot column %r (model, input, size, cache, field:K, bytes:K, ratio:A/B, "
                       "METRIC:TOOL with METRIC one of %s)" % (name, ", ".join(METRICS)))
+    def missing(first, tool):
+        """What a cell says for a tool with no result for this input: "failed" or
+        "skipped" (the row run.py kept instead), else "–" (a file without that row);
+        a tool that no file of the marker has is a mistake in the marker."""
+        if not any(c["tool"] == tool for c in rows):
+            raise Bad("no file of the marker has a %r row" % tool)
+        why = next((c["skipped"] for c in rows if c["_file"] == first["_file"]
+                    and c["data"] == first["data"] and c["kind"] == first["kind"]
+                    and c["tool"] == tool and "skipped" in c), None)
+        if why is None:
+            return "–"
+        return "failed" if why.startswith("failed") else "skipped"
+
     lines = []
     for (fname, data, kind), first in inputs:
         cells = []
@@ -314,25 +337,29 @@ def pivot_table(rows, keep, cols):
             metric, _, tools = name.partition(":")
             if metric == "field":
                 cells.append(field(first, tools))
+            elif metric == "bytes":
+                n = int(field(first, tools))
+                cells.append("%.1f MB" % (n / 1e6) if n < 10e6 else fmt_bytes(n))
             elif not tools:
                 cells.append(COLUMNS[metric](rows, first))
             elif metric == "ratio":
-                a, b = (peer(rows, first, t) for t in tools.split("/"))
+                pair = tools.split("/")
+                a, b = (peer(rows, first, t) for t in pair)
                 if a is None or b is None:
-                    raise Bad("%s: no %r row for %s" % (fname, tools, first["label"]))
+                    cells.append(missing(first, pair[0] if a is None else pair[1]))
+                    continue
                 cells.append("%.2f" % (a["wall"] / b["wall"]))
             else:
                 vals = []
                 for tool in tools.split("+"):
                     r = peer(rows, first, tool)
-                    if r is None:
-                        raise Bad("%s: no %r row for %s" % (fname, tool, first["label"]))
-                    vals.append(METRICS[metric](rows, r))
+                    vals.append(missing(first, tool) if r is None else METRICS[metric](rows, r))
                 if metric == "rss" and len(vals) > 1:
                     unit = vals[0].split()[-1]
                     if all(v.endswith(" " + unit) for v in vals):
                         vals = [v.split()[0] for v in vals[:-1]] + [vals[-1]]
-                cells.append(" / ".join(vals) + UNITS.get(metric, ""))
+                unit = UNITS.get(metric, "") if any(v[:1].isdigit() for v in vals) else ""
+                cells.append(" / ".join(vals) + unit)
         lines.append(cells)
     return markdown(header, align, lines)
 
