@@ -23,7 +23,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from run import machine, measure, read_all  # noqa: E402
+from run import machine, measure, read_all, rss_method  # noqa: E402
 
 
 def main():
@@ -84,6 +84,7 @@ def main():
                 "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                 "machine": machine(),
                 "load_average_at_end": os.getloadavg(),
+                "peak_rss": rss_method(),
                 "note": a.note,
                 "commands": cmds,
                 "runs": runs,

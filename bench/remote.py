@@ -6,8 +6,9 @@
    boto3 with its default concurrency (TransferConfig(): 10 threads, 8 MiB parts).
    Rows are interleaved, each repeated; medians are reported. Peak RSS of each row
    (ru_maxrss of the child) and the GET requests the server logged are reported.
-   The commands run under GNU time where it is installed: a child forked from this
-   script would count this script's pages (about 50 MB with boto3 loaded) in its peak.
+   The commands run under GNU time where it is installed (run.py's spawn(), shared
+   with run.py's measure()): a child forked from this script would count this
+   script's pages (about 50 MB with boto3 loaded) in its peak.
    Two more rows tell the server's cost apart from the client's: boto3 making
    unshard's requests (one GET per 16 MiB span, 32 in flight), and 20 ranged GETs
    of 4 KiB one after another (the cost of a request on this server, whatever its
@@ -49,7 +50,7 @@ import threading
 import time
 import urllib.request
 
-from run import machine
+from run import du, machine, reaped, read_all, rss_method, spawn
 
 
 def free_port():
@@ -60,54 +61,6 @@ def free_port():
     return port
 
 
-def du(path):
-    if os.path.isfile(path):
-        return os.path.getsize(path)
-    return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs)
-
-
-def read_all(path):
-    """Pulls a file or directory into the page cache."""
-    paths = [path] if os.path.isfile(path) else [
-        os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs]
-    for p in paths:
-        with open(p, "rb") as f:
-            while f.read(16 << 20):
-                pass
-
-
-# GNU time forks the command from a small process of its own, so the child's
-# ru_maxrss is its own peak; a child forked from this script would count this
-# script's pages too (ru_maxrss keeps the peak of the process image replaced by exec).
-GNU_TIME = "/usr/bin/time" if os.path.exists("/usr/bin/time") else None
-
-
-def spawn(cmd, env=None):
-    """Starts cmd; returns (Popen, the file GNU time writes the child's peak RSS in
-    KiB and its user and system seconds to, or None)."""
-    out = None
-    if GNU_TIME:
-        fd, out = tempfile.mkstemp(prefix="unshard-bench-rusage-")
-        os.close(fd)
-        cmd = [GNU_TIME, "-f", "%M %U %S", "-o", out] + list(cmd)
-    p = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    return p, out
-
-
-def reaped(p, out):
-    """Waits for p; returns (exit code, peak RSS bytes, CPU seconds) of the command."""
-    _, status, ru = os.wait4(p.pid, 0)
-    code = os.waitstatus_to_exitcode(status)
-    rss, cpu = ru.ru_maxrss * 1024, ru.ru_utime + ru.ru_stime
-    if out:
-        with open(out) as f:
-            fields = f.read().split()
-        os.unlink(out)
-        if code == 0 and len(fields) >= 3:
-            rss, cpu = int(fields[-3]) * 1024, float(fields[-2]) + float(fields[-1])
-    return code, rss, cpu
-
-
 def concurrent(cmds):
     """Starts every command at once; returns (wall seconds from the first start to the
     last exit, [(own wall seconds, peak RSS bytes, CPU seconds) per command])."""
@@ -116,8 +69,8 @@ def concurrent(cmds):
     each = [None] * len(procs)
 
     def reap(i):
-        code, rss, cpu = reaped(*procs[i])
-        each[i] = (time.perf_counter() - t, rss, code, cpu)
+        code, rss, cpu, err = reaped(*procs[i])
+        each[i] = (time.perf_counter() - t, rss, code, cpu, err)
 
     threads = [threading.Thread(target=reap, args=(i,)) for i in range(len(procs))]
     for th in threads:
@@ -125,21 +78,19 @@ def concurrent(cmds):
     for th in threads:
         th.join()
     wall = time.perf_counter() - t
-    for c, (p, _), (_, _, code, _) in zip(cmds, procs, each):
+    for c, (_, _, code, _, err) in zip(cmds, each):
         if code != 0:
-            sys.exit(f"failed: {' '.join(c)}\n{p.stderr.read().decode(errors='replace')}")
-    return wall, [(w, rss, cpu) for w, rss, _, cpu in each]
+            sys.exit(f"failed: {' '.join(c)}\n{err.decode(errors='replace')}")
+    return wall, [(w, rss, cpu) for w, rss, _, cpu, _ in each]
 
 
 def timed(cmd, env=None):
     """Runs cmd; returns (wall seconds, peak RSS bytes of the command)."""
     t = time.perf_counter()
-    p, out = spawn(cmd, env)
-    code, rss, _ = reaped(p, out)
+    code, rss, _, err = reaped(*spawn(cmd, env))
     wall = time.perf_counter() - t
-    err = p.stderr.read().decode(errors="replace")
     if code != 0:
-        sys.exit(f"failed: {' '.join(cmd)}\n{err}")
+        sys.exit(f"failed: {' '.join(cmd)}\n{err.decode(errors='replace')}")
     return wall, rss
 
 
@@ -350,7 +301,7 @@ def main():
                            note=args.note or "a shared machine (other builds running); "
                            "walls are medians of interleaved runs",
                            date=datetime.date.today().isoformat(),
-                           load_1min_at_end=os.getloadavg()[0])
+                           load_1min_at_end=os.getloadavg()[0], peak_rss=rss_method())
                 if not args.skip_s3:
                     doc.update(server=f"moto_server {moto_version} on loopback",
                                input=dict(path=policy, bytes=size))

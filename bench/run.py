@@ -17,7 +17,9 @@ many ranks, to measure what grows with the rank count) and every input kind in i
 Each row runs --repeat times (rows interleaved, so noise hits them alike) and the
 median is reported: wall time of the whole process, its ratio to cp's wall time
 in the same run, and peak RSS (the kernel's ru_maxrss of the process, which counts
-touched pages of mapped files). `+sync` is the wall time plus the `sync` that
+touched pages of mapped files; taken by GNU time, /usr/bin/time, so that it is the
+command's own: without it, a note says that small processes read as large as this
+script, and the JSON's `peak_rss` says how it was taken). `+sync` is the wall time plus the `sync` that
 follows it: unshard fsyncs its output before it returns, cp and the Python
 pipeline leave dirty pages for the kernel to write later.
 
@@ -42,6 +44,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 KINDS = (
@@ -86,28 +89,101 @@ def du(path):
     return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs)
 
 
+# Peak RSS. ru_maxrss of a process keeps the peak of the image that exec replaced,
+# and a child forked from this script starts as a copy of it: read from wait4 here,
+# a 2 MB `cp` would show this script's RSS at the fork (12-30 MB, more with boto3 or
+# torch loaded). GNU time is a small process that forks the command itself, so the
+# peak it reports (%M) is the command's own (floored at GNU time's 1-2 MB).
+GNU_TIME = "/usr/bin/time"
+_launcher = []
+
+
+def launcher():
+    """GNU time's path, or None when it is absent or is not GNU time (then peak RSS
+    comes from wait4 and is floored at this script's RSS; a note says so, once)."""
+    if not _launcher:
+        ok = False
+        if os.access(GNU_TIME, os.X_OK):
+            r = subprocess.run([GNU_TIME, "-f", "%M", "-o", os.devnull, "true"],
+                               capture_output=True)
+            ok = r.returncode == 0
+        _launcher.append(GNU_TIME if ok else None)
+        if not ok:
+            print("note: no GNU time at %s (apt-get install time): peak RSS is wait4's "
+                  "ru_maxrss, which is at least this script's own RSS at the fork (%.0f MB "
+                  "now), so small processes read high" % (GNU_TIME, self_rss() / 1e6),
+                  file=sys.stderr, flush=True)
+    return _launcher[0]
+
+
+def self_rss():
+    with open("/proc/self/status") as f:
+        return next(int(ln.split()[1]) * 1024 for ln in f if ln.startswith("VmRSS:"))
+
+
+def rss_method():
+    """How peak RSS is taken, for the JSON a benchmark writes."""
+    if launcher():
+        return "GNU time's %M: the command's own peak RSS"
+    return ("wait4's ru_maxrss (no GNU time): floored at the launching Python's RSS "
+            "at the fork, about %.0f MB" % (self_rss() / 1e6))
+
+
+def spawn(cmd, env=None, preexec_fn=None):
+    """Starts cmd (stdout to /dev/null, stderr to a pipe), under GNU time where it
+    is; returns (Popen, the file GNU time writes the command's peak RSS to, or None).
+    Reap it with reaped()."""
+    out = None
+    if launcher():
+        fd, out = tempfile.mkstemp(prefix="unshard-bench-rusage-")
+        os.close(fd)
+        cmd = [GNU_TIME, "-f", "%M", "-o", out] + list(cmd)
+    p = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                         preexec_fn=preexec_fn)
+    return p, out
+
+
+def reaped(p, out):
+    """Reads p's stderr to the end and waits for it; returns (exit code, peak RSS
+    bytes, CPU seconds, stderr bytes). CPU is user plus system time from wait4: the
+    command's and its children's, plus GNU time's own (about a millisecond)."""
+    err = p.stderr.read()
+    _, status, ru = os.wait4(p.pid, 0)
+    p.returncode = code = os.waitstatus_to_exitcode(status)
+    rss, cpu = ru.ru_maxrss * 1024, ru.ru_utime + ru.ru_stime
+    if out:
+        with open(out) as f:
+            text = f.read()
+        os.unlink(out)
+        # A failed command's status comes first ("Command exited with non-zero
+        # status N"); %M is the last line.
+        last = text.split()[-1:] if text.strip() else []
+        if last and last[0].isdigit():
+            rss = int(last[0]) * 1024
+        elif code == 0:
+            raise RuntimeError("GNU time wrote no peak RSS for %s: %r" % (p.args, text))
+    return code, rss, cpu, err
+
+
 def measure(cmd, nofile=None):
     """Runs cmd (with the limit on open files set to nofile, soft and hard, if given);
     returns (wall seconds, peak RSS bytes, seconds of the sync after, stderr, CPU
-    seconds: user plus system)."""
+    seconds: user plus system). Peak RSS is the command's own under GNU time (see
+    launcher())."""
     def limit():
         if nofile:
             resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile))
     t0 = time.perf_counter()
-    p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                         preexec_fn=limit)
-    # wait4 gives this child's own rusage: ru_maxrss is its peak RSS in KiB.
-    err = p.stderr.read()
-    _, status, ru = os.wait4(p.pid, 0)
+    p, out = spawn(cmd, preexec_fn=limit)
+    code, rss, cpu, err = reaped(p, out)
     wall = time.perf_counter() - t0
-    p.returncode = os.waitstatus_to_exitcode(status)
     t1 = time.perf_counter()
     subprocess.run(["sync"], check=True)
     flush = time.perf_counter() - t1
-    if p.returncode != 0:
-        raise RuntimeError("%s failed (exit %d): %s" % (" ".join(cmd), p.returncode,
+    if code != 0:
+        raise RuntimeError("%s failed (exit %d): %s" % (" ".join(cmd), code,
                                                        err.decode(errors="replace")[-2000:]))
-    return wall, ru.ru_maxrss * 1024, flush, err, ru.ru_utime + ru.ru_stime
+    return wall, rss, flush, err, cpu
 
 
 def has_torch(python):
@@ -347,7 +423,7 @@ def main():
                            date=datetime.date.today().isoformat(),
                            **({"note": args.note} if args.note else {}),
                            load_1min_at_end=round(os.getloadavg()[0], 2),
-                           nofile=args.nofile,
+                           nofile=args.nofile, peak_rss=rss_method(),
                            results=[{k: v for k, v in r.items() if k != "meta"} for r in results]),
                       f, indent=2)
 

@@ -1,17 +1,19 @@
 #!/usr/bin/env python3
-"""Renders README.md's performance tables from the benchmark output in bench/results/.
+"""Renders the performance tables of README.md and docs/*.md from the benchmark output
+in bench/results/.
 
-Every figure in a performance table of README.md comes from a JSON file that
-bench/run.py wrote (`--json`) and that is committed under bench/results/, with
-the machine, the date, the page-cache state and the number of runs inside it.
+Every figure in a performance table comes from a JSON file that bench/run.py,
+bench/lora.py or bench/remote.py wrote (`--json`) and that is committed under
+bench/results/, with the machine, the date and how the runs were taken inside it.
 A table lives between two marker comments that say where its figures come from:
 
     <!-- bench: file=2026-12-01-tinyllama.json kinds=policy cols=model,input,size,command,wall,xcp,rss -->
     (generated: leave it to this script)
     <!-- /bench -->
 
-  python3 bench/tables.py            rewrites every table of README.md from its JSON
-  python3 bench/tables.py --check    fails (exit 1, with a diff) when README.md is not
+  python3 bench/tables.py            rewrites every table of README.md and docs/*.md
+                                     from its JSON
+  python3 bench/tables.py --check    fails (exit 1, with a diff) when a document is not
                                      what the JSON says; .ci/run runs this
 
 Needs only Python 3 (no torch). Below each table a line names the JSON file, the
@@ -26,8 +28,11 @@ Marker options (space-separated KEY=VALUE; quote a value holding spaces):
   tools=read,cp,unshard only these rows (run.py's tool names: read, cp, unshard,
                         "unshard NAME" for --compare NAME=..., python, zero_to_fp32)
   data=NAME[,NAME]      only the data directories with these base names
-  layout=rows|pivot     rows (default): one table row per result (per tool);
-                        pivot: one table row per input, tools as columns
+  layout=rows|pivot|lora|remote
+                        rows (default): one table row per result (per tool);
+                        pivot: one table row per input, tools as columns;
+                        lora, remote: bench/lora.py's and bench/remote.py's JSON
+                        (below)
   cols=C1,C2,...        the columns, in order; a column is NAME or NAME=Header
                         (a header with spaces needs the whole cols value quoted;
                         a comma in a header is written \\,)
@@ -48,9 +53,25 @@ Columns (layout=rows):
   field:K  the row's own field K (or its model's), printed as it is
 
 Columns (layout=pivot), one row per input: model, input, size, cache, field:K as
-above, and METRIC:TOOL with METRIC one of wall, sync, xcp, xread, rss, cpu, runs, e.g.
+above, bytes:K (the field K as a size, to 0.1 MB below 10 MB), and METRIC:TOOL with METRIC one of wall,
+sync, xcp, xread, rss, cpu, runs (a tool with no result for the input says
+"failed" or "skipped" as run.py kept it, or "–" when its file has no such row), e.g.
 `wall:cp`, `rss:unshard`; `rss:unshard+unshard old` prints "47 / 44 MB"; and
 `ratio:A/B`, the wall time of tool A over tool B's, e.g. `ratio:unshard/unshard old`.
+
+layout=lora (bench/lora.py's JSON; options file, tools=plain,lora,peft, cols): one
+row per command of each file, from the file's medians. Columns: date (of the run),
+output (where it wrote), command, runs (how many), wall, cpu ("not recorded" in
+files from before CPU times), rss, xplain (wall time over the plain merge's, same
+file), peftmem (peft's peak RSS over the row's, same file; blank on peft's row),
+load (the load averages at the end).
+
+layout=remote (bench/remote.py's JSON; options file, match=REGEX, cols): one row
+per row of each file whose name REGEX finds. Columns: row (its name), wall, runs,
+gets (GET requests the server logged, median), rss (the largest peak over the
+runs, of the largest part), rss_sum (the parts' peaks summed), cpu (CPU seconds of
+all the parts, median), parts (processes), xrow:PREFIX (wall time over the wall
+time of the one row of the same file whose name starts with PREFIX).
 
 To add a table for new results: commit the JSON from `bench/run.py --json
 bench/results/DATE-WHAT.json` (`--note` says how the machine was shared), put an
@@ -99,8 +120,13 @@ def fmt_bytes(n):
     return "%.0f MB" % (n / 1e6)
 
 
+def shape(r):
+    """The row's model fields (run.py's `model`; files before it kept the whole `meta`)."""
+    return r.get("model") or r.get("meta") or {}
+
+
 def model(r):
-    m = r.get("model") or {}
+    m = shape(r)
     if "ranks" in m:
         return "wide (%d layers over %d ranks%s)" % (
             m["layers"], m["ranks"], ", + Adam state" if m.get("optim") else "")
@@ -111,7 +137,7 @@ def model(r):
 
 
 def field(r, key):
-    v = r.get(key, (r.get("model") or {}).get(key))
+    v = r.get(key, shape(r).get(key))
     if v is None:
         raise Bad("row %s/%s has no field %r" % (r["kind"], r["tool"], key))
     return str(v)
@@ -206,10 +232,16 @@ def render(opts):
         args = dict(a.split("=", 1) for a in shlex.split(opts))
     except ValueError as e:
         raise Bad("marker %r: %s (options are KEY=VALUE)" % (opts.strip(), e))
-    unknown = set(args) - {"file", "kinds", "tools", "data", "layout", "cols"}
+    layout = args.get("layout", "rows")
+    allowed = OPTIONS.get(layout, OPTIONS["rows"])
+    unknown = set(args) - allowed
     if unknown or "file" not in args or "cols" not in args:
         raise Bad("marker %r: needs file= and cols=; unknown options %s"
                   % (opts.strip(), sorted(unknown)))
+    if layout == "lora":
+        return render_lora(args, opts)
+    if layout == "remote":
+        return render_remote(args, opts)
     rows, heads = load(args["file"].split(","))
     keep = rows
     if "kinds" in args:
@@ -217,7 +249,6 @@ def render(opts):
     if "data" in args:
         keep = [r for r in keep if os.path.basename(r["data"]) in args["data"].split(",")]
     cols = parse_cols(args["cols"])
-    layout = args.get("layout", "rows")
     if layout == "rows":
         if "tools" in args:
             keep = [r for r in keep if r["tool"] in args["tools"].split(",")]
@@ -225,7 +256,7 @@ def render(opts):
     elif layout == "pivot":
         table = pivot_table(rows, keep, cols)
     else:
-        raise Bad("marker %r: layout is rows or pivot" % opts.strip())
+        raise Bad("marker %r: layout is rows, pivot, lora or remote" % opts.strip())
     if not keep:
         raise Bad("marker %r: no results match" % opts.strip())
     return table + "\n\n" + source_line(heads) + "\n"
@@ -273,6 +304,9 @@ def pivot_table(rows, keep, cols):
         elif metric == "field":
             header.append(head or tools)
             align.append("l")
+        elif metric == "bytes" and tools:
+            header.append(head or tools)
+            align.append("r")
         elif metric in METRICS and tools:
             header.append(head or "%s, %s" % (HEADERS[metric], command(tools)))
             align.append("r")
@@ -281,8 +315,21 @@ def pivot_table(rows, keep, cols):
             header.append(head or "%s / %s" % (command(a), command(b)))
             align.append("r")
         else:
-            raise Bad("unknown pivot column %r (model, input, size, cache, field:K, ratio:A/B, "
+            raise Bad("unknown pivot column %r (model, input, size, cache, field:K, bytes:K, ratio:A/B, "
                       "METRIC:TOOL with METRIC one of %s)" % (name, ", ".join(METRICS)))
+    def missing(first, tool):
+        """What a cell says for a tool with no result for this input: "failed" or
+        "skipped" (the row run.py kept instead), else "–" (a file without that row);
+        a tool that no file of the marker has is a mistake in the marker."""
+        if not any(c["tool"] == tool for c in rows):
+            raise Bad("no file of the marker has a %r row" % tool)
+        why = next((c["skipped"] for c in rows if c["_file"] == first["_file"]
+                    and c["data"] == first["data"] and c["kind"] == first["kind"]
+                    and c["tool"] == tool and "skipped" in c), None)
+        if why is None:
+            return "–"
+        return "failed" if why.startswith("failed") else "skipped"
+
     lines = []
     for (fname, data, kind), first in inputs:
         cells = []
@@ -290,27 +337,229 @@ def pivot_table(rows, keep, cols):
             metric, _, tools = name.partition(":")
             if metric == "field":
                 cells.append(field(first, tools))
+            elif metric == "bytes":
+                n = int(field(first, tools))
+                cells.append("%.1f MB" % (n / 1e6) if n < 10e6 else fmt_bytes(n))
             elif not tools:
                 cells.append(COLUMNS[metric](rows, first))
             elif metric == "ratio":
-                a, b = (peer(rows, first, t) for t in tools.split("/"))
+                pair = tools.split("/")
+                a, b = (peer(rows, first, t) for t in pair)
                 if a is None or b is None:
-                    raise Bad("%s: no %r row for %s" % (fname, tools, first["label"]))
+                    cells.append(missing(first, pair[0] if a is None else pair[1]))
+                    continue
                 cells.append("%.2f" % (a["wall"] / b["wall"]))
             else:
                 vals = []
                 for tool in tools.split("+"):
                     r = peer(rows, first, tool)
-                    if r is None:
-                        raise Bad("%s: no %r row for %s" % (fname, tool, first["label"]))
-                    vals.append(METRICS[metric](rows, r))
+                    vals.append(missing(first, tool) if r is None else METRICS[metric](rows, r))
                 if metric == "rss" and len(vals) > 1:
                     unit = vals[0].split()[-1]
                     if all(v.endswith(" " + unit) for v in vals):
                         vals = [v.split()[0] for v in vals[:-1]] + [vals[-1]]
-                cells.append(" / ".join(vals) + UNITS.get(metric, ""))
+                unit = UNITS.get(metric, "") if any(v[:1].isdigit() for v in vals) else ""
+                cells.append(" / ".join(vals) + unit)
         lines.append(cells)
     return markdown(header, align, lines)
+
+
+OPTIONS = {
+    "rows": {"file", "kinds", "tools", "data", "layout", "cols"},
+    "pivot": {"file", "kinds", "tools", "data", "layout", "cols"},
+    "lora": {"file", "tools", "layout", "cols"},
+    "remote": {"file", "match", "layout", "cols"},
+}
+
+
+def load_doc(name, keys, writer):
+    path = os.path.join(RESULTS, name)
+    try:
+        with open(path) as f:
+            doc = json.load(f)
+    except (OSError, ValueError) as e:
+        raise Bad("cannot read %s: %s" % (path, e))
+    for key in keys:
+        if key not in doc:
+            raise Bad("%s has no %r: write it with %s --json" % (path, key, writer))
+    return doc
+
+
+def median(xs):
+    xs = sorted(xs)
+    mid = len(xs) // 2
+    return xs[mid] if len(xs) % 2 else (xs[mid - 1] + xs[mid]) / 2
+
+
+def other_line(heads, how):
+    """The line under a lora or remote table: each file, its machine, date, how the
+    figures were taken (how(doc)) and its note."""
+    parts = []
+    for name, doc in heads:
+        note = (doc.get("note") or "").rstrip(". ")
+        parts.append("`bench/results/%s`: %s; %s; %s%s" % (
+            name, doc["machine"], doc["date"], how(doc), "; " + note if note else ""))
+    return "<sub>Generated by `bench/tables.py` from " + "; ".join(parts) + ".</sub>"
+
+
+def check_cols(cols, known, layout):
+    for name, _ in cols:
+        base = name.split(":", 1)[0] + (":" if ":" in name else "")
+        if name not in known and base not in known:
+            raise Bad("unknown %s column %r (one of %s)" % (layout, name, ", ".join(sorted(known))))
+
+
+# layout=lora: bench/lora.py's JSON. One row per command (plain merge of the base,
+# the fuse, peft once), from the file's medians.
+LORA_COMMANDS = {
+    "plain": "plain merge of the base (`unshard merge BASE`)",
+    "lora": "fuse the adapter (`unshard merge ADAPTER --base BASE`)",
+    "peft": "peft `merge_and_unload` + `save_pretrained`",
+}
+LORA_HEADERS = {
+    "date": "run", "output": "output to", "command": "command", "runs": "runs",
+    "wall": "wall s", "cpu": "CPU s", "rss": "peak RSS", "xplain": "wall / plain merge's",
+    "peftmem": "peft's peak RSS / this", "load": "load average at end (1, 5, 15 min)",
+}
+
+
+def lora_output(doc, tool):
+    if tool == "peft":
+        return "`%s`" % doc["runs"]["peft"][0].get("output", "?")
+    cmd = doc["commands"][tool]
+    for flag in ("-o", "--output"):
+        if flag in cmd:
+            return "`%s`" % cmd[cmd.index(flag) + 1]
+    return "?"
+
+
+def lora_cell(name, doc, tool):
+    med = doc["median"]
+    m = med[tool]
+    if name == "date":
+        return doc["date"]
+    if name == "output":
+        return lora_output(doc, tool)
+    if name == "command":
+        return LORA_COMMANDS[tool]
+    if name == "runs":
+        return str(len(doc["runs"][tool]))
+    if name == "wall":
+        return "%.2f" % m["wall_s"]
+    if name == "cpu":
+        # Files before 2026-12-01 23:00 have no CPU times.
+        return "%.2f" % m["cpu_s"] if "cpu_s" in m else "not recorded"
+    if name == "rss":
+        return fmt_bytes(m["peak_rss"])
+    if name == "xplain":
+        return "%.2fx" % (m["wall_s"] / med["plain"]["wall_s"])
+    if name == "peftmem":
+        if tool == "peft" or "peft" not in med:
+            return ""
+        return "%.1fx" % (med["peft"]["peak_rss"] / m["peak_rss"])
+    if name == "load":
+        return " / ".join("%.1f" % x for x in doc["load_average_at_end"])
+    raise Bad("unknown lora column %r" % name)
+
+
+def render_lora(args, opts):
+    cols = parse_cols(args["cols"])
+    check_cols(cols, LORA_HEADERS, "lora")
+    tools = args.get("tools", "plain,lora,peft").split(",")
+    heads, lines = [], []
+    for name in args["file"].split(","):
+        doc = load_doc(name, ("machine", "date", "commands", "runs", "median",
+                              "load_average_at_end"), "bench/lora.py")
+        for t in ("plain", "lora"):
+            if t not in doc["median"]:
+                raise Bad("%s has no %r row" % (name, t))
+        heads.append((name, doc))
+        for tool in tools:
+            if tool not in LORA_COMMANDS:
+                raise Bad("marker %r: tools are plain, lora, peft" % opts.strip())
+            if tool in doc["median"]:
+                lines.append([lora_cell(n, doc, tool) for n, _ in cols])
+    if not lines:
+        raise Bad("marker %r: no results match" % opts.strip())
+    header = [h or LORA_HEADERS[n] for n, h in cols]
+    align = ["l" if n in ("date", "output", "command") else "r" for n, _ in cols]
+
+    def how(doc):
+        n = {t: len(r) for t, r in doc["runs"].items()}
+        each = ("%d runs each" % n["plain"] if n["plain"] == n["lora"]
+                else "%d and %d runs" % (n["plain"], n["lora"]))
+        peft = ""
+        if "peft" in n:
+            peft = "; peft once" if n["peft"] == 1 else "; peft %d runs" % n["peft"]
+        return "page cache warm; plain merge and fuse interleaved, medians of %s%s" % (each, peft)
+    return markdown(header, align, lines) + "\n\n" + other_line(heads, how) + "\n"
+
+
+# layout=remote: bench/remote.py's JSON. One row per row of the file (match=REGEX
+# keeps the rows whose name it finds).
+REMOTE_HEADERS = {
+    "row": "what ran", "wall": "wall s", "runs": "runs, s", "gets": "GETs",
+    "rss": "peak RSS", "rss_sum": "peak RSS, sum over the parts", "cpu": "CPU s",
+    "parts": "processes", "xrow:": "x %s",
+}
+
+
+def remote_peer(doc, prefix, name):
+    hits = [r for r in doc["results"] if r["row"].startswith(prefix)]
+    if len(hits) != 1:
+        raise Bad("%s: %d rows start with %r (column xrow:PREFIX needs one)"
+                  % (name, len(hits), prefix))
+    return hits[0]
+
+
+def remote_cell(col, r, doc, name):
+    if col == "row":
+        return r["row"]
+    if col == "wall":
+        return "%.2f" % r["wall"]
+    if col == "runs":
+        return ", ".join("%.2f" % w for w in r["walls"])
+    if col == "gets":
+        return "%.0f" % r["gets"] if r.get("gets") is not None else ""
+    if col == "rss":
+        # remote.py keeps the largest peak over the runs (of the largest part).
+        return fmt_bytes(r["rss"]) if r.get("rss") else ""
+    if col == "rss_sum":
+        return fmt_bytes(r["rss_sum"]) if "rss_sum" in r else ""
+    if col == "cpu":
+        return "%.2f" % median(r["cpu"]) if "cpu" in r else ""
+    if col == "parts":
+        return str(r.get("parts", 1))
+    if col.startswith("xrow:"):
+        return "%.2f" % (r["wall"] / remote_peer(doc, col[5:], name)["wall"])
+    raise Bad("unknown remote column %r" % col)
+
+
+def render_remote(args, opts):
+    cols = parse_cols(args["cols"])
+    check_cols(cols, REMOTE_HEADERS, "remote")
+    match = re.compile(args.get("match", ""))
+    heads, lines = [], []
+    for name in args["file"].split(","):
+        doc = load_doc(name, ("machine", "date", "repeat", "results"), "bench/remote.py")
+        heads.append((name, doc))
+        for r in doc["results"]:
+            if match.search(r["row"]):
+                lines.append([remote_cell(c, r, doc, name) for c, _ in cols])
+    if not lines:
+        raise Bad("marker %r: no results match" % opts.strip())
+    header = [h or (REMOTE_HEADERS["xrow:"] % n[5:] if n.startswith("xrow:")
+                    else REMOTE_HEADERS[n]) for n, h in cols]
+    align = ["l" if n == "row" else "r" for n, _ in cols]
+
+    def how(doc):
+        how = "median of %d interleaved runs; peak RSS the largest over the runs" % doc["repeat"]
+        if "cache" in doc:
+            how = "%s page cache; %s" % (doc["cache"], how)
+        if "server" in doc:
+            how += "; %s" % doc["server"]
+        return how
+    return markdown(header, align, lines) + "\n\n" + other_line(heads, how) + "\n"
 
 
 def rendered(text):
@@ -319,31 +568,48 @@ def rendered(text):
     return MARKER.sub(one, text)
 
 
+def documents():
+    """README.md and docs/*.md: every file whose tables this script keeps."""
+    root = os.path.dirname(HERE)
+    docs = os.path.join(root, "docs")
+    names = sorted(f for f in os.listdir(docs) if f.endswith(".md")) if os.path.isdir(docs) else []
+    return [README] + [os.path.join(docs, f) for f in names]
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--check", action="store_true",
-                    help="fail when README.md differs from what the results say")
-    ap.add_argument("--readme", default=README)
+                    help="fail when a document differs from what the results say")
+    ap.add_argument("--readme", action="append", metavar="FILE",
+                    help="the document(s) to render (default README.md and docs/*.md)")
     args = ap.parse_args()
-    with open(args.readme) as f:
-        text = f.read()
-    try:
-        new = rendered(text)
-    except Bad as e:
-        sys.exit("bench/tables.py: %s" % e)
-    n = len(MARKER.findall(text))
-    if args.check:
-        if new != text:
+    root = os.path.dirname(HERE)
+    differ, n = [], 0
+    for path in args.readme or documents():
+        with open(path) as f:
+            text = f.read()
+        try:
+            new = rendered(text)
+        except Bad as e:
+            sys.exit("bench/tables.py: %s: %s" % (os.path.relpath(path, root), e))
+        n += len(MARKER.findall(text))
+        if new == text:
+            continue
+        name = os.path.relpath(path, root)
+        differ.append(name)
+        if args.check:
             sys.stdout.writelines(difflib.unified_diff(
-                text.splitlines(True), new.splitlines(True), "README.md", "from bench/results"))
-            sys.exit("bench/tables.py: README.md's performance tables differ from "
-                     "bench/results/ (run python3 bench/tables.py)")
+                text.splitlines(True), new.splitlines(True), name, "from bench/results"))
+        else:
+            with open(path, "w") as f:
+                f.write(new)
+    if args.check:
+        if differ:
+            sys.exit("bench/tables.py: the performance tables of %s differ from "
+                     "bench/results/ (run python3 bench/tables.py)" % ", ".join(differ))
         print("bench/tables.py: %d table(s) match bench/results/" % n)
         return
-    if new != text:
-        with open(args.readme, "w") as f:
-            f.write(new)
-    print("bench/tables.py: %d table(s) written" % n)
+    print("bench/tables.py: %d table(s), %d rewritten" % (n, len(differ)))
 
 
 if __name__ == "__main__":
