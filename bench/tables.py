@@ -193,15 +193,7 @@ TEXT_COLUMNS = {"model", "input", "cache", "command"}
 def load(names):
     rows, heads = [], []
     for name in names:
-        path = os.path.join(RESULTS, name)
-        try:
-            with open(path) as f:
-                doc = json.load(f)
-        except (OSError, ValueError) as e:
-            raise Bad("cannot read %s: %s" % (path, e))
-        for key in ("machine", "date", "cache", "repeat", "results"):
-            if key not in doc:
-                raise Bad("%s has no %r: write it with bench/run.py --json" % (path, key))
+        doc = load_doc(name, ("machine", "date", "cache", "repeat", "results"), "bench/run.py")
         heads.append((name, doc))
         for r in doc["results"]:
             rows.append(dict(r, _file=name, _cache=doc["cache"]))

@@ -56,6 +56,16 @@ fn checksum(bytes: &[u8]) -> String {
     blake3::hash(bytes).to_hex().to_string()
 }
 
+/// Re-indents OUT/config.json: the same JSON, other bytes (a change only a
+/// checksum sees).
+fn reindent_config(out: &Path) {
+    let config = out.join("config.json");
+    let reindented = std::fs::read_to_string(&config)
+        .unwrap()
+        .replace("  ", "   ");
+    std::fs::write(&config, reindented).unwrap();
+}
+
 /// Every file but unshard.json is listed, with its size and checksum.
 fn assert_lists_every_file(out: &Path) {
     let m = manifest(out);
@@ -166,11 +176,7 @@ fn a_file_changed_after_the_merge_is_named_by_its_checksum() {
     std::fs::write(&shard, &bytes).unwrap();
 
     // A change no other check sees: config.json re-indented, the same JSON.
-    let config = out.join("config.json");
-    let reindented = std::fs::read_to_string(&config)
-        .unwrap()
-        .replace("  ", "   ");
-    std::fs::write(&config, reindented).unwrap();
+    reindent_config(&out);
     let o = unshard(&["verify", out.to_str().unwrap(), "-q"]);
     let t = text(&o);
     assert_eq!(o.status.code(), Some(1), "{t}");
@@ -204,11 +210,7 @@ fn a_manifest_with_checksums_of_another_scheme_says_they_are_not_compared() {
     );
     // config.json re-indented (same JSON): only a checksum sees it, and none is
     // compared, so verify passes; with the current scheme it fails.
-    let config = out.join("config.json");
-    let reindented = std::fs::read_to_string(&config)
-        .unwrap()
-        .replace("  ", "   ");
-    std::fs::write(&config, reindented).unwrap();
+    reindent_config(&out);
     let o = unshard(&["verify", out.to_str().unwrap(), "-q"]);
     assert!(o.status.success(), "{}", text(&o));
     m["checksum"]["algorithm"] = "blake3".into();
