@@ -24,7 +24,8 @@ Marker options (space-separated KEY=VALUE; quote a value holding spaces):
   kinds=policy,dcp      only these input kinds (run.py's KINDS: policy, dcp, ranks,
                         zero2, zero3); default all
   tools=read,cp,unshard only these rows (run.py's tool names: read, cp, unshard,
-                        "unshard NAME" for --compare NAME=..., python, zero_to_fp32)
+                        "unshard NAME" for --compare NAME=..., inspect, "inspect
+                        NAME", python, zero_to_fp32)
   data=NAME[,NAME]      only the data directories with these base names
   layout=rows|pivot     rows (default): one table row per result (per tool);
                         pivot: one table row per input, tools as columns
@@ -77,6 +78,7 @@ COMMANDS = {
     "cp": "`cp -r`",
     "unshard": "`unshard merge` (to bf16)",
     "python": "Python pipeline",
+    "inspect": "`unshard inspect`",
     "zero_to_fp32": "`zero_to_fp32.py --safe_serialization`",
 }
 
@@ -90,6 +92,8 @@ def command(tool):
         return COMMANDS[tool]
     if tool.startswith("unshard "):
         return "`unshard merge` (%s)" % tool[len("unshard "):]
+    if tool.startswith("inspect "):
+        return "`unshard inspect` (%s)" % tool[len("inspect "):]
     return tool
 
 
@@ -101,6 +105,10 @@ def fmt_bytes(n):
 
 def model(r):
     m = r.get("model") or {}
+    if m.get("kind") == "ranks":
+        return "verl rank files (%d layers%s over %d ranks)" % (
+            m["layers"], ", %d experts each," % m["experts"] if m.get("experts") else "",
+            m["ranks"])
     if "ranks" in m:
         return "wide (%d layers over %d ranks%s)" % (
             m["layers"], m["ranks"], ", + Adam state" if m.get("optim") else "")
