@@ -2,13 +2,16 @@
 """Measures unshard against cp and the Python pipeline, side by side in one run.
 
 For every data directory written by gen.py (or gen_wide.py: one DCP directory of
-many ranks, to measure what grows with the rank count) and every input kind in it
+many ranks, or with --kind ranks verl's per-rank files, to measure what grows with
+the rank count) and every input kind in it
 (policy.pt, the 4-rank DCP directory, the 4 verl rank files), runs back to back:
 
   read     read_floor.py: every input byte read once, 4 threads of 16 MiB reads
            (direct I/O when cold), nothing written: what reading alone costs
   cp       cp -r of the input: the yardstick for reading and writing those bytes
   unshard  unshard merge INPUT --base base --dtype bfloat16 (writes half the bytes cp does)
+  inspect  unshard inspect INPUT --json: opening the checkpoint alone (only when
+           asked for with --rows, beside the unshard rows)
   python   the Python pipeline (python_pipeline.py), where torch is installed:
            policy.pt and DCP only (per-rank files have no torch-only converter);
            for the DeepSpeed folders of gen_deepspeed.py, DeepSpeed's own
@@ -211,7 +214,8 @@ def fmt_bytes(n):
 
 def model_fields(meta):
     """What bench/tables.py needs to name the model of a row (meta.json's shape fields)."""
-    return {k: meta[k] for k in ("layers", "parameters", "ranks", "chunks", "optim") if k in meta}
+    return {k: meta[k] for k in ("layers", "parameters", "ranks", "chunks", "optim", "kind",
+                                 "experts") if k in meta}
 
 
 def run(args):
@@ -236,7 +240,11 @@ def run(args):
             meta = json.load(f)
         base = os.path.join(data, "base")
         kinds = KINDS
-        if "ranks" in meta:
+        if meta.get("kind") == "ranks":
+            # gen_wide.py --kind ranks: verl's per-rank files of DTensors, tiny weights.
+            kinds = (("ranks", "ranks", "verl ranks, %d files, %d shards" % (
+                meta["ranks"], meta["chunks"]), None),)
+        elif "ranks" in meta:
             # Written by gen_wide.py: one DCP directory of many ranks, tiny weights.
             kinds = (("dcp", "dcp", "DCP, %d ranks, %d chunks" % (meta["ranks"], meta["chunks"]),
                       None),)
@@ -265,6 +273,11 @@ def run(args):
                         rows.append(("unshard " + name, lambda out, src=src, other=other: [
                             other, "merge", src, "--base", base, "--output", out,
                             "--dtype", "bfloat16", "--quiet", "--force"]))
+                    if "inspect" in args.rows:
+                        # Opening the checkpoint alone: what describing it costs.
+                        for name, exe in [("", unshard)] + list(args.compare):
+                            rows.append((("inspect " + name).strip(), lambda out, exe=exe, src=src: [
+                                exe, "inspect", src, "--json"]))
                 else:
                     skipped = "not supported yet (%s)" % why
             if python_ok and mode == "zero":
@@ -290,7 +303,7 @@ def run(args):
                         if tool not in ("cp", "read"):
                             read_all(base)
                         subprocess.run(["sync"], check=True)
-                    nofile = args.nofile if tool.startswith("unshard") else None
+                    nofile = args.nofile if tool.startswith(("unshard", "inspect")) else None
                     load = os.getloadavg()[0]
                     try:
                         wall, rss, flush, _, cpu = measure(make_cmd(out), nofile)
@@ -339,6 +352,7 @@ def run(args):
 
 
 TOOL_NAMES = {"read": "read only (read_floor.py)", "cp": "cp -r", "unshard": "unshard merge (to bf16)", "python": "Python pipeline",
+              "inspect": "unshard inspect",
               "zero_to_fp32": "zero_to_fp32.py --safe_serialization (fp32)"}
 
 
@@ -408,6 +422,7 @@ def main():
     args.compare = [tuple(c.split("=", 1)) for c in args.compare]
     for name, path in args.compare:
         TOOL_NAMES["unshard " + name] = "unshard merge (%s)" % name
+        TOOL_NAMES["inspect " + name] = "unshard inspect (%s)" % name
     args.compare = [(n, os.path.abspath(p)) for n, p in args.compare]
     args.rows = args.rows.split(",")
     args.kinds = args.kinds.split(",")

@@ -26,7 +26,8 @@ Marker options (space-separated KEY=VALUE; quote a value holding spaces):
   kinds=policy,dcp      only these input kinds (run.py's KINDS: policy, dcp, ranks,
                         zero2, zero3); default all
   tools=read,cp,unshard only these rows (run.py's tool names: read, cp, unshard,
-                        "unshard NAME" for --compare NAME=..., python, zero_to_fp32)
+                        "unshard NAME" for --compare NAME=..., inspect, "inspect
+                        NAME", python, zero_to_fp32)
   data=NAME[,NAME]      only the data directories with these base names
   layout=rows|pivot|lora|remote
                         rows (default): one table row per result (per tool);
@@ -98,6 +99,7 @@ COMMANDS = {
     "cp": "`cp -r`",
     "unshard": "`unshard merge` (to bf16)",
     "python": "Python pipeline",
+    "inspect": "`unshard inspect`",
     "zero_to_fp32": "`zero_to_fp32.py --safe_serialization`",
 }
 
@@ -111,6 +113,8 @@ def command(tool):
         return COMMANDS[tool]
     if tool.startswith("unshard "):
         return "`unshard merge` (%s)" % tool[len("unshard "):]
+    if tool.startswith("inspect "):
+        return "`unshard inspect` (%s)" % tool[len("inspect "):]
     return tool
 
 
@@ -127,6 +131,10 @@ def shape(r):
 
 def model(r):
     m = shape(r)
+    if m.get("kind") == "ranks":
+        return "verl rank files (%d layers%s over %d ranks)" % (
+            m["layers"], ", %d experts each," % m["experts"] if m.get("experts") else "",
+            m["ranks"])
     if "ranks" in m:
         return "wide (%d layers over %d ranks%s)" % (
             m["layers"], m["ranks"], ", + Adam state" if m.get("optim") else "")

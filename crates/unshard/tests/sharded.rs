@@ -404,6 +404,63 @@ fn zero_padded_rank_numbers_are_read_and_missing_ones_named_alike() {
     assert!(e.to_string().contains("part_rank_001.pt"), "{e}");
 }
 
+/// Renames storage record `key` of a `torch.save` zip in place (its name in the
+/// local header and in the central directory), so the pickle's storage `key` is no
+/// longer in the archive.
+fn hide_storage(file: &Path, key: &str) {
+    let mut bytes = std::fs::read(file).unwrap();
+    let from = format!("/data/{key}");
+    let to = format!("/data/{}", "Z".repeat(key.len()));
+    let (from, to) = (from.as_bytes(), to.as_bytes());
+    let mut hits = 0;
+    let mut i = 0;
+    while i + from.len() <= bytes.len() {
+        // The name ends there: the next byte is not another digit of a longer key.
+        let end = bytes
+            .get(i + from.len())
+            .is_none_or(|b| !b.is_ascii_digit());
+        if &bytes[i..i + from.len()] == from && end {
+            bytes[i..i + from.len()].copy_from_slice(to);
+            hits += 1;
+        }
+        i += 1;
+    }
+    assert_eq!(hits, 2, "{}: record {key}", file.display());
+    std::fs::write(file, bytes).unwrap();
+}
+
+#[test]
+fn a_replica_whose_bytes_cannot_be_read_is_never_read() {
+    // HSDP over a 2x2 mesh, (Replicate, Shard(0)): ranks 2 and 3 hold the same boxes
+    // as ranks 0 and 1. Each rank's file is read and dropped before the next, its
+    // local tensors kept as records; one whose storage record is missing is an error
+    // only if its box is the one the merge reads.
+    let tmp = tempfile::tempdir().unwrap();
+    for (rank, fails) in [(2, false), (0, true)] {
+        let dir = tmp.path().join(format!("hidden_in_{rank}"));
+        copy_dir(&sharded("llama_hsdp_2x2_ranks"), &dir, |f| {
+            f.ends_with(".pt").then(|| f.to_string())
+        });
+        hide_storage(&dir.join(format!("model_world_size_4_rank_{rank}.pt")), "0");
+        match open(&dir) {
+            Ok(c) => {
+                assert!(!fails, "rank {rank}: opened");
+                assert_eq!(contents(&c), full_state("llama"));
+            }
+            Err(e) => {
+                assert!(fails, "rank {rank}: {e}");
+                let msg = e.to_string();
+                assert!(matches!(e, Error::BadTensor { .. }), "{e:?}");
+                assert!(
+                    msg.contains("model_world_size_4_rank_0.pt")
+                        && msg.contains("storage '0' is missing"),
+                    "{msg}"
+                );
+            }
+        }
+    }
+}
+
 #[test]
 fn a_rank_file_from_another_run_is_named() {
     let tmp = tempfile::tempdir().unwrap();

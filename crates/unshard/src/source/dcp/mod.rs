@@ -51,18 +51,6 @@ pub fn is_dcp_dir(path: &Path) -> bool {
     super::fs::is_file(&path.join(".metadata"))
 }
 
-/// Hands memory freed by the allocator back to the system. The `.metadata` of a
-/// checkpoint of many ranks is parsed into millions of small allocations; once they are
-/// freed, glibc keeps most of them for reuse, and the merge that follows (minutes, for
-/// a big model) would hold hundreds of MB it no longer needs.
-fn release_freed_memory() {
-    #[cfg(all(target_os = "linux", target_env = "gnu"))]
-    // SAFETY: malloc_trim only returns free heap memory to the system.
-    unsafe {
-        libc::malloc_trim(0);
-    }
-}
-
 /// Opens a DCP directory and describes the model tensors in it.
 pub fn open(dir: &Path, opts: &OpenOptions) -> Result<Checkpoint> {
     open_tuned(dir, opts, &Tuning::default()).map(|(c, _)| c)
@@ -110,7 +98,7 @@ fn open_tuned(dir: &Path, opts: &OpenOptions, tuning: &Tuning) -> Result<(Checkp
         optimizer_keys: OPTIMIZER_KEYS,
     };
     let mut md = parse_metadata(&meta_path, model)?;
-    release_freed_memory();
+    super::release_freed_memory();
     if wants_dropped(dir, &md, key)? {
         // The guess from the fqns was wrong (the planner's paths put an entry the
         // merge reads under a key that looked like optimizer state): read it all.

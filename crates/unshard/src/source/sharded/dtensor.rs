@@ -3,13 +3,14 @@
 //! device mesh and the rank's mesh coordinate.
 
 use std::collections::HashSet;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use unshard_pickle::{NodeId, Pickle, Value};
 
 use super::super::torch::{self, class_of, field_of, int_of, seq_of, Leaf, SubclassRef, TensorRef};
 use super::super::{Piece, TensorSource};
-use super::{check_ranks_present, RankFile, RankSet};
+use super::{check_ranks_present, Held, Local, RankFile, RankSet};
+use crate::dtype::DType;
 use crate::{Error, Result};
 
 /// How a DTensor is laid out over one mesh dimension.
@@ -40,64 +41,156 @@ struct DtLocal {
     local: TensorRef,
 }
 
-pub(super) fn dtensor(
-    set: &RankSet,
-    ranks: &[RankFile],
+/// What rank 0's file says of a DTensor; the other ranks' must agree.
+pub(super) struct DtHead {
+    dtype: Option<DType>,
+    shape: Vec<u64>,
+    placements: Vec<Placement>,
+    mesh_shape: Option<Vec<u64>>,
+    /// The highest global rank rank 0's mesh names.
+    mesh_max_rank: Option<u64>,
+}
+
+/// Rank 0's DTensor: the head every rank is checked against, and its local tensor.
+pub(super) fn first(
+    rank: &RankFile<'_>,
     name: &str,
-    leaves: &[Leaf],
-) -> Result<TensorSource> {
-    let mut locals = Vec::with_capacity(ranks.len());
-    let mut global: Option<&SubclassRef> = None;
-    for (rank, leaf) in ranks.iter().zip(leaves) {
-        let s = match leaf {
-            Leaf::Subclass(s) if s.class == "DTensor" => s,
-            _ => {
-                return Err(Error::bad_tensor(
-                    &rank.path,
-                    name,
-                    "not a DTensor here, but a DTensor in rank 0's file",
-                ))
-            }
-        };
-        match global {
-            None => global = Some(s),
-            Some(g) if g.shape != s.shape || g.dtype != s.dtype => {
-                return Err(Error::bad_tensor(
-                    &rank.path,
-                    name,
-                    format!(
-                        "global {:?} {:?} here but {:?} {:?} in rank 0's file",
-                        s.dtype, s.shape, g.dtype, g.shape
-                    ),
-                ))
-            }
-            Some(_) => {}
-        }
-        locals.push(dtensor_local(&rank.payload.pickle, s, &rank.path, name)?);
-    }
-    let (Some(g), Some(l0)) = (global, locals.first()) else {
-        return Err(Error::bad_tensor(&set.dir, name, "no rank holds it"));
+    s: &SubclassRef,
+    coords: &mut Vec<Vec<u64>>,
+) -> Result<(DtHead, Held)> {
+    let local = dtensor_local(&rank.payload.pickle, s, rank.path, name)?;
+    let head = DtHead {
+        dtype: s.dtype,
+        shape: s.shape.clone(),
+        placements: local.placements.clone(),
+        mesh_shape: local.mesh_shape.clone(),
+        mesh_max_rank: local.mesh_ranks.iter().max().copied(),
     };
-    let dtype = g
+    let held = held(rank, name, &head, local, coords)?;
+    Ok((head, held))
+}
+
+/// A later rank's DTensor, checked against rank 0's.
+pub(super) fn rank(
+    rank: &RankFile<'_>,
+    name: &str,
+    leaf: &Leaf,
+    head: &DtHead,
+    coords: &mut Vec<Vec<u64>>,
+) -> Result<Held> {
+    let s = match leaf {
+        Leaf::Subclass(s) if s.class == "DTensor" => s,
+        _ => {
+            return Err(Error::bad_tensor(
+                rank.path,
+                name,
+                "not a DTensor here, but a DTensor in rank 0's file",
+            ))
+        }
+    };
+    if head.shape != s.shape || head.dtype != s.dtype {
+        return Err(Error::bad_tensor(
+            rank.path,
+            name,
+            format!(
+                "global {:?} {:?} here but {:?} {:?} in rank 0's file",
+                s.dtype, s.shape, head.dtype, head.shape
+            ),
+        ));
+    }
+    let local = dtensor_local(&rank.payload.pickle, s, rank.path, name)?;
+    held(rank, name, head, local, coords)
+}
+
+/// A rank's record of a DTensor: its local tensor and its mesh coordinate, after
+/// checking its placements against rank 0's.
+fn held(
+    rank: &RankFile<'_>,
+    name: &str,
+    head: &DtHead,
+    local: DtLocal,
+    coords: &mut Vec<Vec<u64>>,
+) -> Result<Held> {
+    let bad = |m: String| Error::bad_tensor(rank.path, name, m);
+    let placements = &head.placements;
+    if local.placements != *placements {
+        return Err(bad(format!(
+            "placements {} here but {} in rank 0's file",
+            placements_text(&local.placements),
+            placements_text(placements)
+        )));
+    }
+    let coord = match &local.coord {
+        Some(c) => c.clone(),
+        None => derive_coord(&local, rank.rank as u64).ok_or_else(|| {
+            bad("the DTensor's mesh does not record this rank's coordinate".into())
+        })?,
+    };
+    if coord.len() != placements.len() {
+        return Err(bad(format!(
+            "mesh coordinate {coord:?} does not match {} placement(s)",
+            placements.len()
+        )));
+    }
+    let at = match coords.iter().position(|c| *c == coord) {
+        Some(i) => i,
+        None => {
+            coords.push(coord);
+            coords.len() - 1
+        }
+    };
+    let at = u32::try_from(at).map_err(|_| bad("too many mesh coordinates".into()))?;
+    Ok(Held::DTensor {
+        local: Local::new(rank.payload, rank.rank, name, &local.local, Vec::new()),
+        coord: at,
+    })
+}
+
+/// The global DTensor from every rank's record: each local tensor placed at its box.
+pub(super) fn build(
+    set: &RankSet,
+    paths: &[PathBuf],
+    name: &str,
+    head: &DtHead,
+    held: Vec<Held>,
+    coords: &[Vec<Vec<u64>>],
+) -> Result<TensorSource> {
+    let path0 = paths.first().map(PathBuf::as_path).unwrap_or(&set.dir);
+    let dtype = head
         .dtype
-        .ok_or_else(|| Error::bad_tensor(&ranks[0].path, name, "the DTensor has no dtype"))?;
-    let shape = g.shape.clone();
-    let placements = l0.placements.clone();
+        .ok_or_else(|| Error::bad_tensor(path0, name, "the DTensor has no dtype"))?;
+    let shape = head.shape.clone();
+    let placements = &head.placements;
     let ndim_mesh = placements.len();
 
     // Every rank the mesh names must have its file.
-    let n = ranks.len();
-    check_ranks_present(set, n, &l0.mesh_ranks)?;
+    let n = held.len();
+    check_ranks_present(set, n, head.mesh_max_rank.as_slice())?;
 
-    // Mesh coordinates, then the mesh shape (recorded, else the largest coordinate).
-    let coords = coordinates(ranks, &locals, &placements, name)?;
-    let mesh_shape = match &l0.mesh_shape {
+    // Each rank's mesh coordinate, then the mesh shape (recorded, else the largest
+    // coordinate).
+    let mut locals = Vec::with_capacity(n);
+    for (r, h) in held.into_iter().enumerate() {
+        let Held::DTensor { local, coord } = h else {
+            return Err(Error::bad_tensor(
+                &paths[r],
+                name,
+                "not a DTensor here, but a DTensor in rank 0's file",
+            ));
+        };
+        let coord = coords
+            .get(r)
+            .and_then(|c| c.get(coord as usize))
+            .ok_or_else(|| Error::bad_tensor(&paths[r], name, "no mesh coordinate"))?;
+        locals.push((local, coord));
+    }
+    let mesh_shape = match &head.mesh_shape {
         Some(m) if m.len() == ndim_mesh => m.clone(),
         _ => (0..ndim_mesh)
             .map(|i| {
-                coords
+                locals
                     .iter()
-                    .filter_map(|c| c.get(i)?.checked_add(1))
+                    .filter_map(|(_, c)| c.get(i)?.checked_add(1))
                     .max()
                     .unwrap_or(1)
             })
@@ -106,28 +199,29 @@ pub(super) fn dtensor(
 
     let mut pieces: Vec<Piece> = Vec::new();
     let mut boxes: HashSet<(Vec<u64>, Vec<u64>)> = HashSet::new();
-    for (r, ((local, rank), coord)) in locals.iter().zip(ranks).zip(&coords).enumerate() {
-        let (box_shape, offset) = shard_box(&shape, &placements, &mesh_shape, coord)
-            .map_err(|m| Error::bad_tensor(&rank.path, name, m))?;
-        if local.local.shape != box_shape {
+    for (r, (mut local, coord)) in locals.into_iter().enumerate() {
+        let path = &paths[r];
+        let (box_shape, offset) = shard_box(&shape, placements, &mesh_shape, coord)
+            .map_err(|m| Error::bad_tensor(path, name, m))?;
+        if local.shape() != box_shape {
             return Err(Error::bad_tensor(
-                &rank.path,
+                path,
                 name,
                 format!(
                     "the local tensor is {:?} but placements {} on mesh {:?} at coordinate {coord:?} give {box_shape:?}",
-                    local.local.shape,
-                    placements_text(&placements),
+                    local.shape(),
+                    placements_text(placements),
                     mesh_shape
                 ),
             ));
         }
-        if local.local.dtype != dtype {
+        if local.dtype() != dtype {
             return Err(Error::bad_tensor(
-                &rank.path,
+                path,
                 name,
                 format!(
                     "the local tensor is {} but the DTensor is {}",
-                    local.local.dtype.safetensors_name(),
+                    local.dtype().safetensors_name(),
                     dtype.safetensors_name()
                 ),
             ));
@@ -136,11 +230,12 @@ pub(super) fn dtensor(
         if box_shape.contains(&0) || !boxes.insert((offset.clone(), box_shape)) {
             continue;
         }
-        pieces.push(rank.payload.piece(r, name, &local.local, offset)?);
+        local.set_global_offset(offset);
+        pieces.push(local.piece()?);
     }
     let layout = format!(
         "DTensor {} on mesh {:?}: {n} rank(s), {} chunk(s)",
-        placements_text(&placements),
+        placements_text(placements),
         mesh_shape,
         pieces.len()
     );
@@ -152,41 +247,6 @@ pub(super) fn dtensor(
         storage: None,
         layout: Some(layout),
     })
-}
-
-/// Each rank's mesh coordinate, checked against the placements (which every rank
-/// must share).
-fn coordinates(
-    ranks: &[RankFile],
-    locals: &[DtLocal],
-    placements: &[Placement],
-    name: &str,
-) -> Result<Vec<Vec<u64>>> {
-    let mut coords = Vec::with_capacity(locals.len());
-    for (r, (local, rank)) in locals.iter().zip(ranks).enumerate() {
-        let bad = |m: String| Error::bad_tensor(&rank.path, name, m);
-        if local.placements != placements {
-            return Err(bad(format!(
-                "placements {} here but {} in rank 0's file",
-                placements_text(&local.placements),
-                placements_text(placements)
-            )));
-        }
-        let coord = match &local.coord {
-            Some(c) => c.clone(),
-            None => derive_coord(local, r as u64).ok_or_else(|| {
-                bad("the DTensor's mesh does not record this rank's coordinate".into())
-            })?,
-        };
-        if coord.len() != placements.len() {
-            return Err(bad(format!(
-                "mesh coordinate {coord:?} does not match {} placement(s)",
-                placements.len()
-            )));
-        }
-        coords.push(coord);
-    }
-    Ok(coords)
 }
 
 fn placements_text(p: &[Placement]) -> String {

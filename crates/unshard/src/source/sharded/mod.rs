@@ -28,7 +28,8 @@ use std::sync::Arc;
 use unshard_pickle::NodeId;
 
 use super::torch::{self, Found, Leaf, TensorRef, TorchPayload};
-use super::{check_coverage, legacy, Blob, Checkpoint, Format, OpenOptions, TensorSource};
+use super::{check_coverage, legacy, Blob, Checkpoint, Format, OpenOptions, Piece, TensorSource};
+use crate::dtype::DType;
 use crate::{Error, Result};
 
 mod dtensor;
@@ -38,45 +39,217 @@ mod sharded_tensor;
 use ranks::MAX_RANKS;
 pub use ranks::{find_rank_files, RankSet};
 
-/// One rank's file, parsed.
-struct RankFile {
-    path: PathBuf,
-    payload: TorchPayload,
-    found: Found,
-    /// Tensor name → node, for lookups by name.
-    by_name: HashMap<String, NodeId>,
+/// One rank's file while it is read: its payload is dropped once the records of its
+/// tensors are taken out of it, so that only one rank's pickle is held at a time.
+struct RankFile<'a> {
+    path: &'a Path,
+    payload: &'a TorchPayload,
+    /// Rank number (the file id of its blob).
+    rank: usize,
+}
+
+/// What rank 0's file says of one tensor; every other rank's file must agree.
+enum Head {
+    Plain {
+        dtype: DType,
+        shape: Vec<u64>,
+        /// Rank 0's copy, or why it cannot be read.
+        source: std::result::Result<TensorSource, Box<Error>>,
+    },
+    DTensor(dtensor::DtHead),
+    Sharded(sharded_tensor::StHead),
+}
+
+/// A local tensor of one rank: its piece (placed later, for a DTensor), or why its
+/// bytes cannot be read, kept until the tensor is built (a replica or an empty
+/// shard is never read, and so never an error).
+enum Local {
+    Ready(Piece),
+    Unreadable {
+        shape: Vec<u64>,
+        dtype: DType,
+        global_offset: Vec<u64>,
+        err: Box<Error>,
+    },
+}
+
+impl Local {
+    fn new(
+        payload: &TorchPayload,
+        rank: usize,
+        name: &str,
+        t: &TensorRef,
+        offset: Vec<u64>,
+    ) -> Local {
+        match payload.piece(rank, name, t, offset.clone()) {
+            Ok(p) => Local::Ready(p),
+            Err(e) => Local::Unreadable {
+                shape: t.shape.clone(),
+                dtype: t.dtype,
+                global_offset: offset,
+                err: Box::new(e),
+            },
+        }
+    }
+
+    fn shape(&self) -> &[u64] {
+        match self {
+            Local::Ready(p) => &p.shape,
+            Local::Unreadable { shape, .. } => shape,
+        }
+    }
+
+    fn dtype(&self) -> DType {
+        match self {
+            Local::Ready(p) => p.dtype,
+            Local::Unreadable { dtype, .. } => *dtype,
+        }
+    }
+
+    fn global_offset(&self) -> &[u64] {
+        match self {
+            Local::Ready(p) => &p.global_offset,
+            Local::Unreadable { global_offset, .. } => global_offset,
+        }
+    }
+
+    fn set_global_offset(&mut self, offset: Vec<u64>) {
+        match self {
+            Local::Ready(p) => p.global_offset = offset,
+            Local::Unreadable { global_offset, .. } => *global_offset = offset,
+        }
+    }
+
+    fn piece(self) -> Result<Piece> {
+        match self {
+            Local::Ready(p) => Ok(p),
+            Local::Unreadable { err, .. } => Err(*err),
+        }
+    }
+}
+
+/// What one rank's file holds of one tensor, beyond what rank 0's [`Head`] says.
+enum Held {
+    /// A plain tensor (only rank 0's copy is read).
+    Plain,
+    /// A DTensor's local tensor and the rank's mesh coordinate (an index into the
+    /// rank's distinct coordinates).
+    DTensor { local: Local, coord: u32 },
+    /// A ShardedTensor's local shards, placed.
+    Sharded(Vec<Local>),
 }
 
 /// Opens every rank's file and describes the global tensors.
+///
+/// The files are read one at a time: each rank's pickle is parsed, the records of its
+/// tensors (where the local tensor's bytes are, its box) are taken out, checked
+/// against rank 0's, and the pickle is dropped before the next file is read. What is
+/// held is one record per tensor per rank, however many objects each rank's pickle
+/// holds.
 pub fn open(set: &RankSet, opts: &OpenOptions) -> Result<Checkpoint> {
     let n = check_complete(set)?;
     let mut files = Vec::with_capacity(n);
-    let mut ranks = Vec::with_capacity(n);
+    let mut paths: Vec<PathBuf> = Vec::with_capacity(n);
     let mut unsafe_calls = Vec::new();
-    for (_, name) in &set.ranks {
-        let path = set.dir.join(name);
+    // From rank 0: the tensor names in file order, where each is, and its head.
+    let mut names: Vec<String> = Vec::new();
+    let mut index: HashMap<String, usize> = HashMap::new();
+    let mut heads: Vec<Head> = Vec::new();
+    let mut held: Vec<Vec<Held>> = Vec::new();
+    // Each rank's distinct mesh coordinates (one, for a checkpoint of one mesh).
+    let mut coords: Vec<Vec<Vec<u64>>> = Vec::with_capacity(n);
+    let mut key = None;
+    let mut extras = Vec::new();
+    for (r, (_, file_name)) in set.ranks.iter().enumerate() {
+        let path = set.dir.join(file_name);
         let blob = Arc::new(crate::source::fs::open(&path)?);
         let mut payload = read_payload(&path, &blob)?;
         unsafe_calls.append(&mut payload.unsafe_calls);
         let found = torch::find_tensors(&payload.pickle, &path, opts.key.as_deref())?;
-        let by_name = found.tensors.iter().cloned().collect();
         files.push(blob);
-        ranks.push(RankFile {
-            path,
-            payload,
-            found,
-            by_name,
-        });
+        let rank = RankFile {
+            path: &path,
+            payload: &payload,
+            rank: r,
+        };
+        let nodes = if r == 0 {
+            refuse_flat_params(set, &found)?;
+            let mut nodes: Vec<NodeId> = Vec::with_capacity(found.tensors.len());
+            for (name, id) in &found.tensors {
+                match index.get(name) {
+                    // The same key twice: the last one is the dict's value.
+                    Some(&i) => nodes[i] = *id,
+                    None => {
+                        index.insert(name.clone(), names.len());
+                        names.push(name.clone());
+                        nodes.push(*id);
+                    }
+                }
+            }
+            nodes
+        } else {
+            same_names(&rank, &found, &names, &index, &paths[0])?
+        };
+        let mut mine: Vec<Vec<u64>> = Vec::new();
+        for (i, (name, id)) in names.iter().zip(nodes).enumerate() {
+            let leaf = match torch::leaf(&payload.pickle, id) {
+                Ok(Some(l)) => l,
+                Ok(None) => return Err(Error::bad_tensor(&path, name, "not a tensor")),
+                Err(m) => return Err(Error::bad_tensor(&path, name, m)),
+            };
+            if r == 0 {
+                let (head, h) = first_head(&rank, name, &leaf, n, set, &mut mine)?;
+                heads.push(head);
+                let mut v = Vec::with_capacity(if matches!(h, Held::Plain) { 0 } else { n });
+                if !matches!(h, Held::Plain) {
+                    v.push(h);
+                }
+                held.push(v);
+            } else {
+                let h = match &heads[i] {
+                    Head::Plain { dtype, shape, .. } => {
+                        plain_rank(&rank, name, &leaf, *dtype, shape)?;
+                        Held::Plain
+                    }
+                    Head::DTensor(head) => dtensor::rank(&rank, name, &leaf, head, &mut mine)?,
+                    Head::Sharded(head) => sharded_tensor::rank(set, n, &rank, name, &leaf, head)?,
+                };
+                if !matches!(h, Held::Plain) {
+                    held[i].push(h);
+                }
+            }
+        }
+        if r == 0 {
+            key = found.key.clone();
+            extras = found.extras;
+        }
+        coords.push(mine);
+        paths.push(path);
     }
-    let first = ranks
-        .first()
-        .ok_or_else(|| Error::corrupt(&set.dir, "the set of per-rank files is empty"))?;
-    refuse_flat_params(set, first)?;
-    check_same_names(&ranks)?;
-    let mut tensors = Vec::with_capacity(first.found.tensors.len());
-    for (name, _) in &first.found.tensors {
-        tensors.push(global_tensor(set, &ranks, name)?);
+    if paths.is_empty() {
+        return Err(Error::corrupt(
+            &set.dir,
+            "the set of per-rank files is empty",
+        ));
     }
+    let mut tensors = Vec::with_capacity(names.len());
+    for ((name, head), held) in names.iter().zip(heads).zip(held) {
+        let source = match head {
+            Head::Plain { source, .. } => {
+                let mut source = source.map_err(|e| *e)?;
+                if n > 1 {
+                    source.layout =
+                        Some(format!("plain tensor in each of {n} ranks (rank 0's copy)"));
+                }
+                source
+            }
+            Head::DTensor(head) => dtensor::build(set, &paths, name, &head, held, &coords)?,
+            Head::Sharded(head) => sharded_tensor::build(set, n, name, &head, held)?,
+        };
+        check_coverage(&set.dir, &source)?;
+        tensors.push(source);
+    }
+    super::release_freed_memory();
     let mut notes = vec![format!("{n} per-rank file(s) {}", set.pattern())];
     for s in &set.skipped {
         notes.push(format!(
@@ -87,12 +260,119 @@ pub fn open(set: &RankSet, opts: &OpenOptions) -> Result<Checkpoint> {
         format: Format::Ranks,
         path: set.dir.clone(),
         files,
-        key: first.found.key.clone(),
+        key,
         tensors,
-        extras: first.found.extras.clone(),
+        extras,
         notes,
         unsafe_calls,
     })
+}
+
+/// Rank 0's head of one tensor, and what rank 0 holds of it.
+fn first_head(
+    rank: &RankFile<'_>,
+    name: &str,
+    leaf: &Leaf,
+    n: usize,
+    set: &RankSet,
+    coords: &mut Vec<Vec<u64>>,
+) -> Result<(Head, Held)> {
+    match leaf {
+        Leaf::Tensor(t) => Ok((
+            Head::Plain {
+                dtype: t.dtype,
+                shape: t.shape.clone(),
+                source: rank.payload.source(0, name, t).map_err(Box::new),
+            },
+            Held::Plain,
+        )),
+        Leaf::Subclass(s) if s.class == "DTensor" => {
+            let (head, held) = dtensor::first(rank, name, s, coords)?;
+            Ok((Head::DTensor(head), held))
+        }
+        Leaf::Subclass(s) if s.class == "ShardedTensor" => {
+            let head = sharded_tensor::StHead {
+                dtype: s.dtype,
+                shape: s.shape.clone(),
+            };
+            let held = sharded_tensor::rank(set, n, rank, name, leaf, &head)?;
+            Ok((Head::Sharded(head), held))
+        }
+        Leaf::Subclass(s) => Err(Error::Unsupported {
+            path: rank.path.to_path_buf(),
+            what: format!(
+                "tensor '{name}': the tensor subclass {}.{}",
+                s.module, s.class
+            ),
+            hint: None,
+        }),
+    }
+}
+
+/// A plain tensor in a rank after 0: it must match rank 0's.
+fn plain_rank(
+    rank: &RankFile<'_>,
+    name: &str,
+    leaf: &Leaf,
+    dtype: DType,
+    shape: &[u64],
+) -> Result<()> {
+    let Leaf::Tensor(t) = leaf else {
+        return Err(Error::bad_tensor(
+            rank.path,
+            name,
+            "a distributed tensor here but a plain tensor in rank 0's file",
+        ));
+    };
+    if t.shape != shape || t.dtype != dtype {
+        return Err(Error::bad_tensor(
+            rank.path,
+            name,
+            format!(
+                "{} {:?} here but {} {:?} in rank 0's file",
+                t.dtype.safetensors_name(),
+                t.shape,
+                dtype.safetensors_name(),
+                shape
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// The node of each of rank 0's tensors in a later rank's file, after checking that
+/// it holds the same names.
+fn same_names(
+    rank: &RankFile<'_>,
+    found: &Found,
+    names: &[String],
+    index: &HashMap<String, usize>,
+    first: &Path,
+) -> Result<Vec<NodeId>> {
+    let mut nodes: Vec<Option<NodeId>> = vec![None; names.len()];
+    for (name, id) in &found.tensors {
+        let Some(&i) = index.get(name) else {
+            return Err(Error::bad_tensor(
+                rank.path,
+                name,
+                format!("not in {}", first.display()),
+            ));
+        };
+        nodes[i] = Some(*id);
+    }
+    nodes
+        .iter()
+        .zip(names)
+        .map(|(id, name)| {
+            id.ok_or_else(|| {
+                Error::bad_tensor(
+                    rank.path,
+                    name,
+                    format!("in {} but missing from this rank's file", first.display()),
+                )
+            })
+        })
+        .collect()
 }
 
 /// The world size, after checking that every rank's file is there.
@@ -167,9 +447,8 @@ fn read_payload(path: &Path, blob: &Blob) -> Result<TorchPayload> {
 /// FSDP1 `LOCAL_STATE_DICT` saves each wrapped module's parameters flattened and
 /// concatenated into one padded 1-D `flat_param`. Which slice is which parameter,
 /// and its shape, is known only to the live model: the files cannot be unflattened.
-fn refuse_flat_params(set: &RankSet, first: &RankFile) -> Result<()> {
+fn refuse_flat_params(set: &RankSet, first: &Found) -> Result<()> {
     let flat: Vec<&str> = first
-        .found
         .tensors
         .iter()
         .map(|(n, _)| n.as_str())
@@ -192,126 +471,4 @@ fn refuse_flat_params(set: &RankSet, first: &RankFile) -> Result<()> {
                 .into(),
         ),
     })
-}
-
-/// Every rank must hold the same tensor names.
-fn check_same_names(ranks: &[RankFile]) -> Result<()> {
-    let Some(first) = ranks.first() else {
-        return Ok(());
-    };
-    for rank in &ranks[1..] {
-        if let Some((name, _)) = rank
-            .found
-            .tensors
-            .iter()
-            .find(|(n, _)| !first.by_name.contains_key(n))
-        {
-            return Err(Error::bad_tensor(
-                &rank.path,
-                name,
-                format!("not in {}", first.path.display()),
-            ));
-        }
-        if let Some((name, _)) = first
-            .found
-            .tensors
-            .iter()
-            .find(|(n, _)| !rank.by_name.contains_key(n))
-        {
-            return Err(Error::bad_tensor(
-                &rank.path,
-                name,
-                format!(
-                    "in {} but missing from this rank's file",
-                    first.path.display()
-                ),
-            ));
-        }
-    }
-    Ok(())
-}
-
-/// The leaf of tensor `name` in each rank's file.
-fn leaves(ranks: &[RankFile], name: &str) -> Result<Vec<Leaf>> {
-    let mut out = Vec::with_capacity(ranks.len());
-    for rank in ranks {
-        let id =
-            rank.by_name.get(name).copied().ok_or_else(|| {
-                Error::bad_tensor(&rank.path, name, "missing from this rank's file")
-            })?;
-        match torch::leaf(&rank.payload.pickle, id) {
-            Ok(Some(l)) => out.push(l),
-            Ok(None) => return Err(Error::bad_tensor(&rank.path, name, "not a tensor")),
-            Err(m) => return Err(Error::bad_tensor(&rank.path, name, m)),
-        }
-    }
-    Ok(out)
-}
-
-fn global_tensor(set: &RankSet, ranks: &[RankFile], name: &str) -> Result<TensorSource> {
-    let leaves = leaves(ranks, name)?;
-    let source = match leaves.first() {
-        Some(Leaf::Tensor(_)) => plain(ranks, name, &leaves)?,
-        Some(Leaf::Subclass(s)) if s.class == "DTensor" => {
-            dtensor::dtensor(set, ranks, name, &leaves)?
-        }
-        Some(Leaf::Subclass(s)) if s.class == "ShardedTensor" => {
-            sharded_tensor::sharded_tensor(set, ranks, name, &leaves)?
-        }
-        Some(Leaf::Subclass(s)) => {
-            return Err(Error::Unsupported {
-                path: ranks[0].path.clone(),
-                what: format!(
-                    "tensor '{name}': the tensor subclass {}.{}",
-                    s.module, s.class
-                ),
-                hint: None,
-            })
-        }
-        None => return Err(Error::bad_tensor(&set.dir, name, "no rank holds it")),
-    };
-    check_coverage(&set.dir, &source)?;
-    Ok(source)
-}
-
-/// Plain tensors: world size 1, or the same value saved by every rank.
-fn plain(ranks: &[RankFile], name: &str, leaves: &[Leaf]) -> Result<TensorSource> {
-    let mut first: Option<&TensorRef> = None;
-    for (rank, leaf) in ranks.iter().zip(leaves) {
-        let Leaf::Tensor(t) = leaf else {
-            return Err(Error::bad_tensor(
-                &rank.path,
-                name,
-                "a distributed tensor here but a plain tensor in rank 0's file",
-            ));
-        };
-        match first {
-            None => first = Some(t),
-            Some(f) if f.shape != t.shape || f.dtype != t.dtype => {
-                return Err(Error::bad_tensor(
-                    &rank.path,
-                    name,
-                    format!(
-                        "{} {:?} here but {} {:?} in rank 0's file",
-                        t.dtype.safetensors_name(),
-                        t.shape,
-                        f.dtype.safetensors_name(),
-                        f.shape
-                    ),
-                ))
-            }
-            Some(_) => {}
-        }
-    }
-    let (Some(t), Some(rank0)) = (first, ranks.first()) else {
-        return Err(Error::bad_tensor(Path::new("?"), name, "no rank holds it"));
-    };
-    let mut source = rank0.payload.source(0, name, t)?;
-    if ranks.len() > 1 {
-        source.layout = Some(format!(
-            "plain tensor in each of {} ranks (rank 0's copy)",
-            ranks.len()
-        ));
-    }
-    Ok(source)
 }

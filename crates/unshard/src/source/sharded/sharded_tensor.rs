@@ -6,84 +6,111 @@ use std::collections::HashSet;
 
 use unshard_pickle::{NodeId, Pickle};
 
-use super::super::torch::{self, dims_of, field_of, int_of, seq_of, Leaf, SubclassRef};
+use super::super::torch::{self, dims_of, field_of, int_of, seq_of, Leaf};
 use super::super::{Piece, TensorSource};
-use super::{check_ranks_present, RankFile, RankSet};
+use super::{check_ranks_present, Held, Local, RankFile, RankSet};
+use crate::dtype::DType;
 use crate::{Error, Result};
 
-/// ShardedTensors: each rank lists its local shards with their offsets.
-pub(super) fn sharded_tensor(
+/// What rank 0's file says of a ShardedTensor: its global dtype and shape.
+pub(super) struct StHead {
+    pub(super) dtype: Option<DType>,
+    pub(super) shape: Vec<u64>,
+}
+
+/// One rank's local shards of a ShardedTensor, placed at their offsets.
+pub(super) fn rank(
     set: &RankSet,
-    ranks: &[RankFile],
+    n: usize,
+    rank: &RankFile<'_>,
     name: &str,
-    leaves: &[Leaf],
+    leaf: &Leaf,
+    head: &StHead,
+) -> Result<Held> {
+    let p = &rank.payload.pickle;
+    let bad = |m: String| Error::bad_tensor(rank.path, name, m);
+    let s = match leaf {
+        Leaf::Subclass(s) if s.class == "ShardedTensor" => s,
+        _ => {
+            return Err(bad(
+                "not a ShardedTensor here, but a ShardedTensor in rank 0's file".into(),
+            ))
+        }
+    };
+    if head.shape != s.shape || head.dtype != s.dtype {
+        return Err(bad(format!(
+            "global shape {:?} here but {:?} in rank 0's file",
+            s.shape, head.shape
+        )));
+    }
+    let parts = s
+        .state
+        .and_then(|st| seq_of(p, st))
+        .ok_or_else(|| bad("the ShardedTensor has no state".into()))?;
+    // Shards the metadata places on ranks whose file is absent.
+    if let Some(meta) = parts.get(1) {
+        check_ranks_present(set, n, &shard_owners(p, *meta))?;
+    }
+    let locals = parts
+        .first()
+        .and_then(|&l| seq_of(p, l))
+        .ok_or_else(|| bad("the ShardedTensor has no local shard list".into()))?;
+    let mut out = Vec::with_capacity(locals.len());
+    for &shard in locals {
+        let t = match field_of(p, shard, "tensor").map(|t| torch::leaf(p, t)) {
+            Some(Ok(Some(Leaf::Tensor(t)))) => t,
+            Some(Err(m)) => return Err(bad(m)),
+            _ => return Err(bad("a local shard without a tensor".into())),
+        };
+        let md = field_of(p, shard, "metadata");
+        let offsets = md
+            .and_then(|m| field_of(p, m, "shard_offsets"))
+            .and_then(|o| dims_of(p, o));
+        let sizes = md
+            .and_then(|m| field_of(p, m, "shard_sizes"))
+            .and_then(|o| dims_of(p, o));
+        let (Some(offsets), Some(sizes)) = (offsets, sizes) else {
+            return Err(bad("a local shard without offsets and sizes".into()));
+        };
+        if sizes != t.shape {
+            return Err(bad(format!(
+                "a local shard is {:?} but its metadata says {sizes:?}",
+                t.shape
+            )));
+        }
+        out.push(Local::new(rank.payload, rank.rank, name, &t, offsets));
+    }
+    Ok(Held::Sharded(out))
+}
+
+/// The global ShardedTensor from every rank's local shards.
+pub(super) fn build(
+    set: &RankSet,
+    n: usize,
+    name: &str,
+    head: &StHead,
+    held: Vec<Held>,
 ) -> Result<TensorSource> {
     let mut pieces: Vec<Piece> = Vec::new();
     let mut boxes: HashSet<(Vec<u64>, Vec<u64>)> = HashSet::new();
-    let mut global: Option<&SubclassRef> = None;
-    for (r, (rank, leaf)) in ranks.iter().zip(leaves).enumerate() {
-        let p = &rank.payload.pickle;
-        let bad = |m: String| Error::bad_tensor(&rank.path, name, m);
-        let s = match leaf {
-            Leaf::Subclass(s) if s.class == "ShardedTensor" => s,
-            _ => {
-                return Err(bad(
-                    "not a ShardedTensor here, but a ShardedTensor in rank 0's file".into(),
-                ))
-            }
+    for h in held {
+        let Held::Sharded(locals) = h else {
+            return Err(Error::bad_tensor(
+                &set.dir,
+                name,
+                "not a ShardedTensor in every rank's file",
+            ));
         };
-        match global {
-            None => global = Some(s),
-            Some(g) if g.shape != s.shape || g.dtype != s.dtype => {
-                return Err(bad(format!(
-                    "global shape {:?} here but {:?} in rank 0's file",
-                    s.shape, g.shape
-                )))
-            }
-            Some(_) => {}
-        }
-        let parts = s
-            .state
-            .and_then(|st| seq_of(p, st))
-            .ok_or_else(|| bad("the ShardedTensor has no state".into()))?;
-        // Shards the metadata places on ranks whose file is absent.
-        if let Some(meta) = parts.get(1) {
-            check_ranks_present(set, ranks.len(), &shard_owners(p, *meta))?;
-        }
-        let locals = parts
-            .first()
-            .and_then(|&l| seq_of(p, l))
-            .ok_or_else(|| bad("the ShardedTensor has no local shard list".into()))?;
-        for &shard in locals {
-            let t = match field_of(p, shard, "tensor").map(|t| torch::leaf(p, t)) {
-                Some(Ok(Some(Leaf::Tensor(t)))) => t,
-                Some(Err(m)) => return Err(bad(m)),
-                _ => return Err(bad("a local shard without a tensor".into())),
-            };
-            let md = field_of(p, shard, "metadata");
-            let offsets = md
-                .and_then(|m| field_of(p, m, "shard_offsets"))
-                .and_then(|o| dims_of(p, o));
-            let sizes = md
-                .and_then(|m| field_of(p, m, "shard_sizes"))
-                .and_then(|o| dims_of(p, o));
-            let (Some(offsets), Some(sizes)) = (offsets, sizes) else {
-                return Err(bad("a local shard without offsets and sizes".into()));
-            };
-            if sizes != t.shape {
-                return Err(bad(format!(
-                    "a local shard is {:?} but its metadata says {sizes:?}",
-                    t.shape
-                )));
-            }
-            if sizes.contains(&0) || !boxes.insert((offsets.clone(), sizes)) {
+        for local in locals {
+            if local.shape().contains(&0)
+                || !boxes.insert((local.global_offset().to_vec(), local.shape().to_vec()))
+            {
                 continue;
             }
-            pieces.push(rank.payload.piece(r, name, &t, offsets)?);
+            pieces.push(local.piece()?);
         }
     }
-    let g = global.ok_or_else(|| Error::bad_tensor(&set.dir, name, "no rank holds it"))?;
-    let dtype = g
+    let dtype = head
         .dtype
         .ok_or_else(|| Error::bad_tensor(&set.dir, name, "the ShardedTensor has no dtype"))?;
     if let Some(p) = pieces.iter().find(|p| p.dtype != dtype) {
@@ -100,10 +127,9 @@ pub(super) fn sharded_tensor(
     Ok(TensorSource {
         name: name.to_string(),
         dtype,
-        shape: g.shape.clone(),
+        shape: head.shape.clone(),
         layout: Some(format!(
-            "ShardedTensor: {} rank(s), {} shard(s)",
-            ranks.len(),
+            "ShardedTensor: {n} rank(s), {} shard(s)",
             pieces.len()
         )),
         pieces: pieces.into(),
