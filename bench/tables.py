@@ -48,6 +48,9 @@ Columns (layout=rows):
   sync     median wall time plus the `sync` after it, seconds
   xcp      wall time over `cp -r`'s, same input, same run
   xread    wall time over the read-only row's, same input, same run
+  xsync    wall time plus the `sync` after it over `cp -r`'s, same input, same run
+           (the fair ratio for unshard, which fsyncs before it returns)
+  load     the 1-minute load average as the runs started, lowest-highest
   rss      median peak RSS
   cpu      median CPU time (user + system), seconds
   runs     every run's wall time
@@ -55,7 +58,7 @@ Columns (layout=rows):
 
 Columns (layout=pivot), one row per input: model, input, size, cache, field:K as
 above, bytes:K (the field K as a size, to 0.1 MB below 10 MB), and METRIC:TOOL with METRIC one of wall,
-sync, xcp, xread, rss, cpu, runs (a tool with no result for the input says
+sync, xcp, xread, xsync, load, rss, cpu, runs (a tool with no result for the input says
 "failed" or "skipped" as run.py kept it, or "–" when its file has no such row), e.g.
 `wall:cp`, `rss:unshard`; `rss:unshard+unshard old` prints "47 / 44 MB"; and
 `ratio:A/B`, the wall time of tool A over tool B's, e.g. `ratio:unshard/unshard old`.
@@ -162,6 +165,18 @@ def ratio(rows, r, tool):
     return "%.2f" % (r["wall"] / p["wall"]) if p else ""
 
 
+def ratio_sync(rows, r, tool):
+    p = peer(rows, r, tool)
+    return "%.2f" % (r["wall_sync"] / p["wall_sync"]) if p else ""
+
+
+def load_range(r):
+    if "load_1min" not in r:
+        raise Bad("row %s/%s has no load averages" % (r["kind"], r["tool"]))
+    lo, hi = min(r["load_1min"]), max(r["load_1min"])
+    return "%.1f" % lo if lo == hi else "%.1f-%.1f" % (lo, hi)
+
+
 def cpu(r):
     if "cpu" not in r:
         raise Bad("row %s/%s has no CPU times (run.py writes them since 2026-12-01)"
@@ -176,6 +191,8 @@ METRICS = {
     "sync": lambda rows, r: "%.2f" % r["wall_sync"],
     "xcp": lambda rows, r: ratio(rows, r, "cp"),
     "xread": lambda rows, r: ratio(rows, r, "read"),
+    "xsync": lambda rows, r: ratio_sync(rows, r, "cp"),
+    "load": lambda rows, r: load_range(r),
     "rss": lambda rows, r: fmt_bytes(r["rss"]),
     "runs": lambda rows, r: ", ".join("%.2f" % w for w in r["walls"]),
     "cpu": lambda rows, r: cpu(r),
@@ -192,6 +209,7 @@ COLUMNS = dict(METRICS, **{
 HEADERS = {
     "model": "model", "input": "input", "size": "size", "cache": "cache", "command": "command",
     "wall": "wall s", "sync": "wall+sync s", "xcp": "x cp", "xread": "x read",
+    "xsync": "x cp, +sync", "load": "load avg",
     "rss": "peak RSS", "runs": "runs, s", "cpu": "CPU s",
 }
 UNITS = {"wall": " s", "sync": " s", "cpu": " s"}

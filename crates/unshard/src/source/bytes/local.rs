@@ -137,7 +137,7 @@ fn release_map(m: &memmap2::Mmap, offset: u64, len: u64) {
 /// `posix_fadvise(WILLNEED)` in steps: one request reads at most the device's
 /// readahead size (128 KiB by default), so a long range is asked for piece by piece.
 #[cfg(target_os = "linux")]
-pub(super) fn advise_will_need(file: &File, offset: u64, len: u64) {
+pub(crate) fn advise_will_need(file: &File, offset: u64, len: u64) {
     use std::os::fd::AsRawFd;
     const STEP: u64 = 1 << 20;
     let end = offset.saturating_add(len);
@@ -159,4 +159,4 @@ pub(super) fn advise_will_need(file: &File, offset: u64, len: u64) {
 
 /// Without `posix_fadvise` (macOS), the hint is dropped: reads just wait for the disk.
 #[cfg(not(target_os = "linux"))]
-pub(super) fn advise_will_need(_file: &File, _offset: u64, _len: u64) {}
+pub(crate) fn advise_will_need(_file: &File, _offset: u64, _len: u64) {}

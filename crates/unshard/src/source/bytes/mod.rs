@@ -24,6 +24,7 @@ mod pooled;
 mod tests;
 
 pub use coalesce::{coalesce, read_runs, Run};
+pub(crate) use local::advise_will_need;
 pub use local::LocalFile;
 pub use memory::MemBytes;
 pub use pooled::{open_file_budget, FilePool, PooledFile};
