@@ -1,0 +1,472 @@
+//! `verify_dir` over output directories written by the `safetensors` crate (or by
+//! hand where it cannot write the layout), against plans built by hand.
+#![allow(clippy::unwrap_used)]
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use ::safetensors::tensor::{serialize, Dtype, TensorView};
+use sha2::{Digest, Sha256};
+
+use super::*;
+use crate::plan::{Content, PlannedTensor};
+use crate::source::{contiguous_strides, Blob, Checkpoint, Format, Piece, TensorSource};
+use crate::write::{NoProgress, WINDOW_BYTES};
+
+/// The checkpoint: float32 tensors back to back in one file.
+#[derive(Default)]
+struct Input {
+    bytes: Vec<u8>,
+}
+
+impl Input {
+    fn tensor(&mut self, name: &str, values: &[f32], shape: &[u64]) -> TensorSource {
+        let at = self.bytes.len() as u64;
+        self.bytes
+            .extend(values.iter().flat_map(|v| v.to_le_bytes()));
+        TensorSource {
+            name: name.into(),
+            dtype: DType::F32,
+            shape: shape.to_vec(),
+            pieces: vec![Piece {
+                file: 0,
+                byte_offset: at,
+                dtype: DType::F32,
+                shape: shape.to_vec(),
+                strides: contiguous_strides(shape),
+                global_offset: vec![0; shape.len()],
+                big_endian: false,
+            }]
+            .into(),
+            storage: None,
+            layout: None,
+        }
+    }
+
+    fn checkpoint(self) -> Checkpoint {
+        Checkpoint {
+            format: Format::TorchZip,
+            path: PathBuf::from("input"),
+            files: vec![Arc::new(Blob::owned(PathBuf::from("input"), self.bytes))],
+            key: None,
+            tensors: Vec::new(),
+            extras: Vec::new(),
+            notes: Vec::new(),
+            unsafe_calls: Vec::new(),
+        }
+    }
+}
+
+fn planned(source: TensorSource, origin: Origin, dtype: DType) -> PlannedTensor {
+    PlannedTensor {
+        name: source.name.clone(),
+        origin,
+        shape: source.shape.clone(),
+        source_dtype: source.dtype,
+        dtype,
+        content: Content::Copy(source),
+    }
+}
+
+fn plan(tensors: Vec<PlannedTensor>) -> Plan {
+    Plan {
+        tensors,
+        shards: Vec::new(),
+        dtype: None,
+        config: None,
+        index: None,
+        total_size: 0,
+        report: Default::default(),
+    }
+}
+
+fn le(values: &[f32]) -> Vec<u8> {
+    values.iter().flat_map(|v| v.to_le_bytes()).collect()
+}
+
+/// model.safetensors of `(name, dtype, shape, bytes)`, by the `safetensors` crate.
+fn write_model(dir: &Path, tensors: &[(&str, Dtype, Vec<usize>, Vec<u8>)]) -> Vec<u8> {
+    let views = tensors
+        .iter()
+        .map(|(n, d, s, b)| (*n, TensorView::new(*d, s.clone(), b).unwrap()));
+    let bytes = serialize(views, None).unwrap();
+    std::fs::write(dir.join("model.safetensors"), &bytes).unwrap();
+    bytes
+}
+
+fn check(dir: &Path, plan: &Plan, ckpt: &Checkpoint, expected: &[Expected]) -> VerifyReport {
+    let inputs = Inputs {
+        checkpoint: ckpt,
+        base: Some(ckpt),
+        extra: &[ckpt],
+    };
+    verify_dir(dir, plan, inputs, expected, &NoProgress, &Cancel::new()).unwrap()
+}
+
+fn lines(r: &VerifyReport) -> Vec<String> {
+    r.problems.iter().map(|p| p.to_string()).collect()
+}
+
+/// float32 bits of a NaN with payload `p`.
+fn nan(p: u32) -> f32 {
+    f32::from_bits(0x7fc0_0000 | p)
+}
+
+#[test]
+fn values_shapes_dtypes_and_names_are_checked_against_the_plan() {
+    // `a` is 8.8 MB, more than one block of the read.
+    let n = 2_200_000usize;
+    let a: Vec<f32> = (0..n).map(|i| (i % 1000) as f32).collect();
+    let mut input = Input::default();
+    let tensors = vec![
+        planned(
+            input.tensor("a", &a, &[n as u64]),
+            Origin::Checkpoint,
+            DType::F32,
+        ),
+        planned(
+            input.tensor("b", &[nan(1), 2.0, -0.0, 4.0], &[4]),
+            Origin::Checkpoint,
+            DType::F32,
+        ),
+        planned(
+            input.tensor("c", &[1.0, 2.0], &[2]),
+            Origin::Checkpoint,
+            DType::F32,
+        ),
+        planned(
+            input.tensor("d", &[5.0], &[1]),
+            Origin::Checkpoint,
+            DType::F32,
+        ),
+        planned(
+            input.tensor("e", &[1.0, 2.0], &[2]),
+            Origin::Checkpoint,
+            DType::F32,
+        ),
+    ];
+    let plan = plan(tensors);
+    let ckpt = input.checkpoint();
+
+    let tmp = tempfile::tempdir().unwrap();
+    // Two values of `a` off, by 1 (element 5, the first block) and by 8 (element
+    // 2,150,000, the second); `b` equal but for its NaN's payload.
+    let mut written = a.clone();
+    written[5] += 1.0;
+    written[2_150_000] += 8.0;
+    write_model(
+        tmp.path(),
+        &[
+            ("a", Dtype::F32, vec![n], le(&written)),
+            ("b", Dtype::F32, vec![4], le(&[nan(2), 2.0, -0.0, 4.0])),
+            // bfloat16 1.0 and 2.0.
+            ("c", Dtype::BF16, vec![2], vec![0x80, 0x3f, 0x00, 0x40]),
+            ("e", Dtype::F32, vec![1, 2], le(&[1.0, 2.0])),
+            ("x", Dtype::F32, vec![1], le(&[0.0])),
+        ],
+    );
+    let r = check(tmp.path(), &plan, &ckpt, &[]);
+    assert_eq!(
+        lines(&r),
+        [
+            "tensor 'd': missing: the merge writes it, the output does not hold it",
+            "model.safetensors: tensor 'e': shape [1, 2], but the checkpoint's is [2]",
+            "model.safetensors: tensor 'c': stored as bfloat16, but the merge writes float32 (float32 in the checkpoint)",
+            "model.safetensors: tensor 'x': extra: the merge does not write this tensor",
+        ]
+    );
+    assert_eq!(r.files, ["model.safetensors"]);
+    assert_eq!(r.tensors_compared, 2);
+    assert_eq!(r.bytes_compared, 4 * n as u64 + 16);
+    assert_eq!(r.files_checksummed, 0);
+    assert_eq!(
+        r.mismatches,
+        [Mismatch {
+            file: "model.safetensors".into(),
+            name: "a".into(),
+            shape: vec![n as u64],
+            dtype: DType::F32,
+            differing: 2,
+            nan_mismatch: 0,
+            max_abs_diff: 8.0,
+            first: Some(FirstDiff {
+                index: 5,
+                expected: 5.0,
+                found: 6.0,
+            }),
+        }]
+    );
+
+    // The same output with every value right: no mismatch; a NaN where a number
+    // should be counts as one.
+    let mut written = a.clone();
+    written[n - 1] = nan(0);
+    write_model(
+        tmp.path(),
+        &[
+            ("a", Dtype::F32, vec![n], le(&written)),
+            ("b", Dtype::F32, vec![4], le(&[nan(1), 2.0, -0.0, 4.0])),
+        ],
+    );
+    let r = check(tmp.path(), &plan, &ckpt, &[]);
+    assert_eq!(r.tensors_compared, 2);
+    assert_eq!(r.mismatches.len(), 1);
+    let m = &r.mismatches[0];
+    assert_eq!((m.name.as_str(), m.differing, m.nan_mismatch), ("a", 1, 1));
+    assert_eq!(m.first.map(|f| f.index), Some(n as u64 - 1));
+}
+
+#[test]
+fn an_element_cut_by_a_block_edge_is_compared_whole() {
+    // A header of 2 mod 4 bytes after the length puts every float32 of `a` across
+    // a 4-byte boundary, and one element across the 8 MiB block edge.
+    let n = 2_200_000usize;
+    let a: Vec<f32> = (0..n).map(|i| i as f32).collect();
+    let mut input = Input::default();
+    let plan = plan(vec![planned(
+        input.tensor("a", &a, &[n as u64]),
+        Origin::Checkpoint,
+        DType::F32,
+    )]);
+    let ckpt = input.checkpoint();
+    let mut header = format!(
+        r#"{{"a":{{"dtype":"F32","shape":[{n}],"data_offsets":[0,{}]}}}}"#,
+        4 * n
+    );
+    while (8 + header.len()) % 4 != 2 {
+        header.push(' ');
+    }
+    let data_start = 8 + header.len() as u64;
+    let cut = (WINDOW_BYTES - data_start) / 4;
+    assert!(data_start + 4 * cut < WINDOW_BYTES && data_start + 4 * cut + 4 > WINDOW_BYTES);
+    let mut written = a.clone();
+    written[cut as usize - 1] += 1.0;
+    written[cut as usize] += 2.0;
+    written[cut as usize + 1] += 4.0;
+    let mut file = (header.len() as u64).to_le_bytes().to_vec();
+    file.extend(header.as_bytes());
+    file.extend(le(&written));
+    let tmp = tempfile::tempdir().unwrap();
+    std::fs::write(tmp.path().join("model.safetensors"), &file).unwrap();
+    let r = check(tmp.path(), &plan, &ckpt, &[]);
+    assert!(r.problems.is_empty(), "{:?}", r.problems);
+    assert_eq!(r.mismatches.len(), 1);
+    let m = &r.mismatches[0];
+    assert_eq!((m.differing, m.max_abs_diff), (3, 4.0));
+    assert_eq!(m.first.map(|f| f.index), Some(cut - 1));
+
+    // Only the element across the edge off.
+    let mut written = a.clone();
+    written[cut as usize] = -1.0;
+    file.truncate(data_start as usize);
+    file.extend(le(&written));
+    std::fs::write(tmp.path().join("model.safetensors"), &file).unwrap();
+    let r = check(tmp.path(), &plan, &ckpt, &[]);
+    let m = &r.mismatches[0];
+    assert_eq!((m.differing, m.max_abs_diff), (1, cut as f64 + 1.0));
+    assert_eq!(
+        m.first,
+        Some(FirstDiff {
+            index: cut,
+            expected: cut as f64,
+            found: -1.0
+        })
+    );
+}
+
+/// Tensors `p`, `q` (and `r`) of float32 and an int64 `i` planned; written in
+/// the dtypes given.
+fn casts(stored: &[Dtype], expected: &[Expected], origins: [Origin; 3]) -> Vec<String> {
+    let mut input = Input::default();
+    let mut tensors: Vec<PlannedTensor> = ["p", "q", "r"]
+        .iter()
+        .zip(origins)
+        .take(stored.len())
+        .map(|(n, o)| planned(input.tensor(n, &[1.0], &[1]), o, DType::F32))
+        .collect();
+    // Eight zero bytes: int64 0.
+    let mut i = input.tensor("i", &[0.0, 0.0], &[1]);
+    i.dtype = DType::I64;
+    i.pieces[0].dtype = DType::I64;
+    tensors.insert(0, planned(i, Origin::Checkpoint, DType::I64));
+    let plan = plan(tensors);
+    let ckpt = input.checkpoint();
+    let tmp = tempfile::tempdir().unwrap();
+    let values: Vec<(&str, Dtype, Vec<usize>, Vec<u8>)> = ["p", "q", "r"]
+        .iter()
+        .zip(stored)
+        .map(|(n, &d)| {
+            let b = match d {
+                Dtype::F32 => le(&[1.0]),
+                _ => vec![0x80, 0x3f], // 1.0 in bfloat16 and 1.875 in float16
+            };
+            (*n, d, vec![1], b)
+        })
+        .chain([("i", Dtype::I64, vec![1], vec![0; 8])])
+        .collect();
+    write_model(tmp.path(), &values);
+    lines(&check(tmp.path(), &plan, &ckpt, expected))
+}
+
+#[test]
+fn every_floating_tensor_in_one_other_dtype_is_one_line_naming_the_option() {
+    let ck = [Origin::Checkpoint; 3];
+    assert_eq!(
+        casts(&[Dtype::BF16, Dtype::BF16], &[], ck),
+        ["all 2 floating tensors are stored as bfloat16, but with the options given the merge writes float32 (first: 'p' in model.safetensors): the merge ran with other options; pass --dtype bfloat16, or the --base it was given (whose config sets the dtype)"]
+    );
+    let each = |names: &[&str]| -> Vec<String> {
+        names
+            .iter()
+            .map(|n| format!("model.safetensors: tensor '{n}': stored as bfloat16, but the merge writes float32 (float32 in the checkpoint)"))
+            .collect()
+    };
+    // One tensor of one: a line for it.
+    assert_eq!(casts(&[Dtype::BF16], &[], ck), each(&["p"]));
+    // Not all of them: a line each.
+    assert_eq!(
+        casts(&[Dtype::BF16, Dtype::BF16, Dtype::F32], &[], ck),
+        each(&["p", "q"])
+    );
+    // Not all in the same dtype.
+    assert_eq!(
+        casts(&[Dtype::BF16, Dtype::F16], &[], ck),
+        [
+            each(&["p"])[0].clone(),
+            "model.safetensors: tensor 'q': stored as float16, but the merge writes float32 (float32 in the checkpoint)".to_string(),
+        ]
+    );
+    // Checksums given (a merge's own options): a line each, naming the inputs.
+    let expected = [Expected {
+        name: "absent.json".into(),
+        size: 0,
+        digest: ExpectedDigest::Recorded([0; 32]),
+    }];
+    let from = [Origin::Base, Origin::Input(0), Origin::Checkpoint];
+    assert_eq!(
+        casts(&[Dtype::BF16, Dtype::BF16], &expected, from),
+        [
+            "model.safetensors: tensor 'p': stored as bfloat16, but the merge writes float32 (float32 in the base)",
+            "model.safetensors: tensor 'q': stored as bfloat16, but the merge writes float32 (float32 in the input 0)",
+            "absent.json: missing: the merge wrote it (it is in unshard.json)",
+        ]
+    );
+}
+
+/// SHA-256 of each block of `bytes`, and of those digests in order.
+fn digests(bytes: &[u8]) -> (Vec<Option<[u8; 32]>>, [u8; 32]) {
+    let blocks: Vec<Option<[u8; 32]>> = bytes
+        .chunks(WINDOW_BYTES as usize)
+        .map(|b| Some(Sha256::digest(b).into()))
+        .collect();
+    let mut tree = Sha256::new();
+    for b in &blocks {
+        tree.update(b.unwrap());
+    }
+    (blocks, tree.finalize().into())
+}
+
+#[test]
+fn the_files_are_held_to_the_checksums_written_or_recorded() {
+    let n = 2_100_000usize;
+    let a: Vec<f32> = (0..n).map(|i| (i % 77) as f32).collect();
+    let mut input = Input::default();
+    let plan = plan(vec![planned(
+        input.tensor("a", &a, &[n as u64]),
+        Origin::Checkpoint,
+        DType::F32,
+    )]);
+    let ckpt = input.checkpoint();
+    let tmp = tempfile::tempdir().unwrap();
+    let bytes = write_model(tmp.path(), &[("a", Dtype::F32, vec![n], le(&a))]);
+    std::fs::write(tmp.path().join("tokenizer.json"), b"{}").unwrap();
+    let (blocks, tree) = digests(&bytes);
+    let (_, tok_tree) = digests(b"{}");
+    let size = bytes.len() as u64;
+    let shard = |digest| Expected {
+        name: "model.safetensors".into(),
+        size,
+        digest,
+    };
+    let tokenizer = |digest| Expected {
+        name: "tokenizer.json".into(),
+        size: 2,
+        digest,
+    };
+    let good = [
+        shard(ExpectedDigest::Written(blocks.clone())),
+        tokenizer(ExpectedDigest::Recorded(tok_tree)),
+    ];
+    let r = check(tmp.path(), &plan, &ckpt, &good);
+    assert!(r.problems.is_empty(), "{:?}", r.problems);
+    assert_eq!(r.files_checksummed, 2);
+    let r = check(
+        tmp.path(),
+        &plan,
+        &ckpt,
+        &[shard(ExpectedDigest::Recorded(tree))],
+    );
+    assert!(r.problems.is_empty(), "{:?}", r.problems);
+    assert_eq!(r.files_checksummed, 1);
+
+    // A block the writer did not hash is not held to anything.
+    let mut partial = blocks.clone();
+    partial[0] = None;
+    let r = check(
+        tmp.path(),
+        &plan,
+        &ckpt,
+        &[shard(ExpectedDigest::Written(partial))],
+    );
+    assert_eq!(r.files_checksummed, 1);
+
+    // One byte of the second block changed, and the tokenizer.
+    let mut torn = bytes.clone();
+    torn[WINDOW_BYTES as usize + 1] ^= 0x40;
+    std::fs::write(tmp.path().join("model.safetensors"), &torn).unwrap();
+    std::fs::write(tmp.path().join("tokenizer.json"), b"[]").unwrap();
+    let r = check(tmp.path(), &plan, &ckpt, &good);
+    let (_, found) = digests(b"[]");
+    let hex = |s: [u8; 32]| s.iter().map(|b| format!("{b:02x}")).collect::<String>();
+    assert_eq!(
+        lines(&r),
+        [
+            format!("model.safetensors: 1 block(s) read back differ from what was written, the first at bytes {WINDOW_BYTES}..{size} (SHA-256 of each 8 MiB block): a torn or corrupted write; check the disk and run the merge again"),
+            format!("tokenizer.json: its checksum is {}, but unshard.json records {}: the file changed since the merge wrote it", hex(found), hex(tok_tree)),
+        ]
+    );
+    assert_eq!(r.files_checksummed, 0);
+    assert_eq!(r.mismatches.len(), 1);
+    let r = check(
+        tmp.path(),
+        &plan,
+        &ckpt,
+        &[shard(ExpectedDigest::Recorded(tree))],
+    );
+    assert_eq!(r.files_checksummed, 0);
+    assert_eq!(r.problems.len(), 1);
+    assert!(lines(&r)[0].ends_with(&format!(
+        "but unshard.json records {}: the file changed since the merge wrote it",
+        hex(tree)
+    )));
+
+    // A shorter file.
+    std::fs::write(tmp.path().join("tokenizer.json"), b"{").unwrap();
+    let r = check(
+        tmp.path(),
+        &plan,
+        &ckpt,
+        &[tokenizer(ExpectedDigest::Written(vec![None]))],
+    );
+    assert_eq!(
+        lines(&r),
+        ["tokenizer.json: 1 bytes, but the merge wrote 2 (a short or torn write)"]
+    );
+    let r = check(
+        tmp.path(),
+        &plan,
+        &ckpt,
+        &[tokenizer(ExpectedDigest::Recorded(tok_tree))],
+    );
+    assert_eq!(lines(&r), ["tokenizer.json: 1 bytes, but the merge wrote 2: the file changed since the merge wrote it"]);
+}
