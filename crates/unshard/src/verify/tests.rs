@@ -449,6 +449,14 @@ fn the_files_are_held_to_the_checksums_written_or_recorded() {
         "but unshard.json records {}: the file changed since the merge wrote it",
         hex(tree)
     )));
+    // A byte of the first block changed too: two blocks, the first at 0.
+    torn[1000] ^= 0x40;
+    std::fs::write(tmp.path().join("model.safetensors"), &torn).unwrap();
+    let r = check(tmp.path(), &plan, &ckpt, &good[..1]);
+    assert_eq!(
+        lines(&r),
+        [format!("model.safetensors: 2 block(s) read back differ from what was written, the first at bytes 0..{WINDOW_BYTES} (SHA-256 of each 8 MiB block): a torn or corrupted write; check the disk and run the merge again")]
+    );
 
     // A shorter file.
     std::fs::write(tmp.path().join("tokenizer.json"), b"{").unwrap();
