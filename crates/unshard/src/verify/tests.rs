@@ -43,6 +43,15 @@ impl Input {
         }
     }
 
+    /// A tensor of `dtype` stored as `bytes`.
+    fn raw(&mut self, name: &str, bytes: &[u8], dtype: DType, shape: &[u64]) -> TensorSource {
+        let mut t = self.tensor(name, &[], shape);
+        self.bytes.extend(bytes);
+        t.dtype = dtype;
+        t.pieces[0].dtype = dtype;
+        t
+    }
+
     fn checkpoint(self) -> Checkpoint {
         Checkpoint {
             format: Format::TorchZip,
@@ -477,4 +486,41 @@ fn the_files_are_held_to_the_checksums_written_or_recorded() {
         &[tokenizer(ExpectedDigest::Recorded(tok_tree))],
     );
     assert_eq!(lines(&r), ["tokenizer.json: 1 bytes, but the merge wrote 2: the file changed since the merge wrote it"]);
+}
+
+#[test]
+fn a_one_byte_tensor_and_an_empty_one_are_compared() {
+    let mut input = Input::default();
+    let plan = plan(vec![
+        planned(input.tensor("e", &[], &[0]), Origin::Checkpoint, DType::F32),
+        planned(
+            input.raw("u", &[7], DType::U8, &[1]),
+            Origin::Checkpoint,
+            DType::U8,
+        ),
+    ]);
+    let ckpt = input.checkpoint();
+    let tmp = tempfile::tempdir().unwrap();
+    for (u, differing) in [(7u8, 0), (8, 1)] {
+        write_model(
+            tmp.path(),
+            &[
+                ("e", Dtype::F32, vec![0], Vec::new()),
+                ("u", Dtype::U8, vec![1], vec![u]),
+            ],
+        );
+        let r = check(tmp.path(), &plan, &ckpt, &[]);
+        assert!(r.problems.is_empty(), "{:?}", r.problems);
+        assert_eq!((r.tensors_compared, r.bytes_compared), (2, 1));
+        let found: Vec<(&str, u64)> = r
+            .mismatches
+            .iter()
+            .map(|m| (m.name.as_str(), m.differing))
+            .collect();
+        if differing == 0 {
+            assert!(found.is_empty(), "{found:?}");
+        } else {
+            assert_eq!(found, [("u", 1)]);
+        }
+    }
 }
