@@ -9,7 +9,7 @@ use ::safetensors::tensor::{serialize, Dtype, TensorView};
 use sha2::{Digest, Sha256};
 
 use super::*;
-use crate::plan::{Content, PlannedTensor};
+use crate::plan::{Content, Expr, PlannedTensor};
 use crate::source::{contiguous_strides, Blob, Checkpoint, Format, Piece, TensorSource};
 use crate::write::{NoProgress, WINDOW_BYTES};
 
@@ -522,5 +522,80 @@ fn a_one_byte_tensor_and_an_empty_one_are_compared() {
         } else {
             assert_eq!(found, [("u", 1)]);
         }
+    }
+}
+
+#[test]
+fn computed_tensors_are_compared_with_their_reference() {
+    let mut input = Input::default();
+    let leaf = |input: &mut Input, name: &str, v: &[f32], shape: &[u64]| {
+        Expr::leaf(Origin::Checkpoint, input.tensor(name, v, shape))
+    };
+    // [1, 2] and [3, 4] joined.
+    let concat = Expr::Concat {
+        dim: 0,
+        parts: vec![
+            leaf(&mut input, "x", &[1.0, 2.0], &[2]),
+            leaf(&mut input, "y", &[3.0, 4.0], &[2]),
+        ],
+    };
+    // Ones + 0.5 * B @ A, B @ A = [[1, 2, 1], [3, 4, 3]].
+    let fuse = Expr::Fuse {
+        base: Box::new(leaf(&mut input, "w", &[1.0; 6], &[2, 3])),
+        a: Box::new(leaf(
+            &mut input,
+            "a",
+            &[1.0, 0.0, 1.0, 0.0, 1.0, 0.0],
+            &[2, 3],
+        )),
+        b: Box::new(leaf(&mut input, "b", &[1.0, 2.0, 3.0, 4.0], &[2, 2])),
+        magnitude: None,
+        scale: 0.5,
+        layout: crate::lora::math::Layout::Linear,
+    };
+    let computed = |name: &str, shape: &[u64], e: Expr| PlannedTensor {
+        name: name.into(),
+        origin: Origin::Checkpoint,
+        shape: shape.to_vec(),
+        source_dtype: DType::F32,
+        dtype: DType::F32,
+        content: Content::Computed(e),
+    };
+    let plan = plan(vec![
+        computed("c", &[4], concat),
+        computed("f", &[2, 3], fuse),
+    ]);
+    let ckpt = input.checkpoint();
+    let tmp = tempfile::tempdir().unwrap();
+    let fused = [1.5, 2.0, 1.5, 2.5, 3.0, 2.5];
+    let mut off = fused;
+    off[1] = 2.5;
+    for (c, f, want) in [
+        ([1.0, 2.0, 3.0, 4.0], fused, vec![]),
+        (
+            [1.0, 2.0, 3.0, 5.0],
+            off,
+            vec![("c", 1, 3, 1.0), ("f", 1, 1, 0.5)],
+        ),
+    ] {
+        write_model(
+            tmp.path(),
+            &[
+                ("c", Dtype::F32, vec![4], le(&c)),
+                ("f", Dtype::F32, vec![2, 3], le(&f)),
+            ],
+        );
+        let r = check(tmp.path(), &plan, &ckpt, &[]);
+        assert!(r.problems.is_empty(), "{:?}", r.problems);
+        assert_eq!(r.tensors_compared, 2);
+        let found: Vec<(&str, u64, u64, f64)> = r
+            .mismatches
+            .iter()
+            .map(|m| {
+                let i = m.first.unwrap().index;
+                (m.name.as_str(), m.differing, i, m.max_abs_diff)
+            })
+            .collect();
+        assert_eq!(found, want);
     }
 }
