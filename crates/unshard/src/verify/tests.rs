@@ -11,7 +11,7 @@ use sha2::{Digest, Sha256};
 use super::*;
 use crate::plan::{Content, Expr, PlannedTensor};
 use crate::source::{contiguous_strides, Blob, Checkpoint, Format, Piece, TensorSource};
-use crate::write::{NoProgress, WINDOW_BYTES};
+use crate::write::WINDOW_BYTES;
 
 /// The checkpoint: float32 tensors back to back in one file.
 #[derive(Default)]
@@ -103,13 +103,41 @@ fn write_model(dir: &Path, tensors: &[(&str, Dtype, Vec<usize>, Vec<u8>)]) -> Ve
     bytes
 }
 
+/// The bytes `start` announced and the sum of the `advance`s.
+#[derive(Default)]
+struct Counted {
+    total: std::sync::atomic::AtomicU64,
+    done: std::sync::atomic::AtomicU64,
+}
+
+impl Progress for Counted {
+    fn start(&self, total: u64) {
+        self.total
+            .store(total, std::sync::atomic::Ordering::Relaxed);
+    }
+    fn advance(&self, n: u64) {
+        self.done.fetch_add(n, std::sync::atomic::Ordering::Relaxed);
+    }
+}
+
 fn check(dir: &Path, plan: &Plan, ckpt: &Checkpoint, expected: &[Expected]) -> VerifyReport {
     let inputs = Inputs {
         checkpoint: ckpt,
         base: Some(ckpt),
         extra: &[ckpt],
     };
-    verify_dir(dir, plan, inputs, expected, &NoProgress, &Cancel::new()).unwrap()
+    let progress = Counted::default();
+    let r = verify_dir(dir, plan, inputs, expected, &progress, &Cancel::new()).unwrap();
+    // The progress counts every byte of the shards read, once.
+    let shards: u64 = r
+        .files
+        .iter()
+        .filter_map(|f| std::fs::metadata(dir.join(f)).ok())
+        .map(|m| m.len())
+        .sum();
+    let (total, done) = (progress.total.into_inner(), progress.done.into_inner());
+    assert_eq!((total, done), (shards, shards));
+    r
 }
 
 fn lines(r: &VerifyReport) -> Vec<String> {
@@ -163,17 +191,27 @@ fn values_shapes_dtypes_and_names_are_checked_against_the_plan() {
     let mut written = a.clone();
     written[5] += 1.0;
     written[2_150_000] += 8.0;
-    write_model(
-        tmp.path(),
-        &[
-            ("a", Dtype::F32, vec![n], le(&written)),
-            ("b", Dtype::F32, vec![4], le(&[nan(2), 2.0, -0.0, 4.0])),
-            // bfloat16 1.0 and 2.0.
-            ("c", Dtype::BF16, vec![2], vec![0x80, 0x3f, 0x00, 0x40]),
-            ("e", Dtype::F32, vec![1, 2], le(&[1.0, 2.0])),
-            ("x", Dtype::F32, vec![1], le(&[0.0])),
-        ],
-    );
+    let model = |a: &[f32]| {
+        write_model(
+            tmp.path(),
+            &[
+                ("a", Dtype::F32, vec![n], le(a)),
+                ("b", Dtype::F32, vec![4], le(&[nan(2), 2.0, -0.0, 4.0])),
+                // bfloat16 1.0 and 2.0.
+                ("c", Dtype::BF16, vec![2], vec![0x80, 0x3f, 0x00, 0x40]),
+                ("e", Dtype::F32, vec![1, 2], le(&[1.0, 2.0])),
+                ("x", Dtype::F32, vec![1], le(&[0.0])),
+            ],
+        )
+    };
+    // And the first element of `a` in the second block, where the safetensors
+    // crate says `a`'s data is, off by 2.
+    let bytes = model(&written);
+    let (len, meta) = ::safetensors::SafeTensors::read_metadata(&bytes).unwrap();
+    let a_start = (8 + len + meta.info("a").unwrap().data_offsets.0) as u64;
+    let second = (WINDOW_BYTES - a_start).div_ceil(4) as usize;
+    written[second] += 2.0;
+    model(&written);
     let r = check(tmp.path(), &plan, &ckpt, &[]);
     assert_eq!(
         lines(&r),
@@ -195,7 +233,7 @@ fn values_shapes_dtypes_and_names_are_checked_against_the_plan() {
             name: "a".into(),
             shape: vec![n as u64],
             dtype: DType::F32,
-            differing: 2,
+            differing: 3,
             nan_mismatch: 0,
             max_abs_diff: 8.0,
             first: Some(FirstDiff {
