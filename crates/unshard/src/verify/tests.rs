@@ -637,3 +637,52 @@ fn computed_tensors_are_compared_with_their_reference() {
         assert_eq!(found, want);
     }
 }
+
+#[test]
+fn each_shard_is_held_to_its_own_block_digests() {
+    let mut input = Input::default();
+    let plan = plan(vec![
+        planned(
+            input.tensor("a", &[1.0, 2.0], &[2]),
+            Origin::Checkpoint,
+            DType::F32,
+        ),
+        planned(
+            input.tensor("b", &[3.0], &[1]),
+            Origin::Checkpoint,
+            DType::F32,
+        ),
+    ]);
+    let ckpt = input.checkpoint();
+    let tmp = tempfile::tempdir().unwrap();
+    let shard = |name: &str, t: &str, v: &[f32]| {
+        let data = le(v);
+        let view = TensorView::new(Dtype::F32, vec![v.len()], &data).unwrap();
+        let bytes = serialize([(t, view)], None).unwrap();
+        std::fs::write(tmp.path().join(name), &bytes).unwrap();
+        let (blocks, _) = digests(&bytes);
+        Expected {
+            name: name.into(),
+            size: bytes.len() as u64,
+            digest: ExpectedDigest::Written(blocks),
+        }
+    };
+    let (s1, s2) = (
+        "model-00001-of-00002.safetensors",
+        "model-00002-of-00002.safetensors",
+    );
+    let expected = [shard(s1, "a", &[1.0, 2.0]), shard(s2, "b", &[3.0])];
+    let index = serde_json::json!({
+        "metadata": {"total_size": 12},
+        "weight_map": {"a": s1, "b": s2},
+    });
+    std::fs::write(
+        tmp.path().join("model.safetensors.index.json"),
+        index.to_string(),
+    )
+    .unwrap();
+    let r = check(tmp.path(), &plan, &ckpt, &expected);
+    assert!(r.problems.is_empty(), "{:?}", r.problems);
+    assert!(r.mismatches.is_empty(), "{:?}", r.mismatches);
+    assert_eq!((r.tensors_compared, r.files_checksummed), (2, 2));
+}
