@@ -147,3 +147,224 @@ pub fn drop_cached(dir: &Path, plan: &Plan) {
     #[cfg(not(target_os = "linux"))]
     let _ = (dir, plan);
 }
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use std::path::PathBuf;
+    use std::sync::Arc;
+
+    use super::*;
+    use crate::plan::{Content, Expr};
+    use crate::source::{contiguous_strides, Blob, Checkpoint, Format, Piece};
+    use crate::DType;
+
+    /// Float32 tensors back to back in one file.
+    #[derive(Default)]
+    struct Input {
+        bytes: Vec<u8>,
+        tensors: Vec<TensorSource>,
+    }
+
+    impl Input {
+        fn add(&mut self, name: &str, values: &[f32], shape: &[u64]) -> TensorSource {
+            let at = self.bytes.len() as u64;
+            self.bytes
+                .extend(values.iter().flat_map(|v| v.to_le_bytes()));
+            let t = TensorSource {
+                name: name.into(),
+                dtype: DType::F32,
+                shape: shape.to_vec(),
+                pieces: vec![Piece {
+                    file: 0,
+                    byte_offset: at,
+                    dtype: DType::F32,
+                    shape: shape.to_vec(),
+                    strides: contiguous_strides(shape),
+                    global_offset: vec![0; shape.len()],
+                    big_endian: false,
+                }]
+                .into(),
+                storage: None,
+                layout: None,
+            };
+            self.tensors.push(t.clone());
+            t
+        }
+
+        fn checkpoint(self) -> Checkpoint {
+            Checkpoint {
+                format: Format::TorchZip,
+                path: PathBuf::from("input"),
+                files: vec![Arc::new(Blob::owned(PathBuf::from("input"), self.bytes))],
+                key: None,
+                tensors: self.tensors,
+                extras: Vec::new(),
+                notes: Vec::new(),
+                unsafe_calls: Vec::new(),
+            }
+        }
+    }
+
+    fn planned(source: TensorSource, origin: Origin) -> PlannedTensor {
+        PlannedTensor {
+            name: source.name.clone(),
+            origin,
+            shape: source.shape.clone(),
+            source_dtype: DType::F32,
+            dtype: DType::F32,
+            content: Content::Copy(source),
+        }
+    }
+
+    fn plan(tensors: Vec<PlannedTensor>) -> Plan {
+        Plan {
+            tensors,
+            shards: Vec::new(),
+            dtype: None,
+            config: None,
+            index: None,
+            total_size: 0,
+            report: Default::default(),
+        }
+    }
+
+    /// 20,000 elements: more than the first 64 KiB compared first.
+    const N: usize = 20_000;
+
+    /// `unchanged_from_base` of a checkpoint holding `w` (N values) and `b`, over a
+    /// base holding `w` as `base_w` and `b`; `more` adds to the plan, the
+    /// checkpoint and the base.
+    fn unchanged(
+        base_w: &[f32],
+        more: impl FnOnce(&mut Vec<PlannedTensor>, &mut Input, &mut Input),
+    ) -> Option<usize> {
+        let w: Vec<f32> = (0..N).map(|i| i as f32).collect();
+        let mut ck = Input::default();
+        let mut tensors = vec![
+            planned(
+                ck.add("b", &[f32::from_bits(0x7fc0_0001), 1.0], &[2]),
+                Origin::Checkpoint,
+            ),
+            planned(ck.add("w", &w, &[N as u64]), Origin::Checkpoint),
+        ];
+        let mut base = Input::default();
+        base.add("b", &[f32::from_bits(0x7fc0_0002), 1.0], &[2]);
+        base.add("w", base_w, &[base_w.len() as u64]);
+        more(&mut tensors, &mut ck, &mut base);
+        let plan = plan(tensors);
+        let (ck, base) = (ck.checkpoint(), base.checkpoint());
+        let inputs = Inputs {
+            checkpoint: &ck,
+            base: Some(&base),
+            extra: &[],
+        };
+        unchanged_from_base(&plan, inputs, &Cancel::new()).unwrap()
+    }
+
+    #[test]
+    fn a_checkpoint_equal_to_the_base_is_found_and_any_difference_is_not() {
+        let w: Vec<f32> = (0..N).map(|i| i as f32).collect();
+        // Equal, NaN payloads aside: both tensors compared.
+        assert_eq!(unchanged(&w, |_, _, _| {}), Some(2));
+        // A difference in the first window, and one past it.
+        for at in [0, N - 1] {
+            let mut other = w.clone();
+            other[at] = -1.0;
+            assert_eq!(unchanged(&other, |_, _, _| {}), None, "{at}");
+        }
+        // Another shape.
+        assert_eq!(unchanged(&w[..N - 1], |_, _, _| {}), None);
+        // A checkpoint tensor the base lacks.
+        let extra = |t: &mut Vec<PlannedTensor>, c: &mut Input, _: &mut Input| {
+            t.push(planned(c.add("z", &[0.0], &[1]), Origin::Checkpoint));
+        };
+        assert_eq!(unchanged(&w, extra), None);
+        // The same in both: compared.
+        let both = |t: &mut Vec<PlannedTensor>, c: &mut Input, b: &mut Input| {
+            t.push(planned(c.add("z", &[0.0], &[1]), Origin::Checkpoint));
+            b.add("z", &[0.0], &[1]);
+        };
+        assert_eq!(unchanged(&w, both), Some(3));
+        // A tensor the plan takes from the base is not compared.
+        let from_base = |t: &mut Vec<PlannedTensor>, _: &mut Input, b: &mut Input| {
+            t.push(planned(b.add("z", &[0.0], &[1]), Origin::Base));
+        };
+        assert_eq!(unchanged(&w, from_base), Some(2));
+        // A computed tensor differs from the checkpoint's as it is (here it is a
+        // leaf equal to the base's).
+        let computed = |t: &mut Vec<PlannedTensor>, c: &mut Input, b: &mut Input| {
+            let mut z = planned(c.add("z", &[0.0], &[1]), Origin::Checkpoint);
+            let leaf = Expr::leaf(Origin::Checkpoint, z.copied().unwrap().clone());
+            z.content = Content::Computed(leaf);
+            t.push(z);
+            b.add("z", &[0.0], &[1]);
+        };
+        assert_eq!(unchanged(&w, computed), None);
+        // A base tensor of a dtype that is not converted to the planned one: int64
+        // zero against float32 zero.
+        let int = |t: &mut Vec<PlannedTensor>, c: &mut Input, b: &mut Input| {
+            t.push(planned(c.add("z", &[0.0], &[1]), Origin::Checkpoint));
+            let mut z = b.add("z", &[0.0, 0.0], &[1]);
+            z.dtype = DType::I64;
+            z.pieces[0].dtype = DType::I64;
+            *b.tensors.last_mut().unwrap() = z;
+        };
+        assert!(!dtype::can_convert(DType::I64, DType::F32));
+        assert_eq!(unchanged(&w, int), None);
+    }
+
+    #[test]
+    fn without_a_base_or_checkpoint_tensors_nothing_is_compared() {
+        let mut ck = Input::default();
+        let t = planned(ck.add("w", &[1.0], &[1]), Origin::Checkpoint);
+        let ck = ck.checkpoint();
+        let inputs = Inputs {
+            checkpoint: &ck,
+            base: None,
+            extra: &[],
+        };
+        assert_eq!(
+            unchanged_from_base(&plan(vec![t.clone()]), inputs, &Cancel::new()).unwrap(),
+            None
+        );
+        let inputs = Inputs {
+            checkpoint: &ck,
+            base: Some(&ck),
+            extra: &[],
+        };
+        let only_base = PlannedTensor {
+            origin: Origin::Base,
+            ..t
+        };
+        assert_eq!(
+            unchanged_from_base(&plan(vec![only_base]), inputs, &Cancel::new()).unwrap(),
+            None
+        );
+    }
+
+    #[test]
+    fn the_nonfinite_tensors_are_those_the_writer_counted_any_nan_inf_or_overflow_in() {
+        let mut ck = Input::default();
+        let plan = plan(
+            ["a", "b", "c", "d"]
+                .iter()
+                .map(|n| planned(ck.add(n, &[0.0], &[1]), Origin::Checkpoint))
+                .collect(),
+        );
+        let s = |nan, inf, overflow| ConvertStats { nan, inf, overflow };
+        let stats = [s(1, 0, 0), s(0, 0, 0), s(0, 2, 0), s(0, 0, 3)];
+        let found: Vec<(String, u64, u64, u64)> = nonfinite_tensors(&plan, &stats)
+            .into_iter()
+            .map(|t| (t.name, t.nan, t.inf, t.overflow))
+            .collect();
+        let want = [("a", 1, 0, 0), ("c", 0, 2, 0), ("d", 0, 0, 3)]
+            .map(|(n, a, b, c)| (n.to_string(), a, b, c));
+        assert_eq!(found, want);
+        assert!(check_finite(&plan, &[s(0, 0, 0); 4]).is_ok());
+        match check_finite(&plan, &stats) {
+            Err(Error::NonFinite { tensors }) => assert_eq!(tensors.len(), 3),
+            other => panic!("{other:?}"),
+        }
+    }
+}

@@ -144,4 +144,116 @@ mod tests {
         );
         assert_eq!((d.differing, d.nan_mismatch, d.max_abs), (2, 1, 1.0));
     }
+
+    fn f32s(v: &[f32]) -> Vec<u8> {
+        v.iter().flat_map(|x| x.to_le_bytes()).collect()
+    }
+
+    #[test]
+    fn infinities_of_other_signs_differ_by_infinity_and_the_first_difference_is_kept() {
+        let d = compare(
+            &f32s(&[1.0, f32::INFINITY, 3.0, 5.0]),
+            &f32s(&[1.0, f32::NEG_INFINITY, 1.0, 4.0]),
+            DType::F32,
+            100,
+        );
+        assert_eq!(
+            (d.differing, d.nan_mismatch, d.max_abs),
+            (3, 0, f64::INFINITY)
+        );
+        let first = d.first.unwrap();
+        assert_eq!(
+            (first.index, first.expected, first.found),
+            (101, f64::INFINITY, f64::NEG_INFINITY)
+        );
+        // Equal windows: nothing, whatever the offset.
+        let d = compare(&f32s(&[1.0, 2.0]), &f32s(&[1.0, 2.0]), DType::F32, 7);
+        assert_eq!((d.differing, d.first.map(|f| f.index)), (0, None));
+        // The largest difference wins, wherever it is.
+        let d = compare(
+            &f32s(&[0.0, 0.0, 0.0]),
+            &f32s(&[2.0, 5.0, 3.0]),
+            DType::F32,
+            0,
+        );
+        assert_eq!((d.differing, d.max_abs), (3, 5.0));
+        assert_eq!(d.first.map(|f| (f.index, f.found)), Some((0, 2.0)));
+    }
+
+    #[test]
+    fn values_within_their_allowance_match() {
+        let found = f32s(&[1.0, 2.5, f32::NAN, 7.0, 4.0, f32::INFINITY]);
+        let values = [1.25, 2.0, f64::NAN, f64::NAN, 4.0, f64::INFINITY];
+        let allowed = [0.25, 0.25, 0.0, 1.0, 0.0, 0.0];
+        let d = compare_within(&values, &allowed, &found, DType::F32, 10);
+        // 1 is within 0.25 of 1.25 (the bound counts); 2.5 is not within 0.25 of 2;
+        // NaN matches NaN; 7 is not NaN; 4 equals 4; inf equals inf.
+        assert_eq!((d.differing, d.nan_mismatch, d.max_abs), (2, 1, 0.5));
+        let first = d.first.unwrap();
+        assert_eq!((first.index, first.expected, first.found), (11, 2.0, 2.5));
+        // An infinity against a number: an infinite difference.
+        let d = compare_within(
+            &[f64::INFINITY, 3.0],
+            &[1.0, 1.0],
+            &f32s(&[1.0, 1.0]),
+            DType::F32,
+            0,
+        );
+        assert_eq!((d.differing, d.max_abs), (2, f64::INFINITY));
+        let d = compare_within(
+            &[f64::INFINITY],
+            &[1.0],
+            &f32s(&[f32::NEG_INFINITY]),
+            DType::F32,
+            0,
+        );
+        assert_eq!((d.differing, d.max_abs), (1, f64::INFINITY));
+    }
+
+    #[test]
+    fn differences_add_up_and_the_earliest_first_difference_is_kept() {
+        let at = |index: u64| FirstDiff {
+            index,
+            expected: index as f64,
+            found: 0.0,
+        };
+        let mut d = Diffs {
+            differing: 2,
+            nan_mismatch: 1,
+            max_abs: 3.0,
+            first: Some(at(20)),
+        };
+        d.add(Diffs {
+            differing: 5,
+            nan_mismatch: 2,
+            max_abs: 1.0,
+            first: Some(at(10)),
+        });
+        assert_eq!((d.differing, d.nan_mismatch, d.max_abs), (7, 3, 3.0));
+        assert_eq!(d.first, Some(at(10)));
+        d.add(Diffs {
+            max_abs: 4.0,
+            first: Some(at(30)),
+            ..Diffs::default()
+        });
+        assert_eq!((d.max_abs, d.first), (4.0, Some(at(10))));
+        let mut e = Diffs::default();
+        e.add(Diffs {
+            first: Some(at(5)),
+            ..Diffs::default()
+        });
+        assert_eq!(e.first, Some(at(5)));
+        e.add(Diffs::default());
+        assert_eq!(e.first, Some(at(5)));
+    }
+
+    #[test]
+    fn same_values_ignores_nan_payloads_only() {
+        let a = f32s(&[f32::from_bits(0x7fc0_0001), 1.0]);
+        let b = f32s(&[f32::from_bits(0xffc0_0002), 1.0]);
+        assert!(same_values(&a, &a, DType::F32));
+        assert!(same_values(&a, &b, DType::F32));
+        assert!(!same_values(&a, &f32s(&[f32::NAN, 2.0]), DType::F32));
+        assert!(!same_values(&f32s(&[0.0]), &f32s(&[-0.0]), DType::F32));
+    }
 }

@@ -248,3 +248,6 @@ fn origin_name(o: Origin) -> String {
         Origin::Input(i) => format!("input {i}"),
     }
 }
+
+#[cfg(test)]
+mod tests;

@@ -213,3 +213,283 @@ fn locate<'e>(n: &Node<'e>, idx: &mut [u64]) -> (usize, &'e [u64]) {
         }
     }
 }
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use std::path::PathBuf;
+    use std::sync::Arc;
+
+    use super::*;
+    use crate::lora::math::Layout;
+    use crate::plan::Origin;
+    use crate::source::{contiguous_strides, Blob, Checkpoint, Format, Piece, TensorSource};
+
+    /// Float32 tensors laid out back to back in one file of the checkpoint.
+    struct File {
+        bytes: Vec<u8>,
+    }
+
+    impl File {
+        fn leaf(&mut self, values: &[f32], shape: &[u64]) -> Expr {
+            let at = self.bytes.len() as u64;
+            self.bytes
+                .extend(values.iter().flat_map(|v| v.to_le_bytes()));
+            Expr::leaf(
+                Origin::Checkpoint,
+                TensorSource {
+                    name: format!("leaf@{at}"),
+                    dtype: DType::F32,
+                    shape: shape.to_vec(),
+                    pieces: vec![Piece {
+                        file: 0,
+                        byte_offset: at,
+                        dtype: DType::F32,
+                        shape: shape.to_vec(),
+                        strides: contiguous_strides(shape),
+                        global_offset: vec![0; shape.len()],
+                        big_endian: false,
+                    }]
+                    .into(),
+                    storage: None,
+                    layout: None,
+                },
+            )
+        }
+
+        fn checkpoint(self) -> Checkpoint {
+            Checkpoint {
+                format: Format::TorchZip,
+                path: PathBuf::from("input"),
+                files: vec![Arc::new(Blob::owned(PathBuf::from("input"), self.bytes))],
+                key: None,
+                tensors: Vec::new(),
+                extras: Vec::new(),
+                notes: Vec::new(),
+                unsafe_calls: Vec::new(),
+            }
+        }
+    }
+
+    fn f32s(bytes: &[u8]) -> Vec<f32> {
+        bytes
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect()
+    }
+
+    /// `expected` of `e`, whose leaves are in `file`, as float32.
+    fn eval(file: File, e: &Expr, shape: &[u64]) -> Result<Vec<f32>> {
+        let ckpt = file.checkpoint();
+        let inputs = Inputs {
+            checkpoint: &ckpt,
+            base: None,
+            extra: &[],
+        };
+        Ok(f32s(&expected(e, shape, DType::F32, inputs)?))
+    }
+
+    fn new() -> File {
+        File { bytes: Vec::new() }
+    }
+
+    #[test]
+    fn a_concatenation_takes_each_element_from_its_part() {
+        // Along columns: [[0, 1], [2, 3]] and [[10], [11]].
+        let mut f = new();
+        let parts = vec![
+            f.leaf(&[0.0, 1.0, 2.0, 3.0], &[2, 2]),
+            f.leaf(&[10.0, 11.0], &[2, 1]),
+        ];
+        let e = Expr::Concat { dim: 1, parts };
+        assert_eq!(
+            eval(f, &e, &[2, 3]).unwrap(),
+            [0.0, 1.0, 10.0, 2.0, 3.0, 11.0]
+        );
+        // Along rows, three parts of 1, 2 and 1 rows.
+        let mut f = new();
+        let parts = vec![
+            f.leaf(&[0.0, 1.0], &[1, 2]),
+            f.leaf(&[2.0, 3.0, 4.0, 5.0], &[2, 2]),
+            f.leaf(&[6.0, 7.0], &[1, 2]),
+        ];
+        let e = Expr::Concat { dim: 0, parts };
+        assert_eq!(
+            eval(f, &e, &[4, 2]).unwrap(),
+            [0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0]
+        );
+    }
+
+    #[test]
+    fn permuted_rows_and_slices_are_traced_to_their_elements() {
+        // Output row i is input row rows[i].
+        let mut f = new();
+        let input = Box::new(f.leaf(&[0.0, 1.0, 2.0, 3.0, 4.0, 5.0], &[3, 2]));
+        let e = Expr::PermuteRows {
+            rows: vec![2, 0, 1],
+            input,
+        };
+        assert_eq!(
+            eval(f, &e, &[3, 2]).unwrap(),
+            [4.0, 5.0, 0.0, 1.0, 2.0, 3.0]
+        );
+        // Columns 1..3 of [[0, 1, 2, 3], [4, 5, 6, 7]].
+        let mut f = new();
+        let input = Box::new(f.leaf(&[0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0], &[2, 4]));
+        let e = Expr::Slice {
+            dim: 1,
+            start: 1,
+            len: 2,
+            input,
+        };
+        assert_eq!(eval(f, &e, &[2, 2]).unwrap(), [1.0, 2.0, 5.0, 6.0]);
+        // Rows 1..3 of the concatenation of [[0, 1]] and [[2, 3], [4, 5]], the rows
+        // then reversed.
+        let mut f = new();
+        let parts = vec![
+            f.leaf(&[0.0, 1.0], &[1, 2]),
+            f.leaf(&[2.0, 3.0, 4.0, 5.0], &[2, 2]),
+        ];
+        let sliced = Expr::Slice {
+            dim: 0,
+            start: 1,
+            len: 2,
+            input: Box::new(Expr::Concat { dim: 0, parts }),
+        };
+        let e = Expr::PermuteRows {
+            rows: vec![1, 0],
+            input: Box::new(sliced),
+        };
+        assert_eq!(eval(f, &e, &[2, 2]).unwrap(), [4.0, 5.0, 2.0, 3.0]);
+    }
+
+    #[test]
+    fn the_values_are_converted_to_the_output_dtype() {
+        let mut f = new();
+        // 1 + 2^-8 is a tie between bfloat16's 1 and 1 + 2^-7: to even, 1.
+        let e = f.leaf(&[1.5, -2.0, 1.0 + 1.0 / 256.0], &[3]);
+        let ckpt = f.checkpoint();
+        let inputs = Inputs {
+            checkpoint: &ckpt,
+            base: None,
+            extra: &[],
+        };
+        let got = expected(&e, &[3], DType::BF16, inputs).unwrap();
+        assert_eq!(got, [0xc0, 0x3f, 0x00, 0xc0, 0x80, 0x3f]);
+    }
+
+    #[test]
+    fn what_cannot_be_traced_is_an_error_not_a_panic() {
+        // A slice past the end of its input.
+        let mut f = new();
+        let input = Box::new(f.leaf(&[0.0, 1.0, 2.0, 3.0], &[4]));
+        let e = Expr::Slice {
+            dim: 0,
+            start: 3,
+            len: 2,
+            input,
+        };
+        let err = eval(f, &e, &[2]).unwrap_err().to_string();
+        assert!(
+            err.contains("element 1 traces outside the tensor it comes from"),
+            "{err}"
+        );
+        // A concatenation along a dimension the parts lack.
+        let mut f = new();
+        let parts = vec![f.leaf(&[0.0], &[1]), f.leaf(&[1.0], &[1])];
+        let e = Expr::Concat { dim: 1, parts };
+        let err = eval(f, &e, &[1, 2]).unwrap_err().to_string();
+        assert!(
+            err.contains("a concatenation along a missing dimension"),
+            "{err}"
+        );
+        // A fused adapter inside another node.
+        let mut f = new();
+        let fuse = Expr::Fuse {
+            base: Box::new(f.leaf(&[0.0; 4], &[2, 2])),
+            a: Box::new(f.leaf(&[0.0; 2], &[1, 2])),
+            b: Box::new(f.leaf(&[0.0; 2], &[2, 1])),
+            magnitude: None,
+            scale: 1.0,
+            layout: Layout::Linear,
+        };
+        let e = Expr::Slice {
+            dim: 0,
+            start: 0,
+            len: 1,
+            input: Box::new(fuse),
+        };
+        let err = eval(f, &e, &[1, 2]).unwrap_err().to_string();
+        assert!(
+            err.contains("fused adapter only as a whole tensor"),
+            "{err}"
+        );
+    }
+
+    /// `reference` of `W + scale * update`, the values and their allowances.
+    fn fused(
+        layout: Layout,
+        w: (&[f32], [u64; 2]),
+        a: (&[f32], [u64; 2]),
+        b: (&[f32], [u64; 2]),
+    ) -> (Vec<f64>, Vec<f64>) {
+        let mut f = new();
+        let e = Expr::Fuse {
+            base: Box::new(f.leaf(w.0, &w.1)),
+            a: Box::new(f.leaf(a.0, &a.1)),
+            b: Box::new(f.leaf(b.0, &b.1)),
+            magnitude: None,
+            scale: 0.5,
+            layout,
+        };
+        let ckpt = f.checkpoint();
+        let inputs = Inputs {
+            checkpoint: &ckpt,
+            base: None,
+            extra: &[],
+        };
+        match reference(&e, &w.1, DType::F32, inputs).unwrap() {
+            Reference::Within { values, allowed } => (values, allowed),
+            Reference::Exact(_) => panic!("a fused adapter is compared within bounds"),
+        }
+    }
+
+    #[test]
+    fn a_fused_adapter_is_the_weight_plus_the_scaled_update_in_each_layout() {
+        // A = [[1, 0, 1], [0, 1, 0]] (rank 2, 3 inputs), B = [[1, 2], [3, 4]]
+        // (2 outputs): B @ A = [[1, 2, 1], [3, 4, 3]], scaled by 0.5.
+        let a: &[f32] = &[1.0, 0.0, 1.0, 0.0, 1.0, 0.0];
+        let b: &[f32] = &[1.0, 2.0, 3.0, 4.0];
+        // Linear: the weight is [outputs, inputs], all ones.
+        let (values, allowed) = fused(
+            Layout::Linear,
+            (&[1.0; 6], [2, 3]),
+            (a, [2, 3]),
+            (b, [2, 2]),
+        );
+        assert_eq!(values, [1.5, 2.0, 1.5, 2.5, 3.0, 2.5]);
+        assert_eq!(allowed.len(), 6);
+        assert!(allowed.iter().all(|&x| x > 0.0 && x < 1e-3), "{allowed:?}");
+        // Conv1D (fan_in_fan_out): the weight is [inputs, outputs], the update
+        // transposed: [[0.5, 1.5], [1, 2], [0.5, 1.5]] over [[0, 0], [1, 1], [2, 2]].
+        let w: &[f32] = &[0.0, 0.0, 1.0, 1.0, 2.0, 2.0];
+        let (values, _) = fused(Layout::FanInFanOut, (w, [3, 2]), (a, [2, 3]), (b, [2, 2]));
+        assert_eq!(values, [0.5, 1.5, 2.0, 3.0, 2.5, 3.5]);
+    }
+
+    #[test]
+    fn any_other_expression_is_compared_exactly() {
+        let mut f = new();
+        let e = f.leaf(&[1.0, 2.0], &[2]);
+        let ckpt = f.checkpoint();
+        let inputs = Inputs {
+            checkpoint: &ckpt,
+            base: None,
+            extra: &[],
+        };
+        match reference(&e, &[2], DType::F32, inputs).unwrap() {
+            Reference::Exact(bytes) => assert_eq!(f32s(&bytes), [1.0, 2.0]),
+            Reference::Within { .. } => panic!("a leaf is exact"),
+        }
+    }
+}

@@ -288,5 +288,166 @@ mod tests {
     fn unravels_flat_indices() {
         assert_eq!(unravel(5, &[2, 3]), [1, 2]);
         assert_eq!(unravel(0, &[]), Vec::<u64>::new());
+        // 23 = 1*12 + 2*4 + 3 in [2, 3, 4]; a zero-length dimension counts as one.
+        assert_eq!(unravel(23, &[2, 3, 4]), [1, 2, 3]);
+        assert_eq!(unravel(3, &[0, 4]), [0, 3]);
+    }
+
+    #[test]
+    fn numbers_are_plain_between_1e_4_and_1e7_and_in_e_notation_outside() {
+        assert_eq!(num(0.0), "0");
+        assert_eq!(num(1.5), "1.5");
+        assert_eq!(num(-2.0), "-2");
+        assert_eq!(num(1e-4), "0.0001");
+        assert_eq!(num(9999999.0), "9999999");
+        assert_eq!(num(1e7), "1e7");
+        assert_eq!(num(-3e-5), "-3e-5");
+        assert_eq!(num(f64::INFINITY), "inf");
+        assert_eq!(num(f64::NAN), "NaN");
+    }
+
+    fn mismatch() -> Mismatch {
+        Mismatch {
+            file: "model.safetensors".into(),
+            name: "w".into(),
+            shape: vec![2, 3],
+            dtype: DType::BF16,
+            differing: 2,
+            nan_mismatch: 1,
+            max_abs_diff: 0.5,
+            first: Some(FirstDiff {
+                index: 4,
+                expected: 1.0,
+                found: f64::NAN,
+            }),
+        }
+    }
+
+    fn report(problems: usize, mismatches: usize) -> VerifyReport {
+        VerifyReport {
+            dir: PathBuf::from("out"),
+            files: vec!["a.safetensors".into(), "b.safetensors".into()],
+            problems: (0..problems)
+                .map(|i| problem(Some("x"), None, format!("p{i}")))
+                .collect(),
+            mismatches: vec![mismatch(); mismatches],
+            tensors_compared: 3,
+            bytes_compared: 3 << 20,
+            files_checksummed: 0,
+        }
+    }
+
+    #[test]
+    fn a_mismatch_says_how_many_elements_differ_and_where_the_first_is() {
+        assert_eq!(
+            mismatch().to_string(),
+            "model.safetensors: tensor 'w': 2 of 6 element(s) differ, max abs diff 0.5, 1 NaN against a number; first at [1, 1]: expected 1, found NaN"
+        );
+        let m = Mismatch {
+            nan_mismatch: 0,
+            first: None,
+            ..mismatch()
+        };
+        assert_eq!(
+            m.to_string(),
+            "model.safetensors: tensor 'w': 2 of 6 element(s) differ, max abs diff 0.5"
+        );
+    }
+
+    #[test]
+    fn the_summary_says_what_matched_or_what_did_not() {
+        let ok = report(0, 0);
+        assert!(ok.is_ok());
+        assert_eq!(
+            ok.summary(),
+            "3 tensor(s) in 2 file(s) match the checkpoint (3.0 MiB compared); headers, index and config are consistent"
+        );
+        let sums = VerifyReport {
+            files_checksummed: 2,
+            ..report(0, 0)
+        };
+        assert!(sums
+            .summary()
+            .ends_with("consistent; 2 file(s) match their checksums"));
+        assert!(!report(1, 0).is_ok() && !report(0, 1).is_ok());
+        assert_eq!(report(1, 0).summary(), "1 structural problem(s) in out");
+        assert_eq!(
+            report(0, 2).summary(),
+            "2 tensor(s) hold other values than the checkpoint in out"
+        );
+        assert_eq!(
+            report(2, 1).summary(),
+            "1 tensor(s) hold other values than the checkpoint and 2 structural problem(s) in out"
+        );
+        assert_eq!(
+            report(1, 1).findings(),
+            ["x: p0".to_string(), mismatch().to_string()]
+        );
+    }
+
+    #[test]
+    fn the_error_lists_the_first_ten_findings() {
+        let msg = |r: &VerifyReport| match r.to_error() {
+            Error::Check { msg, hint } => {
+                assert!(hint
+                    .unwrap()
+                    .contains("the output was not moved into place"));
+                msg
+            }
+            e => panic!("{e}"),
+        };
+        let m = msg(&report(10, 0));
+        assert_eq!(m.lines().count(), 11);
+        assert!(m.starts_with(
+            "verification failed: 10 structural problem(s) in out\n  x: p0\n  x: p1\n"
+        ));
+        assert!(m.ends_with("\n  x: p9"));
+        let m = msg(&report(11, 1));
+        let lines: Vec<&str> = m.lines().collect();
+        assert_eq!(lines.len(), 12);
+        assert_eq!(lines[10], "  x: p9");
+        assert_eq!(lines[11], "  and 2 more");
+    }
+
+    #[test]
+    fn the_json_puts_the_verdict_first_and_the_first_difference_at_coordinates() {
+        let v = serde_json::to_value(report(1, 1)).unwrap();
+        let keys: Vec<&str> = v.as_object().unwrap().keys().map(|k| k.as_str()).collect();
+        assert_eq!(
+            keys,
+            [
+                "ok",
+                "dir",
+                "files",
+                "tensors_compared",
+                "bytes_compared",
+                "files_checksummed",
+                "problems",
+                "mismatches",
+                "summary"
+            ]
+        );
+        assert_eq!(v["ok"], false);
+        assert_eq!(v["dir"], "out");
+        assert_eq!(v["tensors_compared"], 3);
+        assert_eq!(v["bytes_compared"], 3 << 20);
+        assert_eq!(v["files_checksummed"], 0);
+        assert_eq!(
+            v["problems"][0],
+            serde_json::json!({"file": "x", "tensor": null, "message": "p0"})
+        );
+        assert_eq!(
+            v["mismatches"][0],
+            serde_json::json!({
+                "file": "model.safetensors", "tensor": "w", "dtype": "BF16", "shape": [2, 3],
+                "differing": 2, "nan_mismatch": 1, "max_abs_diff": 0.5,
+                "first": {"index": [1, 1], "expected": 1.0, "found": null}
+            })
+        );
+        assert_eq!(
+            v["summary"],
+            "1 tensor(s) hold other values than the checkpoint and 1 structural problem(s) in out"
+        );
+        assert_eq!(serde_json::to_value(report(0, 0)).unwrap()["ok"], true);
     }
 }
