@@ -6,7 +6,6 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use ::safetensors::tensor::{serialize, Dtype, TensorView};
-use sha2::{Digest, Sha256};
 
 use super::*;
 use crate::plan::{Content, Expr, PlannedTensor};
@@ -400,17 +399,30 @@ fn every_floating_tensor_in_one_other_dtype_is_one_line_naming_the_option() {
     );
 }
 
-/// SHA-256 of each block of `bytes`, and of those digests in order.
+/// The digest of each block of `bytes` (its BLAKE3 subtree chaining value, or
+/// the file's hash when one block is the whole file), and the file's BLAKE3
+/// hash, taken here in one go with the `blake3` crate.
 fn digests(bytes: &[u8]) -> (Vec<Option<[u8; 32]>>, [u8; 32]) {
-    let blocks: Vec<Option<[u8; 32]>> = bytes
-        .chunks(WINDOW_BYTES as usize)
-        .map(|b| Some(Sha256::digest(b).into()))
-        .collect();
-    let mut tree = Sha256::new();
-    for b in &blocks {
-        tree.update(b.unwrap());
-    }
-    (blocks, tree.finalize().into())
+    use blake3::hazmat::HasherExt;
+    let whole: [u8; 32] = blake3::hash(bytes).into();
+    let w = WINDOW_BYTES as usize;
+    let blocks: Vec<Option<[u8; 32]>> = if bytes.len() <= w {
+        vec![Some(whole)]
+    } else {
+        bytes
+            .chunks(w)
+            .enumerate()
+            .map(|(k, b)| {
+                Some(
+                    blake3::Hasher::new()
+                        .set_input_offset((k * w) as u64)
+                        .update(b)
+                        .finalize_non_root(),
+                )
+            })
+            .collect()
+    };
+    (blocks, whole)
 }
 
 #[test]
@@ -478,7 +490,7 @@ fn the_files_are_held_to_the_checksums_written_or_recorded() {
     assert_eq!(
         lines(&r),
         [
-            format!("model.safetensors: 1 block(s) read back differ from what was written, the first at bytes {WINDOW_BYTES}..{size} (SHA-256 of each 8 MiB block): a torn or corrupted write; check the disk and run the merge again"),
+            format!("model.safetensors: 1 block(s) read back differ from what was written, the first at bytes {WINDOW_BYTES}..{size} (BLAKE3 of each 8 MiB block): a torn or corrupted write; check the disk and run the merge again"),
             format!("tokenizer.json: its checksum is {}, but unshard.json records {}: the file changed since the merge wrote it", hex(found), hex(tok_tree)),
         ]
     );
@@ -502,7 +514,7 @@ fn the_files_are_held_to_the_checksums_written_or_recorded() {
     let r = check(tmp.path(), &plan, &ckpt, &good[..1]);
     assert_eq!(
         lines(&r),
-        [format!("model.safetensors: 2 block(s) read back differ from what was written, the first at bytes 0..{WINDOW_BYTES} (SHA-256 of each 8 MiB block): a torn or corrupted write; check the disk and run the merge again")]
+        [format!("model.safetensors: 2 block(s) read back differ from what was written, the first at bytes 0..{WINDOW_BYTES} (BLAKE3 of each 8 MiB block): a torn or corrupted write; check the disk and run the merge again")]
     );
 
     // A shorter file.
