@@ -698,3 +698,47 @@ fn each_shard_is_held_to_its_own_block_digests() {
     assert!(r.mismatches.is_empty(), "{:?}", r.mismatches);
     assert_eq!((r.tensors_compared, r.files_checksummed), (2, 2));
 }
+
+/// A computed tensor over two blocks: the second block's elements are compared
+/// with the reference's elements at their own indices (not the first block's).
+#[test]
+fn a_computed_tensor_over_two_blocks_is_compared_at_each_elements_index() {
+    let n = 1_500_000usize;
+    let x: Vec<f32> = (0..n).map(|i| i as f32).collect();
+    let y: Vec<f32> = (n..2 * n).map(|i| i as f32).collect();
+    let mut input = Input::default();
+    let concat = Expr::Concat {
+        dim: 0,
+        parts: vec![
+            Expr::leaf(Origin::Checkpoint, input.tensor("x", &x, &[n as u64])),
+            Expr::leaf(Origin::Checkpoint, input.tensor("y", &y, &[n as u64])),
+        ],
+    };
+    let plan = plan(vec![PlannedTensor {
+        name: "c".into(),
+        origin: Origin::Checkpoint,
+        shape: vec![2 * n as u64],
+        source_dtype: DType::F32,
+        dtype: DType::F32,
+        content: Content::Computed(concat),
+    }]);
+    let ckpt = input.checkpoint();
+    let tmp = tempfile::tempdir().unwrap();
+    let mut all: Vec<f32> = (0..2 * n).map(|i| i as f32).collect();
+    assert!(4 * all.len() as u64 > WINDOW_BYTES, "two blocks");
+    write_model(tmp.path(), &[("c", Dtype::F32, vec![2 * n], le(&all))]);
+    let r = check(tmp.path(), &plan, &ckpt, &[]);
+    assert!(r.problems.is_empty(), "{:?}", r.problems);
+    assert!(r.mismatches.is_empty(), "{:?}", r.mismatches.len());
+    // One element of the second block off by 3.
+    let at = 2_900_000;
+    all[at] += 3.0;
+    write_model(tmp.path(), &[("c", Dtype::F32, vec![2 * n], le(&all))]);
+    let r = check(tmp.path(), &plan, &ckpt, &[]);
+    let found: Vec<(u64, u64, f64)> = r
+        .mismatches
+        .iter()
+        .map(|m| (m.differing, m.first.unwrap().index, m.max_abs_diff))
+        .collect();
+    assert_eq!(found, [(1, at as u64, 3.0)]);
+}
