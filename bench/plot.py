@@ -13,14 +13,17 @@ import json
 import sys
 
 
-def series(results):
-    """{command: [(chunks, wall s, peak RSS MB)]}, sorted by chunks."""
+def series(results, by_cache):
+    """{command: [(chunks, wall s, peak RSS MB)]}, sorted by chunks; with by_cache,
+    one line per command and cache (`unshard, cold`)."""
     out = {}
     for r in results:
-        meta = r.get("meta") or {}
+        # run.py keeps the generator's fields in `model`; files before it in `meta`.
+        meta = r.get("model") or r.get("meta") or {}
         if "chunks" not in meta or "wall" not in r:
             continue
-        out.setdefault(r["tool"], []).append((meta["chunks"], r["wall"], r["rss"] / 1e6))
+        name = "%s, %s" % (r["tool"], r["_cache"]) if by_cache else r["tool"]
+        out.setdefault(name, []).append((meta["chunks"], r["wall"], r["rss"] / 1e6))
     return {k: sorted(v) for k, v in out.items()}
 
 
@@ -40,20 +43,23 @@ def main():
     for path in args.json:
         with open(path) as f:
             doc = json.load(f)
-        results += doc["results"]
+        results += [dict(r, _cache=doc["cache"]) for r in doc["results"]]
         title.append("%s cache, median of %d, %s" % (doc["cache"], doc["repeat"], doc["date"]))
-    data = series(results)
+    data = series(results, len({r["_cache"] for r in results}) > 1)
     if not data:
         print("no gen_wide.py results in %s: no plot written" % ", ".join(args.json))
         return 0
     fig, (rss, wall) = plt.subplots(1, 2, figsize=(10, 4))
-    colors = {"cp": "grey", "unshard": "C0"}
+    colors = {}
     for i, (tool, points) in enumerate(sorted(data.items())):
         x = [p[0] for p in points]
-        color = colors.get(tool, "C%d" % (i + 1))
-        wall.plot(x, [p[1] for p in points], marker="o", label=tool, color=color)
-        if tool != "cp":
-            rss.plot(x, [p[2] for p in points], marker="o", label=tool, color=color)
+        command = tool.split(", ")[0]
+        color = colors.setdefault(command, "grey" if command == "cp" else "C%d" % len(colors))
+        style = "--" if tool.endswith(", warm") else "-"
+        wall.plot(x, [p[1] for p in points], marker="o", label=tool, color=color,
+                  linestyle=style)
+        if command != "cp" and not tool.endswith(", warm"):
+            rss.plot(x, [p[2] for p in points], marker="o", label=command, color=color)
     rss.axhline(200, color="grey", linestyle=":", linewidth=1)
     for ax, label in ((rss, "peak RSS (MB)"), (wall, "wall time (s)")):
         ax.set_xscale("log")
