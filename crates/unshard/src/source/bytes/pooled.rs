@@ -173,9 +173,13 @@ pub fn open_file_budget() -> usize {
     } else {
         1024
     };
-    // Below 17 there is nothing to spare: every input stays open, and a limit too
-    // low for them fails while opening them (before any output exists), as it
-    // would without the pool.
+    budget_for(cur)
+}
+
+/// The budget for a soft limit of `cur` open files. Below 17 there is nothing to
+/// spare: every input stays open, and a limit too low for them fails while opening
+/// them (before any output exists), as it would without the pool.
+pub(super) fn budget_for(cur: usize) -> usize {
     match cur {
         0..=16 => usize::MAX,
         17..=256 => cur - 16,

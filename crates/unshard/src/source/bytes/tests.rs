@@ -5,6 +5,7 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
+use super::pooled::budget_for;
 use super::*;
 
 /// Deterministic bytes: byte `i` is a hash of `i`, so a misplaced copy shows.
@@ -262,4 +263,156 @@ fn strided_reads_pick_every_element_at_any_stride() {
     let e = mem.read_strided(3 << 20, 4, 4, &mut out).unwrap_err();
     assert!(e.to_string().contains("strided.bin"), "{e}");
     local.release(0, 3 << 20);
+}
+
+#[test]
+fn memory_bytes_debug_names_the_buffer_and_gives_its_length_not_its_bytes() {
+    let src = MemBytes::new(PathBuf::from("decoded.bin"), vec![7u8; 300]);
+    let d = format!("{src:?}");
+    assert!(d.contains("decoded.bin") && d.contains("300"), "{d}");
+    assert!(!d.contains("7, 7"), "{d}");
+    assert_eq!(src.as_bytes(), Some(&[7u8; 300][..]));
+    assert_eq!(src.readers(), 0);
+    let empty = MemBytes::new(PathBuf::from("e"), Vec::new());
+    assert!(empty.is_empty() && !src.is_empty());
+}
+
+#[test]
+fn a_local_file_with_no_ranges_or_only_empty_ones_reads_nothing() {
+    let mut f = tempfile::NamedTempFile::new().unwrap();
+    f.write_all(&pattern(100)).unwrap();
+    let local = LocalFile::open(f.path()).unwrap();
+    local.read_ranges(&mut []).unwrap();
+    let mut a = [0u8; 0];
+    local.read_ranges(&mut [(5u64, &mut a[..])]).unwrap();
+}
+
+#[test]
+fn a_strided_read_after_a_release_still_reads_the_file() {
+    let data = pattern(1 << 20);
+    let mut f = tempfile::NamedTempFile::new().unwrap();
+    f.write_all(&data).unwrap();
+    let local = LocalFile::open(f.path()).unwrap();
+    let mut out = vec![0u8; 4 * 1000];
+    local.read_strided(12, 1000, 4, &mut out).unwrap();
+    // Parts of pages, whole pages, past the end: the map's pages come back from the file.
+    for (o, l) in [(100, 5000), (4096, 8192), (0, 1 << 21), (700_000, u64::MAX)] {
+        local.release(o, l);
+        local.read_strided(12, 1000, 4, &mut out).unwrap();
+        for (i, e) in out.chunks_exact(4).enumerate() {
+            let at = 12 + i * 1000;
+            assert_eq!(e, &data[at..at + 4], "after release({o}, {l}), element {i}");
+        }
+    }
+}
+
+/// Three files of different lengths and contents in a directory.
+fn pool_files(dir: &Path) -> Vec<(PathBuf, Vec<u8>)> {
+    (0..3)
+        .map(|i| {
+            let p = dir.join(format!("rank{i}.bin"));
+            let data: Vec<u8> = pattern(1000 + 100 * i)
+                .iter()
+                .map(|b| b ^ i as u8)
+                .collect();
+            std::fs::write(&p, &data).unwrap();
+            (p, data)
+        })
+        .collect()
+}
+
+#[test]
+fn a_pool_keeps_at_most_its_cap_open_and_closes_the_least_recently_used() {
+    let dir = tempfile::tempdir().unwrap();
+    let files = pool_files(dir.path());
+    let pool = FilePool::new(2);
+    let srcs: Vec<PooledFile> = files
+        .iter()
+        .map(|(p, _)| PooledFile::open(p, &pool).unwrap())
+        .collect();
+    // Opening records the length; no descriptor is kept yet.
+    assert_eq!((pool.opens(), pool.open_now()), (0, 0));
+    for (s, (p, d)) in srcs.iter().zip(&files) {
+        assert_eq!(s.name(), p.as_path());
+        assert_eq!(s.len(), d.len() as u64);
+    }
+    let read = |i: usize| {
+        let mut buf = [0u8; 50];
+        srcs[i].read_at(900, &mut buf).unwrap();
+        assert_eq!(&buf[..], &files[i].1[900..950], "file {i}");
+    };
+    read(0); // open 0
+    read(1); // open 1
+    read(0); // 0 is open: no open, and 0 is now more recent than 1
+    assert_eq!((pool.opens(), pool.open_now()), (2, 2));
+    read(2); // full: 1, the least recently used, is closed
+    assert_eq!((pool.opens(), pool.open_now()), (3, 2));
+    read(0); // still open
+    assert_eq!(pool.opens(), 3);
+    read(1); // was closed: opened again, closing 2
+    assert_eq!((pool.opens(), pool.open_now()), (4, 2));
+    read(0);
+    assert_eq!(pool.opens(), 4);
+    // A hint opens the file it is about (the pool's only descriptor source).
+    srcs[2].will_need(0, 100);
+    assert_eq!(pool.opens(), 5);
+    // A read past the end names the file.
+    let mut buf = [0u8; 10];
+    let e = srcs[0].read_at(995, &mut buf).unwrap_err().to_string();
+    assert!(
+        e.contains("rank0.bin") && e.contains("shorter than when it was opened"),
+        "{e}"
+    );
+}
+
+#[test]
+fn a_pooled_file_that_changed_length_between_opens_is_an_error_naming_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let files = pool_files(dir.path());
+    let pool = FilePool::new(1);
+    let a = PooledFile::open(&files[0].0, &pool).unwrap();
+    let b = PooledFile::open(&files[1].0, &pool).unwrap();
+    let mut buf = [0u8; 10];
+    a.read_at(0, &mut buf).unwrap();
+    b.read_at(0, &mut buf).unwrap(); // closes a
+    std::fs::write(&files[0].0, pattern(10)).unwrap();
+    let e = a.read_at(0, &mut buf).unwrap_err().to_string();
+    assert!(
+        e.contains("rank0.bin") && e.contains("had 1000 bytes and now has 10"),
+        "{e}"
+    );
+    assert!(PooledFile::open(&dir.path().join("missing.bin"), &pool).is_err());
+}
+
+#[test]
+fn the_open_file_budget_keeps_a_reserve_below_the_limit() {
+    assert_eq!(budget_for(0), usize::MAX);
+    assert_eq!(budget_for(16), usize::MAX);
+    assert_eq!(budget_for(17), 1);
+    assert_eq!(budget_for(256), 240);
+    assert_eq!(budget_for(257), 129);
+    assert_eq!(budget_for(20_000), 19_872);
+}
+
+#[test]
+fn a_source_with_the_defaults_reads_strided_views_by_spans_and_holds_no_bytes() {
+    let data = pattern(5000);
+    let src = Counting::new(data.clone());
+    let mut out = vec![0u8; 2 * 100];
+    src.read_strided(7, 30, 2, &mut out).unwrap();
+    for (i, e) in out.chunks_exact(2).enumerate() {
+        let at = 7 + i * 30;
+        assert_eq!(e, &data[at..at + 2], "element {i}");
+    }
+    assert_eq!(src.as_bytes(), None);
+    assert_eq!(src.readers(), 0);
+    assert!(!src.is_empty());
+    let blob = Blob::owned(PathBuf::from("blob.bin"), pattern(3));
+    let d = format!("{blob:?}");
+    assert!(
+        d.starts_with("Blob") && d.contains("blob.bin") && d.contains("MemBytes"),
+        "{d}"
+    );
+    assert!(!blob.is_empty());
+    assert!(Blob::owned(PathBuf::from("none.bin"), Vec::new()).is_empty());
 }
