@@ -50,6 +50,8 @@ pub mod hints;
 pub mod legacy;
 pub mod safetensors;
 pub mod sharded;
+#[cfg(test)]
+pub(crate) mod test_input;
 pub mod torch;
 pub mod zip;
 

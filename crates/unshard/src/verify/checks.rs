@@ -151,60 +151,10 @@ pub fn drop_cached(dir: &Path, plan: &Plan) {
 #[cfg(test)]
 #[allow(clippy::unwrap_used)]
 mod tests {
-    use std::path::PathBuf;
-    use std::sync::Arc;
-
     use super::*;
     use crate::plan::{Content, Expr};
-    use crate::source::{contiguous_strides, Blob, Checkpoint, Format, Piece};
+    use crate::source::test_input::MemInput as Input;
     use crate::DType;
-
-    /// Float32 tensors back to back in one file.
-    #[derive(Default)]
-    struct Input {
-        bytes: Vec<u8>,
-        tensors: Vec<TensorSource>,
-    }
-
-    impl Input {
-        fn add(&mut self, name: &str, values: &[f32], shape: &[u64]) -> TensorSource {
-            let at = self.bytes.len() as u64;
-            self.bytes
-                .extend(values.iter().flat_map(|v| v.to_le_bytes()));
-            let t = TensorSource {
-                name: name.into(),
-                dtype: DType::F32,
-                shape: shape.to_vec(),
-                pieces: vec![Piece {
-                    file: 0,
-                    byte_offset: at,
-                    dtype: DType::F32,
-                    shape: shape.to_vec(),
-                    strides: contiguous_strides(shape),
-                    global_offset: vec![0; shape.len()],
-                    big_endian: false,
-                }]
-                .into(),
-                storage: None,
-                layout: None,
-            };
-            self.tensors.push(t.clone());
-            t
-        }
-
-        fn checkpoint(self) -> Checkpoint {
-            Checkpoint {
-                format: Format::TorchZip,
-                path: PathBuf::from("input"),
-                files: vec![Arc::new(Blob::owned(PathBuf::from("input"), self.bytes))],
-                key: None,
-                tensors: self.tensors,
-                extras: Vec::new(),
-                notes: Vec::new(),
-                unsafe_calls: Vec::new(),
-            }
-        }
-    }
 
     fn planned(source: TensorSource, origin: Origin) -> PlannedTensor {
         PlannedTensor {
@@ -243,14 +193,14 @@ mod tests {
         let mut ck = Input::default();
         let mut tensors = vec![
             planned(
-                ck.add("b", &[f32::from_bits(0x7fc0_0001), 1.0], &[2]),
+                ck.tensor("b", &[f32::from_bits(0x7fc0_0001), 1.0], &[2]),
                 Origin::Checkpoint,
             ),
-            planned(ck.add("w", &w, &[N as u64]), Origin::Checkpoint),
+            planned(ck.tensor("w", &w, &[N as u64]), Origin::Checkpoint),
         ];
         let mut base = Input::default();
-        base.add("b", &[f32::from_bits(0x7fc0_0002), 1.0], &[2]);
-        base.add("w", base_w, &[base_w.len() as u64]);
+        base.tensor("b", &[f32::from_bits(0x7fc0_0002), 1.0], &[2]);
+        base.tensor("w", base_w, &[base_w.len() as u64]);
         more(&mut tensors, &mut ck, &mut base);
         let plan = plan(tensors);
         let (ck, base) = (ck.checkpoint(), base.checkpoint());
@@ -277,38 +227,35 @@ mod tests {
         assert_eq!(unchanged(&w[..N - 1], |_, _, _| {}), None);
         // A checkpoint tensor the base lacks.
         let extra = |t: &mut Vec<PlannedTensor>, c: &mut Input, _: &mut Input| {
-            t.push(planned(c.add("z", &[0.0], &[1]), Origin::Checkpoint));
+            t.push(planned(c.tensor("z", &[0.0], &[1]), Origin::Checkpoint));
         };
         assert_eq!(unchanged(&w, extra), None);
         // The same in both: compared.
         let both = |t: &mut Vec<PlannedTensor>, c: &mut Input, b: &mut Input| {
-            t.push(planned(c.add("z", &[0.0], &[1]), Origin::Checkpoint));
-            b.add("z", &[0.0], &[1]);
+            t.push(planned(c.tensor("z", &[0.0], &[1]), Origin::Checkpoint));
+            b.tensor("z", &[0.0], &[1]);
         };
         assert_eq!(unchanged(&w, both), Some(3));
         // A tensor the plan takes from the base is not compared.
         let from_base = |t: &mut Vec<PlannedTensor>, _: &mut Input, b: &mut Input| {
-            t.push(planned(b.add("z", &[0.0], &[1]), Origin::Base));
+            t.push(planned(b.tensor("z", &[0.0], &[1]), Origin::Base));
         };
         assert_eq!(unchanged(&w, from_base), Some(2));
         // A computed tensor differs from the checkpoint's as it is (here it is a
         // leaf equal to the base's).
         let computed = |t: &mut Vec<PlannedTensor>, c: &mut Input, b: &mut Input| {
-            let mut z = planned(c.add("z", &[0.0], &[1]), Origin::Checkpoint);
+            let mut z = planned(c.tensor("z", &[0.0], &[1]), Origin::Checkpoint);
             let leaf = Expr::leaf(Origin::Checkpoint, z.copied().unwrap().clone());
             z.content = Content::Computed(leaf);
             t.push(z);
-            b.add("z", &[0.0], &[1]);
+            b.tensor("z", &[0.0], &[1]);
         };
         assert_eq!(unchanged(&w, computed), None);
         // A base tensor of a dtype that is not converted to the planned one: int64
         // zero against float32 zero.
         let int = |t: &mut Vec<PlannedTensor>, c: &mut Input, b: &mut Input| {
-            t.push(planned(c.add("z", &[0.0], &[1]), Origin::Checkpoint));
-            let mut z = b.add("z", &[0.0, 0.0], &[1]);
-            z.dtype = DType::I64;
-            z.pieces[0].dtype = DType::I64;
-            *b.tensors.last_mut().unwrap() = z;
+            t.push(planned(c.tensor("z", &[0.0], &[1]), Origin::Checkpoint));
+            b.raw("z", &0i64.to_le_bytes(), DType::I64, &[1]);
         };
         assert!(!dtype::can_convert(DType::I64, DType::F32));
         assert_eq!(unchanged(&w, int), None);
@@ -317,7 +264,7 @@ mod tests {
     #[test]
     fn without_a_base_or_checkpoint_tensors_nothing_is_compared() {
         let mut ck = Input::default();
-        let t = planned(ck.add("w", &[1.0], &[1]), Origin::Checkpoint);
+        let t = planned(ck.tensor("w", &[1.0], &[1]), Origin::Checkpoint);
         let ck = ck.checkpoint();
         let inputs = Inputs {
             checkpoint: &ck,
@@ -349,7 +296,7 @@ mod tests {
         let plan = plan(
             ["a", "b", "c", "d"]
                 .iter()
-                .map(|n| planned(ck.add(n, &[0.0], &[1]), Origin::Checkpoint))
+                .map(|n| planned(ck.tensor(n, &[0.0], &[1]), Origin::Checkpoint))
                 .collect(),
         );
         let s = |nan, inf, overflow| ConvertStats { nan, inf, overflow };

@@ -217,57 +217,25 @@ fn locate<'e>(n: &Node<'e>, idx: &mut [u64]) -> (usize, &'e [u64]) {
 #[cfg(test)]
 #[allow(clippy::unwrap_used)]
 mod tests {
-    use std::path::PathBuf;
-    use std::sync::Arc;
-
     use super::*;
     use crate::lora::math::Layout;
     use crate::plan::Origin;
-    use crate::source::{contiguous_strides, Blob, Checkpoint, Format, Piece, TensorSource};
+    use crate::source::test_input::MemInput;
+    use crate::source::Checkpoint;
 
-    /// Float32 tensors laid out back to back in one file of the checkpoint.
-    struct File {
-        bytes: Vec<u8>,
-    }
+    /// Float32 tensors laid out back to back in one file of the checkpoint,
+    /// each a leaf named by its offset.
+    #[derive(Default)]
+    struct File(MemInput);
 
     impl File {
         fn leaf(&mut self, values: &[f32], shape: &[u64]) -> Expr {
-            let at = self.bytes.len() as u64;
-            self.bytes
-                .extend(values.iter().flat_map(|v| v.to_le_bytes()));
-            Expr::leaf(
-                Origin::Checkpoint,
-                TensorSource {
-                    name: format!("leaf@{at}"),
-                    dtype: DType::F32,
-                    shape: shape.to_vec(),
-                    pieces: vec![Piece {
-                        file: 0,
-                        byte_offset: at,
-                        dtype: DType::F32,
-                        shape: shape.to_vec(),
-                        strides: contiguous_strides(shape),
-                        global_offset: vec![0; shape.len()],
-                        big_endian: false,
-                    }]
-                    .into(),
-                    storage: None,
-                    layout: None,
-                },
-            )
+            let name = format!("leaf@{}", self.0.bytes_len());
+            Expr::leaf(Origin::Checkpoint, self.0.tensor(&name, values, shape))
         }
 
         fn checkpoint(self) -> Checkpoint {
-            Checkpoint {
-                format: Format::TorchZip,
-                path: PathBuf::from("input"),
-                files: vec![Arc::new(Blob::owned(PathBuf::from("input"), self.bytes))],
-                key: None,
-                tensors: Vec::new(),
-                extras: Vec::new(),
-                notes: Vec::new(),
-                unsafe_calls: Vec::new(),
-            }
+            self.0.checkpoint()
         }
     }
 
@@ -290,7 +258,7 @@ mod tests {
     }
 
     fn new() -> File {
-        File { bytes: Vec::new() }
+        File::default()
     }
 
     #[test]

@@ -2,68 +2,13 @@
 //! hand where it cannot write the layout), against plans built by hand.
 #![allow(clippy::unwrap_used)]
 
-use std::path::PathBuf;
-use std::sync::Arc;
-
 use ::safetensors::tensor::{serialize, Dtype, TensorView};
 
 use super::*;
 use crate::plan::{Content, Expr, PlannedTensor};
-use crate::source::{contiguous_strides, Blob, Checkpoint, Format, Piece, TensorSource};
+use crate::source::test_input::MemInput as Input;
+use crate::source::{Checkpoint, TensorSource};
 use crate::write::WINDOW_BYTES;
-
-/// The checkpoint: float32 tensors back to back in one file.
-#[derive(Default)]
-struct Input {
-    bytes: Vec<u8>,
-}
-
-impl Input {
-    fn tensor(&mut self, name: &str, values: &[f32], shape: &[u64]) -> TensorSource {
-        let at = self.bytes.len() as u64;
-        self.bytes
-            .extend(values.iter().flat_map(|v| v.to_le_bytes()));
-        TensorSource {
-            name: name.into(),
-            dtype: DType::F32,
-            shape: shape.to_vec(),
-            pieces: vec![Piece {
-                file: 0,
-                byte_offset: at,
-                dtype: DType::F32,
-                shape: shape.to_vec(),
-                strides: contiguous_strides(shape),
-                global_offset: vec![0; shape.len()],
-                big_endian: false,
-            }]
-            .into(),
-            storage: None,
-            layout: None,
-        }
-    }
-
-    /// A tensor of `dtype` stored as `bytes`.
-    fn raw(&mut self, name: &str, bytes: &[u8], dtype: DType, shape: &[u64]) -> TensorSource {
-        let mut t = self.tensor(name, &[], shape);
-        self.bytes.extend(bytes);
-        t.dtype = dtype;
-        t.pieces[0].dtype = dtype;
-        t
-    }
-
-    fn checkpoint(self) -> Checkpoint {
-        Checkpoint {
-            format: Format::TorchZip,
-            path: PathBuf::from("input"),
-            files: vec![Arc::new(Blob::owned(PathBuf::from("input"), self.bytes))],
-            key: None,
-            tensors: Vec::new(),
-            extras: Vec::new(),
-            notes: Vec::new(),
-            unsafe_calls: Vec::new(),
-        }
-    }
-}
 
 fn planned(source: TensorSource, origin: Origin, dtype: DType) -> PlannedTensor {
     PlannedTensor {
