@@ -1,14 +1,13 @@
 //! Computed tensors written a block at a time give the whole-tensor values.
 #![allow(clippy::unwrap_used)]
-use std::path::{Path, PathBuf};
-use std::sync::Arc;
+use std::path::Path;
 
 use crate::cancel::Cancel;
 use crate::lora::math::{self, Factors, Layout};
 use crate::options::MergeOptions;
 use crate::plan::{Candidate, Expr, Origin, Plan, PlannedTensor, ShardPlan};
 use crate::prepare::{prepare, Inputs};
-use crate::source::{contiguous_strides, Blob, Checkpoint, Format, Piece, TensorSource};
+use crate::source::test_input::MemInput;
 use crate::write::direct::OutFile;
 use crate::write::engine::write_blocks;
 use crate::write::{NoProgress, ShardFile, WINDOW_BYTES};
@@ -58,30 +57,9 @@ fn random(n: usize, seed: u64) -> Vec<f32> {
 #[test]
 fn fused_rows_cut_by_blocks_equal_the_whole_tensor_fuse() {
     let (rows, cols, r) = (301usize, 77usize, 5usize);
-    let mut bytes = Vec::new();
+    let mut input = MemInput::default();
     let mut leaf = |name: &str, values: &[f32], shape: &[u64]| {
-        let at = bytes.len() as u64;
-        bytes.extend(values.iter().flat_map(|v| v.to_le_bytes()));
-        Expr::leaf(
-            Origin::Checkpoint,
-            TensorSource {
-                name: name.into(),
-                dtype: DType::F32,
-                shape: shape.to_vec(),
-                pieces: vec![Piece {
-                    file: 0,
-                    byte_offset: at,
-                    dtype: DType::F32,
-                    shape: shape.to_vec(),
-                    strides: contiguous_strides(shape),
-                    global_offset: vec![0; shape.len()],
-                    big_endian: false,
-                }]
-                .into(),
-                storage: None,
-                layout: None,
-            },
-        )
+        Expr::leaf(Origin::Checkpoint, input.tensor(name, values, shape))
     };
     let w = random(rows * cols, 1);
     let mut tensors = Vec::new();
@@ -154,16 +132,7 @@ fn fused_rows_cut_by_blocks_equal_the_whole_tensor_fuse() {
         total_size: file_size - 1000,
         report: Default::default(),
     };
-    let ckpt = Checkpoint {
-        format: Format::TorchZip,
-        path: PathBuf::from("input"),
-        files: vec![Arc::new(Blob::owned(PathBuf::from("input"), bytes))],
-        key: None,
-        tensors: Vec::new(),
-        extras: Vec::new(),
-        notes: Vec::new(),
-        unsafe_calls: Vec::new(),
-    };
+    let ckpt = input.checkpoint();
     let inputs = Inputs {
         checkpoint: &ckpt,
         base: None,
