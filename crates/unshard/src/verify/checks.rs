@@ -154,6 +154,7 @@ mod tests {
     use super::*;
     use crate::plan::{Content, Expr};
     use crate::source::test_input::MemInput as Input;
+    use crate::verify::tests::plan;
     use crate::DType;
 
     fn planned(source: TensorSource, origin: Origin) -> PlannedTensor {
@@ -164,18 +165,6 @@ mod tests {
             source_dtype: DType::F32,
             dtype: DType::F32,
             content: Content::Copy(source),
-        }
-    }
-
-    fn plan(tensors: Vec<PlannedTensor>) -> Plan {
-        Plan {
-            tensors,
-            shards: Vec::new(),
-            dtype: None,
-            config: None,
-            index: None,
-            total_size: 0,
-            report: Default::default(),
         }
     }
 

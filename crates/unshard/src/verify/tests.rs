@@ -21,7 +21,8 @@ fn planned(source: TensorSource, origin: Origin, dtype: DType) -> PlannedTensor 
     }
 }
 
-fn plan(tensors: Vec<PlannedTensor>) -> Plan {
+/// A plan of `tensors` and no shards (verify reads the shards from the output).
+pub(super) fn plan(tensors: Vec<PlannedTensor>) -> Plan {
     Plan {
         tensors,
         shards: Vec::new(),
