@@ -366,6 +366,81 @@ fn a_pool_keeps_at_most_its_cap_open_and_closes_the_least_recently_used() {
 }
 
 #[test]
+fn a_full_pool_closes_exactly_the_least_recently_used_file_whatever_the_order() {
+    // Eight files open in a pool of eight; every round re-reads all of them but one,
+    // in a shuffled order, then reads a ninth: the one not re-read is the least
+    // recently used and the only one that may be closed. A pool picking any other
+    // victim reopens a file on the next pass, which the open count shows.
+    let dir = tempfile::tempdir().unwrap();
+    let n = 9;
+    let paths: Vec<PathBuf> = (0..n)
+        .map(|i| {
+            let p = dir.path().join(format!("f{i}.bin"));
+            std::fs::write(&p, pattern(64 + i)).unwrap();
+            p
+        })
+        .collect();
+    let pool = FilePool::new(n - 1);
+    let srcs: Vec<PooledFile> = paths
+        .iter()
+        .map(|p| PooledFile::open(p, &pool).unwrap())
+        .collect();
+    let read = |i: usize| {
+        let mut b = [0u8; 4];
+        srcs[i].read_at(0, &mut b).unwrap();
+    };
+    let mut open: Vec<usize> = (0..n - 1).collect();
+    for &i in &open {
+        read(i);
+    }
+    let mut outside = n - 1;
+    let mut state = 0x9e37_79b9_u32;
+    for round in 0..24 {
+        // Which open file is left out this round, and the order of the others.
+        state = state.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
+        let lru = open[(state >> 8) as usize % open.len()];
+        let mut others: Vec<usize> = open.iter().copied().filter(|&i| i != lru).collect();
+        let k = round % others.len();
+        others.rotate_left(k);
+        if round % 2 == 1 {
+            others.reverse();
+        }
+        for &i in &others {
+            read(i);
+        }
+        let before = pool.opens();
+        read(outside); // the pool is full: `lru` must be the one closed
+        assert_eq!(pool.opens(), before + 1, "round {round}");
+        for &i in &others {
+            read(i);
+        }
+        assert_eq!(
+            pool.opens(),
+            before + 1,
+            "round {round}: a file other than the least recently used ({lru}) was closed"
+        );
+        assert_eq!(pool.open_now(), n - 1);
+        open.retain(|&i| i != lru);
+        open.push(outside);
+        outside = lru;
+    }
+}
+
+#[test]
+fn the_open_file_budget_follows_the_process_limit() {
+    let mut lim = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit only writes the struct passed to it.
+    assert_eq!(unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) }, 0);
+    let cur = usize::try_from(lim.rlim_cur).unwrap_or(usize::MAX);
+    let budget = open_file_budget();
+    assert_eq!(budget, budget_for(cur), "limit {cur}");
+    assert!(budget >= 1);
+}
+
+#[test]
 fn a_pooled_file_that_changed_length_between_opens_is_an_error_naming_it() {
     let dir = tempfile::tempdir().unwrap();
     let files = pool_files(dir.path());

@@ -43,12 +43,15 @@ enum Part {
 /// its first and last `ends` bytes (the whole archive when `2 * ends >= len`), in
 /// the order the archives lie in the file. Archives must lie inside the blob.
 /// Archives whose head could not be kept (see [`MAX_PENDING`]) are not passed to
-/// `f`. Returns how many reads were made.
+/// `f`. Returns how many reads were made. `buf` is the read buffer, kept by the
+/// caller from one file to the next: a fresh one per file would cost the kernel a
+/// zeroed page for every page of every file read.
 pub(super) fn for_each_ends(
     blob: &Blob,
     archives: &[(u64, u64)],
     ends: u64,
     window: u64,
+    buf: &mut Vec<u8>,
     mut f: impl FnMut(usize, Ends<'_>) -> Result<()>,
 ) -> Result<usize> {
     let mut requests = Vec::with_capacity(archives.len());
@@ -65,7 +68,6 @@ pub(super) fn for_each_ends(
         }
     }
     let runs = coalesce(&requests, GAP, window);
-    let mut buf = Vec::new();
     let mut pending: Vec<(usize, Vec<u8>)> = Vec::new();
     for (r, run) in runs.iter().enumerate() {
         // The next run is asked for while this one is parsed.
@@ -149,7 +151,7 @@ mod tests {
         let blob = Blob::owned(PathBuf::from("rank0.distcp"), data.clone());
         let ends = 1000;
         let mut seen = vec![false; archives.len()];
-        let reads = for_each_ends(&blob, &archives, ends, 1 << 20, |i, e| {
+        let reads = for_each_ends(&blob, &archives, ends, 1 << 20, &mut Vec::new(), |i, e| {
             let (offset, len) = archives[i];
             let archive = &data[offset as usize..(offset + len) as usize];
             if 2 * ends >= len {
@@ -170,6 +172,32 @@ mod tests {
         assert!(reads < archives.len() / 5, "{reads} reads");
     }
 
+    /// One buffer serves file after file: a later file with shorter runs than the
+    /// one before gets its own bytes, never what the buffer held before.
+    #[test]
+    fn a_buffer_kept_from_file_to_file_holds_only_the_current_file() {
+        let mut buf = Vec::new();
+        for (k, (n, len)) in [(200_000u64, 30_000u64), (9_000, 700), (50_000, 2_500)]
+            .into_iter()
+            .enumerate()
+        {
+            let data: Vec<u8> = (0..n).map(|i| byte_at(i + 7919 * k as u64)).collect();
+            let blob = Blob::owned(PathBuf::from(format!("rank{k}.distcp")), data.clone());
+            let archives: Vec<(u64, u64)> = (0..n / len).map(|i| (i * len, len)).collect();
+            let mut n_seen = 0;
+            for_each_ends(&blob, &archives, 1000, 64 << 10, &mut buf, |i, e| {
+                let (offset, len) = archives[i];
+                let a = &data[offset as usize..(offset + len) as usize];
+                assert_eq!(e.head, &a[..e.head.len()], "file {k}, archive {i}");
+                assert_eq!(e.tail, &a[e.tail_at as usize..], "file {k}, archive {i}");
+                n_seen += 1;
+                Ok(())
+            })
+            .unwrap();
+            assert_eq!(n_seen, archives.len(), "file {k}");
+        }
+    }
+
     /// Archives listed out of order (and one inside another) still get their own bytes.
     #[test]
     fn unsorted_and_overlapping_archives_get_their_own_bytes() {
@@ -177,7 +205,7 @@ mod tests {
         let blob = Blob::owned(PathBuf::from("rank1.distcp"), data.clone());
         let archives = [(50_000, 3000), (0, 40_000), (100, 500), (60_000, 40_000)];
         let mut n = 0;
-        for_each_ends(&blob, &archives, 2000, 1 << 20, |i, e| {
+        for_each_ends(&blob, &archives, 2000, 1 << 20, &mut Vec::new(), |i, e| {
             let (offset, len) = archives[i];
             let a = &data[offset as usize..(offset + len) as usize];
             assert_eq!(e.head, &a[..e.head.len()], "archive {i}");

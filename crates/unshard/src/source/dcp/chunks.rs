@@ -612,12 +612,13 @@ fn scan_part(
         };
         u32::try_from(i).ok()
     };
+    let mut buf = Vec::new();
     for group in jobs.chunk_by(|a, b| a.0 == b.0) {
         let Some(blob) = group.first().and_then(|j| files.get(j.0 as usize)) else {
             continue;
         };
         let archives: Vec<(u64, u64)> = group.iter().map(|j| (j.1, j.2)).collect();
-        let n = for_each_ends(blob, &archives, ends_len, WINDOW, |i, ends| {
+        let n = for_each_ends(blob, &archives, ends_len, WINDOW, &mut buf, |i, ends| {
             let (id, offset, length, idx, t, c) = group[i];
             let entry = tensors[t as usize].1;
             let EntryKind::Tensor { dtype, chunks, .. } = &entry.kind else {

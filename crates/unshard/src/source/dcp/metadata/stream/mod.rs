@@ -208,6 +208,18 @@ struct Machine<'a, 'k> {
     fold: Fold<'k>,
 }
 
+/// The number of string `bytes` in `strings`, adding it if it is new.
+fn intern(strings: &mut Vec<String>, interned: &mut HashMap<String, u32>, bytes: &[u8]) -> R<V> {
+    let s = std::str::from_utf8(bytes).map_err(|_| GiveUp::Stop)?;
+    if let Some(&i) = interned.get(s) {
+        return Ok(V::Str(i));
+    }
+    let i = u32::try_from(strings.len()).map_err(|_| GiveUp::Stop)?;
+    strings.push(s.to_string());
+    interned.insert(s.to_string(), i);
+    Ok(V::Str(i))
+}
+
 impl<'a, 'k> Machine<'a, 'k> {
     fn new(blob: &'a Blob, used: Used, keep: Keep<'k>) -> Self {
         Machine {
@@ -225,17 +237,6 @@ impl<'a, 'k> Machine<'a, 'k> {
             interned: HashMap::new(),
             fold: Fold::new(keep),
         }
-    }
-
-    fn intern(&mut self, bytes: &[u8]) -> R<V> {
-        let s = std::str::from_utf8(bytes).map_err(|_| GiveUp::Stop)?;
-        if let Some(&i) = self.interned.get(s) {
-            return Ok(V::Str(i));
-        }
-        let i = u32::try_from(self.strings.len()).map_err(|_| GiveUp::Stop)?;
-        self.strings.push(s.to_string());
-        self.interned.insert(s.to_string(), i);
-        Ok(V::Str(i))
     }
 
     fn push(&mut self, v: V) {
@@ -380,8 +381,8 @@ impl<'a, 'k> Machine<'a, 'k> {
                         _ => 8,
                     };
                     let n = self.input.length(width)?;
-                    let bytes = self.input.bytes(n)?.to_vec();
-                    let v = self.intern(&bytes)?;
+                    let bytes = self.input.bytes(n)?;
+                    let v = intern(&mut self.strings, &mut self.interned, bytes)?;
                     self.push(v);
                 }
                 SHORT_BINBYTES | BINBYTES => {
