@@ -4,7 +4,7 @@
 //! owns the Python signatures), reports leave as the JSON the CLI prints with
 //! `--json`, and errors as `NativeError(kind, message, hint)`, which the Python
 //! side turns into the matching `UnshardError` subclass. The work itself runs off
-//! the GIL (see [`job`]).
+//! the GIL (see the `job` module).
 
 use pyo3::exceptions::PyException;
 use pyo3::prelude::*;
