@@ -478,4 +478,59 @@ mod tests {
             assert!(e.contains("'t'") && e.contains("does not fit"), "{e}");
         }
     }
+
+    /// An in-memory source that counts the reads made on it.
+    #[derive(Debug)]
+    struct Counting {
+        inner: crate::source::MemBytes,
+        reads: std::sync::atomic::AtomicUsize,
+    }
+
+    impl crate::source::ByteSource for Counting {
+        fn name(&self) -> &Path {
+            self.inner.name()
+        }
+        fn len(&self) -> u64 {
+            self.inner.len()
+        }
+        fn read_at(&self, offset: u64, buf: &mut [u8]) -> Result<()> {
+            self.reads
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            self.inner.read_at(offset, buf)
+        }
+    }
+
+    #[test]
+    fn the_narrow_rows_of_a_piece_under_4_mib_cost_one_read() {
+        // [131072, 3] f32: 1.5 MiB in one piece, gathered row by row (12 bytes a
+        // row); one read ahead of up to 4 MiB serves every row.
+        let rows = 131_072u64;
+        let values: Vec<f32> = (0..rows * 3).map(|i| i as f32).collect();
+        let bytes: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+        let counting = Arc::new(Counting {
+            inner: crate::source::MemBytes::new(PathBuf::from("mem"), bytes),
+            reads: Default::default(),
+        });
+        let files = vec![Arc::new(Blob::new(counting.clone()))];
+        let t = tensor(&[rows, 3], vec![piece(&[rows, 3], &[3, 1], &[0, 0], 0)]);
+        let got = gathered_with(&t, &files, 0, rows * 3, &mut GatherBufs::default());
+        assert!(got == values, "the values differ");
+        assert_eq!(counting.reads.load(std::sync::atomic::Ordering::Relaxed), 1);
+    }
+
+    #[test]
+    fn a_piece_gives_no_row_past_its_extent() {
+        // [2, 2] as two one-row pieces, row 1's listed first and stored first; row
+        // 0's piece is followed in the file by other bytes (99), which a piece that
+        // also claimed the row after its last would write over row 1.
+        let files = vec![f32_blob(&[2.0, 3.0, 0.0, 1.0, 99.0, 99.0])];
+        let t = tensor(
+            &[2, 2],
+            vec![
+                piece(&[1, 2], &[2, 1], &[1, 0], 0),
+                piece(&[1, 2], &[2, 1], &[0, 0], 8),
+            ],
+        );
+        assert_eq!(gathered(&t, &files, 0, 4).unwrap(), [0.0, 1.0, 2.0, 3.0]);
+    }
 }
