@@ -351,4 +351,186 @@ mod tests {
         let t = tensor(&[], vec![piece(&[], &[], &[], 0)]);
         assert_eq!(gathered(&t, &files, 0, 1).unwrap(), [7.0]);
     }
+
+    fn as_f32(out: &[u8]) -> Vec<f32> {
+        out.chunks_exact(4)
+            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect()
+    }
+
+    fn gathered_with(
+        t: &TensorSource,
+        files: &[Arc<Blob>],
+        e0: u64,
+        e1: u64,
+        bufs: &mut GatherBufs,
+    ) -> Vec<f32> {
+        let mut out = vec![0u8; ((e1 - e0) * 4) as usize];
+        gather(t, files, DType::F32, e0, e1, &mut out, bufs).unwrap();
+        as_f32(&out)
+    }
+
+    /// Writes the elements of a [3, 3, 2] tensor whose value is its own C-order
+    /// index (`6 g0 + 2 g1 + g2`) that a piece of `shape` at global `off` holds,
+    /// each at `byte_offset + 4 * (its local coordinates · strides)`.
+    fn place(file: &mut Vec<u8>, p: &Piece) {
+        let (sh, st, off) = (&p.shape, &p.strides, &p.global_offset);
+        for i in 0..sh[0] {
+            for j in 0..sh[1] {
+                for k in 0..sh[2] {
+                    let value = (6 * (i + off[0]) + 2 * (j + off[1]) + k + off[2]) as f32;
+                    let at = (p.byte_offset + 4 * (i * st[0] + j * st[1] + k * st[2])) as usize;
+                    if file.len() < at + 4 {
+                        file.resize(at + 4, 0);
+                    }
+                    let bytes = if p.big_endian {
+                        value.to_be_bytes()
+                    } else {
+                        value.to_le_bytes()
+                    };
+                    file[at..at + 4].copy_from_slice(&bytes);
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn every_window_of_a_3d_tensor_cut_along_each_dimension_holds_each_elements_value() {
+        // [3, 3, 2]: dim 0 = 0 in one C-order piece; dims 0 = 1..3, 1 = 0..2 in one
+        // piece stored with its first dimension fastest; the rest cut along the
+        // last dimension into two pieces, the second big-endian.
+        let mut c2 = piece(&[2, 1, 1], &[1, 1, 1], &[1, 2, 1], 64);
+        c2.big_endian = true;
+        let pieces = vec![
+            piece(&[1, 3, 2], &[6, 2, 1], &[0, 0, 0], 0),
+            piece(&[2, 2, 2], &[1, 2, 4], &[1, 0, 0], 24),
+            piece(&[2, 1, 1], &[1, 1, 1], &[1, 2, 0], 56),
+            c2,
+        ];
+        let mut file = Vec::new();
+        for p in &pieces {
+            place(&mut file, p);
+        }
+        assert_eq!(file.len(), 72);
+        let files = vec![Arc::new(Blob::owned(PathBuf::from("mem"), file))];
+        let t = tensor(&[3, 3, 2], pieces);
+        let want = |e0: u64, e1: u64| (e0..e1).map(|e| e as f32).collect::<Vec<_>>();
+        for e0 in 0..18 {
+            for e1 in e0 + 1..=18 {
+                let got = gathered_with(&t, &files, e0, e1, &mut GatherBufs::default());
+                assert_eq!(got, want(e0, e1), "[{e0}, {e1})");
+            }
+        }
+        // The same windows backwards with one set of buffers: each read starts
+        // before what the previous one read ahead.
+        let mut bufs = GatherBufs::default();
+        for e0 in (0..18).rev() {
+            for e1 in (e0 + 1..=18).rev() {
+                let got = gathered_with(&t, &files, e0, e1, &mut bufs);
+                assert_eq!(got, want(e0, e1), "[{e0}, {e1}) backwards");
+            }
+        }
+    }
+
+    #[test]
+    fn buffers_reused_for_another_file_or_past_the_read_ahead_read_that_data() {
+        // Two tensors at the same byte offset of two files, gathered with one set
+        // of buffers: the second must not be served the first file's bytes.
+        let files = vec![f32_blob(&[1.0, 2.0]), f32_blob(&[3.0, 4.0])];
+        let mut second = piece(&[2], &[1], &[0], 0);
+        second.file = 1;
+        let (t1, t2) = (
+            tensor(&[2], vec![piece(&[2], &[1], &[0], 0)]),
+            tensor(&[2], vec![second]),
+        );
+        let mut bufs = GatherBufs::default();
+        assert_eq!(gathered_with(&t1, &files, 0, 2, &mut bufs), [1.0, 2.0]);
+        assert_eq!(gathered_with(&t2, &files, 0, 2, &mut bufs), [3.0, 4.0]);
+        // Two tensors of one file more than a read-ahead (4 MiB) apart: the second
+        // lies past what the first one read.
+        let far = (4 << 20) + (256 << 10);
+        let mut bytes = vec![0u8; far as usize + 8];
+        bytes[8..12].copy_from_slice(&5.0f32.to_le_bytes());
+        bytes[far as usize..far as usize + 4].copy_from_slice(&6.0f32.to_le_bytes());
+        bytes[far as usize + 4..].copy_from_slice(&7.0f32.to_le_bytes());
+        let files = vec![Arc::new(Blob::owned(PathBuf::from("mem"), bytes))];
+        let (t1, t2) = (
+            tensor(&[1], vec![piece(&[1], &[1], &[0], 8)]),
+            tensor(&[2], vec![piece(&[2], &[1], &[0], far)]),
+        );
+        let mut bufs = GatherBufs::default();
+        assert_eq!(gathered_with(&t1, &files, 0, 1, &mut bufs), [5.0]);
+        assert_eq!(gathered_with(&t2, &files, 0, 2, &mut bufs), [6.0, 7.0]);
+    }
+
+    #[test]
+    fn a_piece_whose_rank_differs_from_the_tensors_is_an_error() {
+        let files = vec![f32_blob(&[1.0, 2.0])];
+        for p in [
+            // A 0-d piece of a 1-d tensor.
+            piece(&[], &[], &[], 0),
+            // The right shape with strides or an offset of another rank.
+            piece(&[1], &[1, 1], &[0], 0),
+            piece(&[1], &[1], &[0, 0], 0),
+        ] {
+            let t = tensor(&[1], vec![p]);
+            let e = gathered(&t, &files, 0, 1).unwrap_err().to_string();
+            assert!(e.contains("'t'") && e.contains("does not fit"), "{e}");
+        }
+    }
+
+    /// An in-memory source that counts the reads made on it.
+    #[derive(Debug)]
+    struct Counting {
+        inner: crate::source::MemBytes,
+        reads: std::sync::atomic::AtomicUsize,
+    }
+
+    impl crate::source::ByteSource for Counting {
+        fn name(&self) -> &Path {
+            self.inner.name()
+        }
+        fn len(&self) -> u64 {
+            self.inner.len()
+        }
+        fn read_at(&self, offset: u64, buf: &mut [u8]) -> Result<()> {
+            self.reads
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            self.inner.read_at(offset, buf)
+        }
+    }
+
+    #[test]
+    fn the_narrow_rows_of_a_piece_under_4_mib_cost_one_read() {
+        // [131072, 3] f32: 1.5 MiB in one piece, gathered row by row (12 bytes a
+        // row); one read ahead of up to 4 MiB serves every row.
+        let rows = 131_072u64;
+        let values: Vec<f32> = (0..rows * 3).map(|i| i as f32).collect();
+        let bytes: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+        let counting = Arc::new(Counting {
+            inner: crate::source::MemBytes::new(PathBuf::from("mem"), bytes),
+            reads: Default::default(),
+        });
+        let files = vec![Arc::new(Blob::new(counting.clone()))];
+        let t = tensor(&[rows, 3], vec![piece(&[rows, 3], &[3, 1], &[0, 0], 0)]);
+        let got = gathered_with(&t, &files, 0, rows * 3, &mut GatherBufs::default());
+        assert!(got == values, "the values differ");
+        assert_eq!(counting.reads.load(std::sync::atomic::Ordering::Relaxed), 1);
+    }
+
+    #[test]
+    fn a_piece_gives_no_row_past_its_extent() {
+        // [2, 2] as two one-row pieces, row 1's listed first and stored first; row
+        // 0's piece is followed in the file by other bytes (99), which a piece that
+        // also claimed the row after its last would write over row 1.
+        let files = vec![f32_blob(&[2.0, 3.0, 0.0, 1.0, 99.0, 99.0])];
+        let t = tensor(
+            &[2, 2],
+            vec![
+                piece(&[1, 2], &[2, 1], &[1, 0], 0),
+                piece(&[1, 2], &[2, 1], &[0, 0], 8),
+            ],
+        );
+        assert_eq!(gathered(&t, &files, 0, 4).unwrap(), [0.0, 1.0, 2.0, 3.0]);
+    }
 }
