@@ -85,6 +85,12 @@
 //! * **End of input.** A pickle ends at `STOP`; bytes after it are not looked at
 //!   ([`parse_prefix`] returns where they start, for the legacy torch format that puts
 //!   several pickles back to back).
+//! * **Templates.** Many files written by the same code for the ranks of one job
+//!   hold pickles that differ only in a few integers. [`Template::parse`] keeps a
+//!   parsed pickle with where each opcode starts; [`Template::changes`] checks another
+//!   pickle against it opcode by opcode without building anything, and when only
+//!   integers differ (none of them compared as a dict key or set member)
+//!   [`Pickle::apply`] turns a copy of the template's arena into that pickle's.
 
 mod access;
 pub mod audit;
@@ -94,11 +100,13 @@ mod keys;
 mod literal;
 mod machine;
 pub mod opcode;
+mod template;
 pub mod trace;
 
 pub use access::ObjectRef;
 pub use audit::{audit, Audit, Finding, Verdict};
 pub use error::{Error, ErrorKind};
+pub use template::{Changes, Template};
 pub use trace::Trace;
 
 /// Parses one pickle with the default [`Limits`]. The input must hold a whole pickle,

@@ -23,6 +23,7 @@ use crate::builtins::{self, Builtin};
 use crate::keys::KeyIndex;
 use crate::literal;
 use crate::opcode::{self as op, name as op_name};
+use crate::template::{is_literal_op, Record, FIXED};
 use crate::trace::{CallSite, GlobalRef, Trace};
 use crate::{Error, ErrorKind, Limits, NodeId, ObjectKind, Pickle, Value};
 
@@ -114,6 +115,8 @@ pub(crate) struct Machine<'a> {
     logged_calls: std::collections::HashSet<(u32, u8, u32)>,
     /// `copyreg.add_extension(module, name, code)` calls made so far: code -> name.
     extensions: HashMap<i64, (String, String)>,
+    /// What a template parse records (see [`crate::template`]).
+    record: Option<Record>,
 }
 
 /// The result of running the machine: the arena (complete, or as far as parsing got)
@@ -153,12 +156,29 @@ impl<'a> Machine<'a> {
             trace: Trace::default(),
             logged_calls: std::collections::HashSet::new(),
             extensions: HashMap::new(),
+            record: None,
         }
+    }
+
+    /// Records what a [`crate::Template`] needs while running.
+    pub fn record(&mut self, record: Record) {
+        self.record = Some(record);
+    }
+
+    /// [`Machine::run`], and what was recorded.
+    pub fn run_recorded(self) -> (Outcome, Option<Record>) {
+        let mut record = None;
+        let outcome = self.run_with(&mut record);
+        (outcome, record)
     }
 
     /// Runs up to and including `STOP`, or until an error; returns the arena either way
     /// (a scanner wants what a broken pickle did before it broke: `pickle.load` ran it).
-    pub fn run(mut self) -> Outcome {
+    pub fn run(self) -> Outcome {
+        self.run_with(&mut None)
+    }
+
+    fn run_with(mut self, record_out: &mut Option<Record>) -> Outcome {
         let (root, error) = loop {
             let offset = self.pos;
             let Some(&op) = self.data.get(offset) else {
@@ -172,7 +192,25 @@ impl<'a> Machine<'a> {
             self.pos += 1;
             self.op = op;
             self.at = offset;
-            match self.step(op) {
+            let nodes_before = self.nodes.len();
+            if let Some(r) = &mut self.record {
+                // The data fits u32 offsets (checked before recording).
+                r.ops.push((offset as u32, FIXED));
+            }
+            let stepped = self.step(op);
+            if let (Some(r), true) = (&mut self.record, is_literal_op(op)) {
+                let made = self
+                    .nodes
+                    .len()
+                    .checked_sub(1)
+                    .filter(|&n| n == nodes_before);
+                if let (Some(n), Some(last)) = (made, r.ops.last_mut()) {
+                    if matches!(self.nodes.get(n), Some(Value::Int(_) | Value::Str(_))) {
+                        last.1 = n as u32;
+                    }
+                }
+            }
+            match stepped {
                 Ok(None) => {}
                 Ok(Some(root)) => break (Some(root), None),
                 Err(kind) => {
@@ -185,6 +223,7 @@ impl<'a> Machine<'a> {
                 }
             }
         };
+        *record_out = self.record.take();
         // A broken pickle's root is whatever was on top of the stack.
         let root = root
             .or_else(|| self.stack.last().copied())
@@ -833,6 +872,7 @@ impl<'a> Machine<'a> {
     }
 
     fn dict_insert(&mut self, dict: NodeId, key: NodeId, value: NodeId) -> Result<()> {
+        self.pin(key);
         let Some(Value::Dict(pairs)) = self.nodes.get(dict.0 as usize) else {
             return Err(ErrorKind::NotAContainer {
                 op: self.op_name(),
@@ -864,6 +904,7 @@ impl<'a> Machine<'a> {
     /// items that are not already present.
     fn add_items(&mut self, set: NodeId, items: &[NodeId]) -> Result<()> {
         for &item in items {
+            self.pin(item);
             let members = match self.nodes.get(set.0 as usize) {
                 Some(Value::Set(members)) => members,
                 Some(Value::FrozenSet(members)) if self.op != op::ADDITEMS => members,
@@ -927,6 +968,8 @@ impl<'a> Machine<'a> {
     fn stack_global(&mut self) -> Result<()> {
         let name = self.pop()?;
         let module = self.pop()?;
+        self.pin(module);
+        self.pin(name);
         let (Some(Value::Str(module)), Some(Value::Str(name))) =
             (self.node(module), self.node(name))
         else {
@@ -1045,6 +1088,9 @@ impl<'a> Machine<'a> {
         }
         let entry = (module.clone(), name.clone());
         let code = *code;
+        if let [_, _, code_node] = args {
+            self.pin(*code_node);
+        }
         self.charge_payload(entry.0.len() + entry.1.len())?;
         self.extensions.insert(code, entry);
         Ok(())
@@ -1062,6 +1108,16 @@ impl<'a> Machine<'a> {
                 })
             }
         };
+        // A string passed to a call may be read by a recognised builtin (an
+        // attribute name, an encoding) or by the audit; integers only by
+        // `add_extension` (pinned there).
+        if self.record.is_some() {
+            for &item in &items {
+                if matches!(self.node(item), Some(Value::Str(_))) {
+                    self.pin(item);
+                }
+            }
+        }
         let plain = match builtins::recognize(&self.nodes, kind, callable, &items) {
             Some(builtin) => self.builtin(builtin)?,
             None => None,
@@ -1171,6 +1227,19 @@ impl<'a> Machine<'a> {
             }
         };
         Ok(Some(id))
+    }
+
+    /// Notes, when recording a template, that an integer's or a string's value is
+    /// looked at while parsing (compared, or turned into something else).
+    fn pin(&mut self, id: NodeId) {
+        if let Some(r) = &mut self.record {
+            if matches!(
+                self.nodes.get(id.0 as usize),
+                Some(Value::Int(_) | Value::Str(_))
+            ) {
+                r.pinned.push(id);
+            }
+        }
     }
 
     fn dict_items_len(&self, id: NodeId) -> usize {

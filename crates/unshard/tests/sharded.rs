@@ -71,7 +71,41 @@ const GOOD: &[(&str, &str, Format, Option<&str>)] = &[
     ),
     ("accelerate_dcp", "llama", Format::Dcp, Some("model")),
     ("qwen2_w2_dcp", "qwen2", Format::Dcp, None),
+    // Rank 1's pickle parsed, not read from rank 0's (gen_swapped_ranks.py).
+    ("llama_w2_ranks_long_memo", "llama", Format::Ranks, None),
 ];
+
+/// Rank files are read against rank 0's pickle where they share its structure
+/// (`fixtures/gen_swapped_ranks.py`): in `llama_w2_ranks_swapped`, rank 1's pickle
+/// names the storages of layer 0's q_proj and o_proj the other way round (two
+/// storage-key strings differ; the file is read from rank 0's with those strings
+/// changed). The merge must follow rank 1's own pickle: rows of
+/// rank 1 of each come from the other's local shard, every other tensor is as in
+/// the full state dict.
+#[test]
+fn a_rank_file_unlike_rank_0s_is_read_as_its_own_pickle_says() {
+    let full = full_state("llama");
+    let ckpt = open(&sharded("llama_w2_ranks_swapped")).unwrap();
+    let got = contents(&ckpt);
+    let q = "model.layers.0.self_attn.q_proj.weight";
+    let o = "model.layers.0.self_attn.o_proj.weight";
+    let (_, shape, fq) = &full[q];
+    let fo = &full[o].2;
+    assert_eq!(full[o].1, *shape);
+    // Shard(0) over 2 ranks: rank 0 holds the first ceil(rows / 2) rows.
+    let rows = shape[0] as usize;
+    let cut = rows.div_ceil(2) * (fq.len() / rows);
+    let want_q = [&fq[..cut], &fo[cut..]].concat();
+    let want_o = [&fo[..cut], &fq[cut..]].concat();
+    assert!(got[q].2 == want_q, "q_proj's rank-1 rows are o_proj's");
+    assert!(got[o].2 == want_o, "o_proj's rank-1 rows are q_proj's");
+    assert_eq!(got.len(), full.len());
+    for (t, w) in &full {
+        if t != q && t != o {
+            assert!(got[t] == *w, "{t} differs");
+        }
+    }
+}
 
 #[test]
 fn every_sharded_fixture_holds_the_full_state_dict_bit_for_bit() {

@@ -34,8 +34,10 @@ struct DtLocal {
     placements: Vec<Placement>,
     coord: Option<Vec<u64>>,
     mesh_shape: Option<Vec<u64>>,
-    /// Global ranks of the mesh, when recorded.
-    mesh_ranks: Vec<u64>,
+    /// Global ranks of the mesh, when recorded: read only when needed (rank 0's
+    /// highest, or a rank's coordinate when it is not recorded), as the mesh of a
+    /// job of N ranks lists N of them in every DTensor of every rank's file.
+    mesh_ranks: Option<NodeId>,
     /// The saving process's global rank, when recorded.
     rank: Option<u64>,
     local: TensorRef,
@@ -58,13 +60,14 @@ pub(super) fn first(
     s: &SubclassRef,
     coords: &mut Vec<Vec<u64>>,
 ) -> Result<(DtHead, Held)> {
-    let local = dtensor_local(&rank.payload.pickle, s, rank.path, name)?;
+    let p = &rank.payload.pickle;
+    let local = dtensor_local(p, s, rank.path, name)?;
     let head = DtHead {
         dtype: s.dtype,
         shape: s.shape.clone(),
         placements: local.placements.clone(),
         mesh_shape: local.mesh_shape.clone(),
-        mesh_max_rank: local.mesh_ranks.iter().max().copied(),
+        mesh_max_rank: mesh_ranks(p, local.mesh_ranks).iter().max().copied(),
     };
     let held = held(rank, name, &head, local, coords)?;
     Ok((head, held))
@@ -122,7 +125,7 @@ fn held(
     }
     let coord = match &local.coord {
         Some(c) => c.clone(),
-        None => derive_coord(&local, rank.rank as u64).ok_or_else(|| {
+        None => derive_coord(&rank.payload.pickle, &local, rank.rank as u64).ok_or_else(|| {
             bad("the DTensor's mesh does not record this rank's coordinate".into())
         })?,
     };
@@ -291,13 +294,14 @@ fn shard_box(
 }
 
 /// A mesh coordinate from the saving rank and the mesh's rank list (row-major).
-fn derive_coord(local: &DtLocal, file_rank: u64) -> Option<Vec<u64>> {
+fn derive_coord(p: &Pickle, local: &DtLocal, file_rank: u64) -> Option<Vec<u64>> {
     let rank = local.rank.unwrap_or(file_rank);
-    if local.placements.len() == 1 && local.mesh_ranks.is_empty() {
+    let mesh_ranks = mesh_ranks(p, local.mesh_ranks);
+    if local.placements.len() == 1 && mesh_ranks.is_empty() {
         return Some(vec![rank]);
     }
     let mesh = local.mesh_shape.as_ref()?;
-    let mut pos = local.mesh_ranks.iter().position(|&r| r == rank)? as u64;
+    let mut pos = mesh_ranks.iter().position(|&r| r == rank)? as u64;
     let mut coord = vec![0u64; mesh.len()];
     for (c, &m) in coord.iter_mut().zip(mesh).rev() {
         if m == 0 {
@@ -325,14 +329,8 @@ fn dtensor_local(p: &Pickle, s: &SubclassRef, path: &Path, name: &str) -> Result
         placements.push(placement(p, pl, ndim, path, name)?);
     }
     let mesh = field_of(p, spec, "mesh").ok_or_else(|| bad("the DTensor spec has no mesh"))?;
-    let ints = |id: Option<NodeId>| -> Option<Vec<u64>> {
-        seq_of(p, id?)?
-            .iter()
-            .map(|&x| int_of(p, x).and_then(|i| u64::try_from(i).ok()))
-            .collect()
-    };
-    let coord = ints(field_of(p, mesh, "_coordinate_on_dim"));
-    let mesh_ranks = ints(field_of(p, mesh, "_flatten_rank_map")).unwrap_or_default();
+    let coord = ints(p, field_of(p, mesh, "_coordinate_on_dim"));
+    let mesh_ranks = field_of(p, mesh, "_flatten_rank_map");
     let rank = field_of(p, mesh, "_rank")
         .and_then(|x| int_of(p, x))
         .and_then(|i| u64::try_from(i).ok());
@@ -344,6 +342,20 @@ fn dtensor_local(p: &Pickle, s: &SubclassRef, path: &Path, name: &str) -> Result
         rank,
         local,
     })
+}
+
+/// A sequence of non-negative integers.
+fn ints(p: &Pickle, id: Option<NodeId>) -> Option<Vec<u64>> {
+    seq_of(p, id?)?
+        .iter()
+        .map(|&x| int_of(p, x).and_then(|i| u64::try_from(i).ok()))
+        .collect()
+}
+
+/// The mesh's global ranks (`_flatten_rank_map`), empty when not recorded or not
+/// a sequence of ranks.
+fn mesh_ranks(p: &Pickle, id: Option<NodeId>) -> Vec<u64> {
+    ints(p, id).unwrap_or_default()
 }
 
 /// An entry of a `__slots__` state `(dict or None, {slot: value})`, or of a dict state.

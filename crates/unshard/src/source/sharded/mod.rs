@@ -23,7 +23,8 @@
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
 
 use unshard_pickle::NodeId;
 
@@ -139,99 +140,162 @@ enum Held {
     Sharded(Vec<Local>),
 }
 
+/// Most threads reading rank files at once (each holds one pickle arena).
+const READ_THREADS: usize = 4;
+
+/// What rank 0's file says, which every later rank's is checked against.
+struct First<'a> {
+    set: &'a RankSet,
+    opts: &'a OpenOptions,
+    n: usize,
+    path0: &'a Path,
+    /// The tensor names in file order, and where each is.
+    names: &'a [String],
+    index: &'a HashMap<String, usize>,
+    heads: &'a [Head],
+}
+
+/// What one later rank's file holds.
+struct RankOut {
+    blob: Arc<Blob>,
+    /// One record per tensor, in rank 0's order (`Held::Plain` for plain tensors).
+    held: Vec<Held>,
+    /// The rank's distinct mesh coordinates.
+    coords: Vec<Vec<u64>>,
+    unsafe_calls: Vec<crate::scan::UnsafeCall>,
+}
+
+/// What the threads reading ranks 1.. fill in, rank by rank.
+struct Collected {
+    /// Per tensor, one record per rank (empty for a plain tensor).
+    held: Vec<Vec<Held>>,
+    files: Vec<Option<Arc<Blob>>>,
+    coords: Vec<Vec<Vec<u64>>>,
+    unsafe_calls: Vec<Vec<crate::scan::UnsafeCall>>,
+    /// The error of the lowest rank that failed.
+    error: Option<(usize, Error)>,
+    /// Files read from rank 0's template instead of parsed.
+    hits: u64,
+}
+
 /// Opens every rank's file and describes the global tensors.
 ///
-/// The files are read one at a time: each rank's pickle is parsed, the records of its
-/// tensors (where the local tensor's bytes are, its box) are taken out, checked
-/// against rank 0's, and the pickle is dropped before the next file is read. What is
-/// held is one record per tensor per rank, however many objects each rank's pickle
-/// holds.
+/// Rank 0's file is read first: its pickle is parsed and kept as a template, and
+/// the head of each tensor (names, global shape and dtype, placements) is taken
+/// from it. The other ranks' files are then read on up to [`READ_THREADS`] threads,
+/// each holding one copy of rank 0's arena: a file whose pickle differs from rank
+/// 0's only in integers (a shard's size, a mesh coordinate) is read as that arena
+/// with those integers changed instead of being parsed; any other is parsed in
+/// full. Either way the records of its tensors (where the local tensor's bytes are,
+/// its box) are taken out, checked against rank 0's, and its pickle is dropped (or
+/// given back) before the thread reads another file. What is held is one record per
+/// tensor per rank, however many objects each rank's pickle holds.
 pub fn open(set: &RankSet, opts: &OpenOptions) -> Result<Checkpoint> {
+    open_counted(set, opts).map(|(c, _)| c)
+}
+
+/// [`open`], and how many files were read from rank 0's template.
+fn open_counted(set: &RankSet, opts: &OpenOptions) -> Result<(Checkpoint, u64)> {
     let n = check_complete(set)?;
-    let mut files = Vec::with_capacity(n);
-    let mut paths: Vec<PathBuf> = Vec::with_capacity(n);
-    let mut unsafe_calls = Vec::new();
-    // From rank 0: the tensor names in file order, where each is, and its head.
-    let mut names: Vec<String> = Vec::new();
-    let mut index: HashMap<String, usize> = HashMap::new();
-    let mut heads: Vec<Head> = Vec::new();
-    let mut held: Vec<Vec<Held>> = Vec::new();
-    // Each rank's distinct mesh coordinates (one, for a checkpoint of one mesh).
-    let mut coords: Vec<Vec<Vec<u64>>> = Vec::with_capacity(n);
-    let mut key = None;
-    let mut extras = Vec::new();
-    for (r, (_, file_name)) in set.ranks.iter().enumerate() {
-        let path = set.dir.join(file_name);
-        let blob = Arc::new(crate::source::fs::open(&path)?);
-        let mut payload = read_payload(&path, &blob)?;
-        unsafe_calls.append(&mut payload.unsafe_calls);
-        let found = torch::find_tensors(&payload.pickle, &path, opts.key.as_deref())?;
-        files.push(blob);
-        let rank = RankFile {
-            path: &path,
-            payload: &payload,
-            rank: r,
-        };
-        let nodes = if r == 0 {
-            refuse_flat_params(set, &found)?;
-            let mut nodes: Vec<NodeId> = Vec::with_capacity(found.tensors.len());
-            for (name, id) in &found.tensors {
-                match index.get(name) {
-                    // The same key twice: the last one is the dict's value.
-                    Some(&i) => nodes[i] = *id,
-                    None => {
-                        index.insert(name.clone(), names.len());
-                        names.push(name.clone());
-                        nodes.push(*id);
-                    }
-                }
-            }
-            nodes
-        } else {
-            same_names(&rank, &found, &names, &index, &paths[0])?
-        };
-        let mut mine: Vec<Vec<u64>> = Vec::new();
-        for (i, (name, id)) in names.iter().zip(nodes).enumerate() {
-            let leaf = match torch::leaf(&payload.pickle, id) {
-                Ok(Some(l)) => l,
-                Ok(None) => return Err(Error::bad_tensor(&path, name, "not a tensor")),
-                Err(m) => return Err(Error::bad_tensor(&path, name, m)),
-            };
-            if r == 0 {
-                let (head, h) = first_head(&rank, name, &leaf, n, set, &mut mine)?;
-                heads.push(head);
-                let mut v = Vec::with_capacity(if matches!(h, Held::Plain) { 0 } else { n });
-                if !matches!(h, Held::Plain) {
-                    v.push(h);
-                }
-                held.push(v);
-            } else {
-                let h = match &heads[i] {
-                    Head::Plain { dtype, shape, .. } => {
-                        plain_rank(&rank, name, &leaf, *dtype, shape)?;
-                        Held::Plain
-                    }
-                    Head::DTensor(head) => dtensor::rank(&rank, name, &leaf, head, &mut mine)?,
-                    Head::Sharded(head) => sharded_tensor::rank(set, n, &rank, name, &leaf, head)?,
-                };
-                if !matches!(h, Held::Plain) {
-                    held[i].push(h);
-                }
-            }
-        }
-        if r == 0 {
-            key = found.key.clone();
-            extras = found.extras;
-        }
-        coords.push(mine);
-        paths.push(path);
-    }
-    if paths.is_empty() {
+    let Some((_, name0)) = set.ranks.first() else {
         return Err(Error::corrupt(
             &set.dir,
             "the set of per-rank files is empty",
         ));
+    };
+    let path0 = set.dir.join(name0);
+    let blob0 = Arc::new(crate::source::fs::open(&path0)?);
+    let (mut payload, template) = read_first_payload(&path0, &blob0)?;
+    let mut unsafe0 = std::mem::take(&mut payload.unsafe_calls);
+    let found = torch::find_tensors(&payload.pickle, &path0, opts.key.as_deref())?;
+    refuse_flat_params(set, &found)?;
+    // From rank 0: the tensor names in file order, where each is, and its head.
+    let mut names: Vec<String> = Vec::new();
+    let mut index: HashMap<String, usize> = HashMap::new();
+    let mut nodes: Vec<NodeId> = Vec::with_capacity(found.tensors.len());
+    for (name, id) in &found.tensors {
+        match index.get(name) {
+            // The same key twice: the last one is the dict's value.
+            Some(&i) => nodes[i] = *id,
+            None => {
+                index.insert(name.clone(), names.len());
+                names.push(name.clone());
+                nodes.push(*id);
+            }
+        }
     }
+    let mut heads: Vec<Head> = Vec::with_capacity(names.len());
+    let mut held: Vec<Vec<Held>> = Vec::with_capacity(names.len());
+    let mut coords0: Vec<Vec<u64>> = Vec::new();
+    {
+        let rank = RankFile {
+            path: &path0,
+            payload: &payload,
+            rank: 0,
+        };
+        for (name, id) in names.iter().zip(nodes) {
+            let leaf = match torch::leaf(&payload.pickle, id) {
+                Ok(Some(l)) => l,
+                Ok(None) => return Err(Error::bad_tensor(&path0, name, "not a tensor")),
+                Err(m) => return Err(Error::bad_tensor(&path0, name, m)),
+            };
+            let (head, h) = first_head(&rank, name, &leaf, n, set, &mut coords0)?;
+            heads.push(head);
+            // Slots for every rank's record, filled as the ranks are read.
+            let v = match h {
+                Held::Plain => Vec::new(),
+                h => {
+                    let mut v = Vec::with_capacity(n);
+                    v.push(h);
+                    v.resize_with(n, || Held::Plain);
+                    v
+                }
+            };
+            held.push(v);
+        }
+    }
+    let key = found.key;
+    let extras = found.extras;
+    let nfiles = set.ranks.len();
+    let mut collected = Collected {
+        held,
+        files: vec![None; nfiles],
+        coords: vec![Vec::new(); nfiles],
+        unsafe_calls: vec![Vec::new(); nfiles],
+        error: None,
+        hits: 0,
+    };
+    collected.files[0] = Some(blob0);
+    collected.coords[0] = coords0;
+    let first = First {
+        set,
+        opts,
+        n,
+        path0: &path0,
+        names: &names,
+        index: &index,
+        heads: &heads,
+    };
+    let arena = match template {
+        Some(_) => Some(payload.pickle),
+        None => None,
+    };
+    read_later_ranks(&first, template.as_ref(), arena, &mut collected);
+    if let Some((_, e)) = collected.error.take() {
+        return Err(e);
+    }
+    let Collected {
+        held,
+        files,
+        coords,
+        unsafe_calls,
+        hits,
+        ..
+    } = collected;
+    unsafe0.extend(unsafe_calls.into_iter().flatten());
+    let unsafe_calls = unsafe0;
+    let files: Vec<Arc<Blob>> = files.into_iter().flatten().collect();
+    let paths: Vec<PathBuf> = set.ranks.iter().map(|(_, f)| set.dir.join(f)).collect();
     let mut tensors = Vec::with_capacity(names.len());
     for ((name, head), held) in names.iter().zip(heads).zip(held) {
         let source = match head {
@@ -256,7 +320,7 @@ pub fn open(set: &RankSet, opts: &OpenOptions) -> Result<Checkpoint> {
             "skipped {s} (optimizer or trainer state, not model weights)"
         ));
     }
-    Ok(Checkpoint {
+    let ckpt = Checkpoint {
         format: Format::Ranks,
         path: set.dir.clone(),
         files,
@@ -265,7 +329,184 @@ pub fn open(set: &RankSet, opts: &OpenOptions) -> Result<Checkpoint> {
         extras,
         notes,
         unsafe_calls,
+    };
+    Ok((ckpt, hits))
+}
+
+/// Reads ranks 1.. into `out`, on up to [`READ_THREADS`] threads taking the next
+/// rank in turn. Each thread reads against `template` with its own copy of rank
+/// 0's `arena` (when both are given). A rank that fails stops the threads from
+/// starting higher ranks; the lowest rank's error is kept, as reading the ranks in
+/// order would have found it.
+fn read_later_ranks(
+    first: &First<'_>,
+    template: Option<&torch::PayloadTemplate>,
+    arena: Option<unshard_pickle::Pickle>,
+    out: &mut Collected,
+) {
+    let nfiles = first.set.ranks.len();
+    if nfiles <= 1 {
+        return;
+    }
+    let threads = std::thread::available_parallelism()
+        .map_or(1, |t| t.get())
+        .clamp(1, READ_THREADS)
+        .min(nfiles - 1);
+    let next = AtomicUsize::new(1);
+    let failed = AtomicUsize::new(usize::MAX);
+    let shared = Mutex::new(std::mem::replace(
+        out,
+        Collected {
+            held: Vec::new(),
+            files: Vec::new(),
+            coords: Vec::new(),
+            unsafe_calls: Vec::new(),
+            error: None,
+            hits: 0,
+        },
+    ));
+    let work = |arena: Option<unshard_pickle::Pickle>| {
+        let mut reader = match (template, arena) {
+            (Some(t), Some(a)) => Some(torch::TemplateReader::new(t, a)),
+            _ => None,
+        };
+        loop {
+            let r = next.fetch_add(1, Ordering::Relaxed);
+            if r >= nfiles || r > failed.load(Ordering::Relaxed) {
+                break;
+            }
+            let got = read_rank(first, r, reader.as_mut());
+            let mut c = shared.lock().unwrap_or_else(|e| e.into_inner());
+            match got {
+                Ok(o) => {
+                    for (slots, h) in c.held.iter_mut().zip(o.held) {
+                        if let Some(slot) = slots.get_mut(r) {
+                            *slot = h;
+                        }
+                    }
+                    c.files[r] = Some(o.blob);
+                    c.coords[r] = o.coords;
+                    c.unsafe_calls[r] = o.unsafe_calls;
+                }
+                Err(e) => {
+                    failed.fetch_min(r, Ordering::Relaxed);
+                    if c.error.as_ref().is_none_or(|(at, _)| r < *at) {
+                        c.error = Some((r, e));
+                    }
+                }
+            }
+        }
+        if let Some(reader) = reader {
+            let mut c = shared.lock().unwrap_or_else(|e| e.into_inner());
+            c.hits += reader.hits;
+        }
+    };
+    let work = &work;
+    std::thread::scope(|scope| {
+        let mut handles = Vec::new();
+        for _ in 1..threads {
+            let copy = arena.clone();
+            let h = std::thread::Builder::new()
+                .name("unshard-ranks".into())
+                .spawn_scoped(scope, move || work(copy));
+            handles.push(h);
+        }
+        // This thread reads too (and alone, if no other could start).
+        work(arena);
+        for h in handles.into_iter().flatten() {
+            let _ = h.join();
+        }
+    });
+    *out = shared.into_inner().unwrap_or_else(|e| e.into_inner());
+    // A thread that stopped abnormally leaves ranks unread: name the first.
+    if out.error.is_none() {
+        if let Some(r) = out.files.iter().position(Option::is_none) {
+            let path = first.set.dir.join(&first.set.ranks[r].1);
+            out.error = Some((
+                r,
+                Error::corrupt(path, "this rank's file could not be read"),
+            ));
+        }
+    }
+}
+
+/// Reads rank `r`'s file (`r` > 0) and checks it against rank 0's.
+fn read_rank(
+    first: &First<'_>,
+    r: usize,
+    mut reader: Option<&mut torch::TemplateReader<'_>>,
+) -> Result<RankOut> {
+    let set = first.set;
+    let path = set.dir.join(&set.ranks[r].1);
+    let blob = Arc::new(crate::source::fs::open(&path)?);
+    let mut payload = match reader.as_deref_mut() {
+        Some(t) if torch::is_zip(&blob.head(64)?) => t.read(&blob)?,
+        _ => read_payload(&path, &blob)?,
+    };
+    let unsafe_calls = std::mem::take(&mut payload.unsafe_calls);
+    let records = records_of(first, r, &path, &payload);
+    if let Some(t) = reader {
+        t.done(payload);
+    }
+    let (held, coords) = records?;
+    Ok(RankOut {
+        blob,
+        held,
+        coords,
+        unsafe_calls,
     })
+}
+
+/// The record of each of rank 0's tensors in rank `r`'s payload, checked against
+/// rank 0's heads, and the rank's distinct mesh coordinates.
+fn records_of(
+    first: &First<'_>,
+    r: usize,
+    path: &Path,
+    payload: &TorchPayload,
+) -> Result<(Vec<Held>, Vec<Vec<u64>>)> {
+    let found = torch::find_tensors(&payload.pickle, path, first.opts.key.as_deref())?;
+    let rank = RankFile {
+        path,
+        payload,
+        rank: r,
+    };
+    let nodes = same_names(&rank, &found, first.names, first.index, first.path0)?;
+    let mut mine: Vec<Vec<u64>> = Vec::new();
+    let mut held = Vec::with_capacity(first.names.len());
+    for ((name, id), head) in first.names.iter().zip(nodes).zip(first.heads) {
+        let leaf = match torch::leaf(&payload.pickle, id) {
+            Ok(Some(l)) => l,
+            Ok(None) => return Err(Error::bad_tensor(path, name, "not a tensor")),
+            Err(m) => return Err(Error::bad_tensor(path, name, m)),
+        };
+        let h = match head {
+            Head::Plain { dtype, shape, .. } => {
+                plain_rank(&rank, name, &leaf, *dtype, shape)?;
+                Held::Plain
+            }
+            Head::DTensor(head) => dtensor::rank(&rank, name, &leaf, head, &mut mine)?,
+            Head::Sharded(head) => {
+                sharded_tensor::rank(first.set, first.n, &rank, name, &leaf, head)?
+            }
+        };
+        held.push(h);
+    }
+    Ok((held, mine))
+}
+
+/// Rank 0's payload, and its pickle kept as a template for the other ranks' when it
+/// can be one.
+fn read_first_payload(
+    path: &Path,
+    blob: &Blob,
+) -> Result<(TorchPayload, Option<torch::PayloadTemplate>)> {
+    let head = blob.head(64)?;
+    if torch::is_zip(&head) {
+        torch::read_zip_file_as_template(blob)
+    } else {
+        read_payload(path, blob).map(|p| (p, None))
+    }
 }
 
 /// Rank 0's head of one tensor, and what rank 0 holds of it.
@@ -471,4 +712,44 @@ fn refuse_flat_params(set: &RankSet, first: &Found) -> Result<()> {
                 .into(),
         ),
     })
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+
+    fn open_fixture(name: &str) -> (Checkpoint, u64) {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../../fixtures")
+            .join(name);
+        let set = find_rank_files(&dir).unwrap().unwrap();
+        open_counted(&set, &OpenOptions::default()).unwrap_or_else(|e| panic!("{name}: {e}"))
+    }
+
+    /// Files torch wrote for the ranks of one job differ from rank 0's only in
+    /// integers and strings (on a 2-d mesh, the names of its process groups), and
+    /// are read from its template; a file whose opcodes differ
+    /// (`gen_swapped_ranks.py`) is parsed. What each holds is checked against the
+    /// full state dict in tests/sharded.rs.
+    #[test]
+    fn ranks_of_rank_0s_structure_are_read_from_its_template() {
+        for (name, files) in [
+            ("sharded/llama_w2_ranks", 2),
+            ("sharded/llama_w3_ranks", 3),
+            // A 2-d mesh: each rank's pickle also names its own process groups.
+            ("sharded/llama_hsdp_2x2_ranks", 4),
+            ("placements/ranks", 4),
+        ] {
+            let (ckpt, hits) = open_fixture(name);
+            assert_eq!(ckpt.files.len(), files, "{name}");
+            assert_eq!(hits, files as u64 - 1, "{name}");
+        }
+        // Rank 1 names two tensors' storages the other way round: strings that
+        // differ, read from the template (what it then holds: tests/sharded.rs).
+        let (_, hits) = open_fixture("sharded/llama_w2_ranks_swapped");
+        assert_eq!(hits, 1);
+        let (_, hits) = open_fixture("sharded/llama_w2_ranks_long_memo");
+        assert_eq!(hits, 0, "rank 1's opcodes are not rank 0's");
+    }
 }

@@ -111,6 +111,21 @@ pub fn read_payload(blob: &Blob) -> Result<TorchPayload> {
 }
 
 fn payload_from_index(a: &Archive<'_>, index: ZipIndex) -> Result<TorchPayload> {
+    let records = records(a, &index)?;
+    let pickle = parse_pickle(a, &records)?;
+    finish(a, &index, records, pickle, None)
+}
+
+/// What an archive's records say before its pickle is parsed.
+struct Records<'a> {
+    pkl_name: String,
+    pkl_bytes: std::borrow::Cow<'a, [u8]>,
+    big_endian: bool,
+    data_prefix: String,
+}
+
+/// Checks that the archive is a `torch.save` one and reads its pickle and byte order.
+fn records<'a>(a: &'a Archive<'_>, index: &ZipIndex) -> Result<Records<'a>> {
     let path = &a.blob().path;
     let Some(first) = index.entries.first() else {
         return Err(Error::corrupt(path, "the zip archive has no entries"));
@@ -176,12 +191,43 @@ fn payload_from_index(a: &Archive<'_>, index: ZipIndex) -> Result<TorchPayload> 
             }
         }
     };
-    let pickle = unshard_pickle::parse(&pkl_bytes).map_err(|source| Error::Pickle {
-        path: path.to_path_buf(),
-        entry: pkl_name.clone(),
+    Ok(Records {
+        pkl_name,
+        pkl_bytes,
+        big_endian,
+        data_prefix: format!("{prefix}/data/"),
+    })
+}
+
+fn pickle_error(a: &Archive<'_>, records: &Records<'_>, source: unshard_pickle::Error) -> Error {
+    Error::Pickle {
+        path: a.blob().path.to_path_buf(),
+        entry: records.pkl_name.clone(),
         source,
-    })?;
-    let data_prefix = format!("{prefix}/data/");
+    }
+}
+
+fn parse_pickle(a: &Archive<'_>, records: &Records<'_>) -> Result<Pickle> {
+    unshard_pickle::parse(&records.pkl_bytes).map_err(|e| pickle_error(a, records, e))
+}
+
+/// The payload of an archive whose pickle is parsed: where its storages are, checked
+/// against the pickle, and what the pickle would run (`unsafe_calls`, audited here
+/// when `None`).
+fn finish(
+    a: &Archive<'_>,
+    index: &ZipIndex,
+    records: Records<'_>,
+    pickle: Pickle,
+    unsafe_calls: Option<Vec<UnsafeCall>>,
+) -> Result<TorchPayload> {
+    let path = &a.blob().path;
+    let Records {
+        pkl_name,
+        big_endian,
+        data_prefix,
+        ..
+    } = records;
     let mut storages = HashMap::new();
     let mut inflated = Vec::new();
     for e in &index.entries {
@@ -211,13 +257,18 @@ fn payload_from_index(a: &Archive<'_>, index: ZipIndex) -> Result<TorchPayload> 
         storages.insert(key.to_string(), loc);
     }
     check_storage_sizes(&pickle, &storages).map_err(|m| Error::corrupt(path, m))?;
-    // An archive inside a larger file (a DCP chunk) is named by where it starts.
-    let entry = if a.base() > 0 {
-        format!("{pkl_name} of the archive at byte {}", a.base())
-    } else {
-        pkl_name.clone()
+    let unsafe_calls = match unsafe_calls {
+        Some(calls) => calls,
+        None => {
+            // An archive inside a larger file (a DCP chunk) is named by where it starts.
+            let entry = if a.base() > 0 {
+                format!("{pkl_name} of the archive at byte {}", a.base())
+            } else {
+                pkl_name
+            };
+            crate::scan::audit_pickle(path, &entry, &pickle).0
+        }
     };
-    let (unsafe_calls, _) = crate::scan::audit_pickle(path, &entry, &pickle);
     Ok(TorchPayload {
         path: path.to_path_buf(),
         pickle,
@@ -227,6 +278,94 @@ fn payload_from_index(a: &Archive<'_>, index: ZipIndex) -> Result<TorchPayload> 
         inflated,
         inflated_file: None,
     })
+}
+
+/// A `torch.save` file's pickle kept to read other files written by the same code
+/// (the other ranks' files of one job) without parsing theirs: a file whose pickle
+/// differs from it only in integers (see [`unshard_pickle::Template`]) gets the
+/// template's arena with those integers changed. Kept only for a pickle that calls
+/// nothing `torch.load` would run unsafely, so that a file matching it does not
+/// either.
+#[derive(Debug)]
+pub struct PayloadTemplate {
+    template: unshard_pickle::Template,
+}
+
+/// Reads a `torch.save` zip file and keeps its pickle as a template for others
+/// (`None` when it cannot be one).
+pub fn read_zip_file_as_template(blob: &Blob) -> Result<(TorchPayload, Option<PayloadTemplate>)> {
+    let mut a = Archive::whole(blob);
+    let index = ZipIndex::read(&mut a)?;
+    let records = records(&a, &index)?;
+    let (pickle, template) =
+        unshard_pickle::Template::parse(&records.pkl_bytes, &unshard_pickle::Limits::default())
+            .map_err(|e| pickle_error(&a, &records, e))?;
+    let payload = finish(&a, &index, records, pickle, None)?;
+    let template = template
+        .filter(|_| payload.unsafe_calls.is_empty())
+        .map(|template| PayloadTemplate { template });
+    Ok((payload, template))
+}
+
+/// Reads `torch.save` files against a [`PayloadTemplate`], holding one copy of the
+/// template's arena: a file that matches the template is lent that copy with its
+/// integers changed ([`TemplateReader::done`] takes it back); any other file is read
+/// and parsed in full.
+pub struct TemplateReader<'t> {
+    template: &'t PayloadTemplate,
+    /// The template's arena, while no payload holds it.
+    arena: Option<Pickle>,
+    /// How to undo the changes made for the payload that holds the arena.
+    undo: Option<unshard_pickle::Changes>,
+    /// Files read from the template.
+    pub hits: u64,
+}
+
+impl<'t> TemplateReader<'t> {
+    /// A reader lending `arena`, which must be the arena `template` was parsed into
+    /// (or a copy of it).
+    pub fn new(template: &'t PayloadTemplate, arena: Pickle) -> Self {
+        TemplateReader {
+            template,
+            arena: Some(arena),
+            undo: None,
+            hits: 0,
+        }
+    }
+
+    /// Reads a `torch.save` zip file.
+    pub fn read(&mut self, blob: &Blob) -> Result<TorchPayload> {
+        let mut a = Archive::whole(blob);
+        let index = ZipIndex::read(&mut a)?;
+        let records = records(&a, &index)?;
+        let changes = self.template.template.changes(&records.pkl_bytes);
+        let (Some(changes), Some(mut arena)) = (changes, self.arena.take()) else {
+            let pickle = parse_pickle(&a, &records)?;
+            return finish(&a, &index, records, pickle, None);
+        };
+        let undo = arena.apply(&changes);
+        // On an error the arena is dropped with the payload, and every later file
+        // is parsed in full: `undo` is kept only for a payload that holds it.
+        let payload = finish(&a, &index, records, arena, Some(Vec::new()))?;
+        self.undo = Some(undo);
+        self.hits += 1;
+        Ok(payload)
+    }
+
+    /// Takes back the arena a payload from [`TemplateReader::read`] holds, if it
+    /// holds it.
+    /// Must be called with each payload [`TemplateReader::read`] returned before
+    /// the next `read`.
+    pub fn done(&mut self, payload: TorchPayload) {
+        if self.arena.is_some() {
+            return;
+        }
+        if let Some(undo) = self.undo.take() {
+            let mut arena = payload.pickle;
+            arena.apply(&undo);
+            self.arena = Some(arena);
+        }
+    }
 }
 
 /// Each storage's declared element count (in its persistent id) against the size of
