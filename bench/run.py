@@ -215,7 +215,7 @@ def fmt_bytes(n):
 def model_fields(meta):
     """What bench/tables.py needs to name the model of a row (meta.json's shape fields)."""
     return {k: meta[k] for k in ("layers", "parameters", "ranks", "chunks", "optim", "kind",
-                                 "experts") if k in meta}
+                                 "experts", "world", "hidden", "tensors") if k in meta}
 
 
 def run(args):
@@ -244,6 +244,10 @@ def run(args):
             # gen_wide.py --kind ranks: verl's per-rank files of DTensors, tiny weights.
             kinds = (("ranks", "ranks", "verl ranks, %d files, %d shards" % (
                 meta["ranks"], meta["chunks"]), None),)
+        elif meta.get("kind") == "deepspeed":
+            # gen_deepspeed.py --ranks N: ZeRO-2 and ZeRO-3 folders over N ranks.
+            kinds = tuple((k, k, "DeepSpeed ZeRO-%s, %d ranks" % (k[-1], meta["world"]), "zero")
+                          for k in ("zero2", "zero3"))
         elif "ranks" in meta:
             # Written by gen_wide.py: one DCP directory of many ranks, tiny weights.
             kinds = (("dcp", "dcp", "DCP, %d ranks, %d chunks" % (meta["ranks"], meta["chunks"]),
@@ -363,7 +367,9 @@ def table(results):
              "|---|---|---:|---|---:|---:|---:|---:|---:|"]
     for r in results:
         meta = r["meta"]
-        if "ranks" in meta:
+        if meta.get("kind") == "deepspeed":
+            model = "narrow (%d layers, hidden %d)" % (meta["layers"], meta["hidden"])
+        elif "ranks" in meta:
             model = "wide (%d layers%s)" % (meta["layers"], ", + Adam state" if meta["optim"] else "")
         else:
             model = "%.2fB (%d layers)" % (meta["parameters"] / 1e9, meta["layers"])

@@ -138,6 +138,8 @@ def model(r):
         return "verl rank files (%d layers%s over %d ranks)" % (
             m["layers"], ", %d experts each," % m["experts"] if m.get("experts") else "",
             m["ranks"])
+    if m.get("kind") == "deepspeed":
+        return "narrow Llama (%d layers, hidden %d)" % (m["layers"], m["hidden"])
     if "ranks" in m:
         return "wide (%d layers over %d ranks%s)" % (
             m["layers"], m["ranks"], ", + Adam state" if m.get("optim") else "")

@@ -141,6 +141,23 @@ fn a_parameter_straddles_two_ranks_and_the_last_partition_is_short() {
 }
 
 #[test]
+fn ranks_holding_padding_only_are_empty_and_skipped() {
+    // ZeRO-2 over 12 ranks: the no-decay group (60 elements) is padded to 72, so
+    // ranks 10 and 11 hold padding only and DeepSpeed saved their partitions
+    // empty, as a small group over thousands of ranks. The weights are the ones
+    // zero_to_fp32 rebuilds (every_case_... above); no piece is in those files.
+    let ckpt = open(&ds("llama12_z2_fp16_w12")).unwrap();
+    let norm = ckpt
+        .tensors
+        .iter()
+        .find(|t| t.name == "model.norm.weight")
+        .unwrap();
+    assert!(norm.pieces.iter().all(|p| p.file < 10), "{:?}", norm.pieces);
+    let last: Vec<usize> = norm.pieces.iter().map(|p| p.file).collect();
+    assert_eq!(last.last(), Some(&9));
+}
+
+#[test]
 fn tied_alias_shares_the_embeddings_storage() {
     let ckpt = open(&ds("qwen2_z3_bf16_w3")).unwrap();
     let get = |n: &str| ckpt.tensors.iter().find(|t| t.name == n).unwrap();

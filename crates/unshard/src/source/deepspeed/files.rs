@@ -18,6 +18,7 @@ use std::sync::Arc;
 
 use unshard_pickle::{NodeId, Pickle, Value};
 
+use super::super::bytes::{FilePool, PooledFile};
 use super::super::torch::{
     self, dict_get, dict_of, dims_of, int_of, seq_of, str_of, Leaf, TensorRef, TorchPayload,
 };
@@ -32,8 +33,14 @@ pub struct Parsed {
 }
 
 impl Parsed {
-    pub fn open(path: &Path) -> Result<Parsed> {
-        let blob = Arc::new(Blob::open(path)?);
+    /// Opens and parses a file; with a pool, its descriptor is the pool's (opened on
+    /// demand, closed when others need the room), so that a folder of more rank
+    /// files than the limit on open files is read.
+    pub fn open(path: &Path, pool: Option<&Arc<FilePool>>) -> Result<Parsed> {
+        let blob = Arc::new(match pool {
+            Some(pool) => Blob::new(Arc::new(PooledFile::open(path, pool)?)),
+            None => Blob::open(path)?,
+        });
         let payload = torch::read_zip_file(&blob)?;
         Ok(Parsed {
             path: path.to_path_buf(),

@@ -5,13 +5,25 @@ use std::collections::{HashMap, HashSet};
 use std::path::Path;
 use std::sync::Arc;
 
-use super::files::{self, OptimStates, Parsed};
-use super::partitions::{frozen, zero12_params, zero3_params, Ctx, ZERO3_KEY};
+use super::files::{self, Parsed};
+use super::partitions::{
+    frozen, zero12_params, zero3_params, Ctx, FrozenFile, RankOptim, ZERO3_KEY,
+};
 use super::{names, Found};
+use crate::source::bytes::{open_file_budget, FilePool};
 use crate::source::{check_coverage, Checkpoint, Extra, Format, TensorSource};
 use crate::{Error, Result};
 
 pub fn open(found: &Found) -> Result<Checkpoint> {
+    open_with(found, open_file_budget()).map(|(c, _)| c)
+}
+
+/// [`open`] keeping at most `max_open` files open at once when the tag folder
+/// holds more; returns the pool of descriptors, if one was needed (for tests).
+pub(super) fn open_with(
+    found: &Found,
+    max_open: usize,
+) -> Result<(Checkpoint, Option<Arc<FilePool>>)> {
     let dir = found.tag_dir.as_path();
     let n = names(dir)?;
     if !n.model_parallel.is_empty() {
@@ -46,52 +58,69 @@ pub fn open(found: &Found) -> Result<Checkpoint> {
         });
     }
 
-    // Optimizer states of every rank: the world size, checked against every file.
-    let mut files: Vec<Arc<crate::source::Blob>> = Vec::new();
-    let mut optim: Vec<(Parsed, OptimStates)> = Vec::new();
-    for (_, name) in &n.optim {
-        let f = Parsed::open(&dir.join(name))?;
-        let o = files::optim_states(&f)?;
-        optim.push((f, o));
-    }
-    let world = optim[0].1.partition_count;
-    let world = usize::try_from(world)
-        .ok()
-        .filter(|&w| w <= MAX_WORLD)
-        .ok_or_else(|| {
-            Error::corrupt(
-                &optim[0].0.path,
-                format!("partition_count {world} is not believable"),
-            )
-        })?;
+    // Rank files beyond what the limit on open files leaves room for are opened on
+    // demand (frontier runs save thousands of ranks, two files each under ZeRO-3).
+    let count = n.optim.len() + if zero3_layout { n.model_ranks.len() } else { 1 };
+    let pool = (count > max_open).then(|| FilePool::new(max_open));
+
+    // Optimizer states of every rank, read one at a time: the world size, checked
+    // against every file, and each rank's flat partitions. Each pickle is dropped
+    // once its partitions are taken out.
+    let mut files: Vec<Arc<crate::source::Blob>> = Vec::with_capacity(count);
+    // What every file's pickle would run under torch.load, in file order.
+    let mut unsafe_calls = Vec::new();
+    let mut optim: Vec<RankOptim> = Vec::with_capacity(n.optim.len());
     let prefix = |name: &str| name.starts_with("bf16_");
-    for ((r, name), (f, o)) in n.optim.iter().zip(&optim) {
-        if o.partition_count as usize != world
-            || *r >= world
-            || prefix(name) != prefix(&n.optim[0].1)
-        {
-            return Err(mixed(
-                dir,
-                &format!(
-                    "this file says world size {} (partition_count), {} says {world}",
-                    o.partition_count, n.optim[0].1
-                ),
-                f,
-            ));
+    let mut world = 0usize;
+    for (i, (r, name)) in n.optim.iter().enumerate() {
+        let f = Parsed::open(&dir.join(name), pool.as_ref())?;
+        let mut o = files::optim_states(&f)?;
+        if i == 0 {
+            world = usize::try_from(o.partition_count)
+                .ok()
+                .filter(|&w| w <= MAX_WORLD)
+                .ok_or_else(|| {
+                    Error::corrupt(
+                        &f.path,
+                        format!("partition_count {} is not believable", o.partition_count),
+                    )
+                })?;
+        } else {
+            let first = &optim[0].states;
+            if o.partition_count as usize != world
+                || *r >= world
+                || prefix(name) != prefix(&n.optim[0].1)
+            {
+                return Err(mixed(
+                    dir,
+                    &format!(
+                        "this file says world size {} (partition_count), {} says {world}",
+                        o.partition_count, n.optim[0].1
+                    ),
+                    &f,
+                ));
+            }
+            if o.groups.len() != first.groups.len()
+                || o.groups_key != first.groups_key
+                || o.stage != first.stage
+            {
+                return Err(mixed(
+                    dir,
+                    &format!(
+                        "its ZeRO stage or parameter groups differ from {}'s",
+                        n.optim[0].1
+                    ),
+                    &f,
+                ));
+            }
+            // Only rank 0's alignment paddings are read (one entry per parameter:
+            // not kept for every rank).
+            o.alignment_paddings = None;
         }
-        if o.groups.len() != optim[0].1.groups.len()
-            || o.groups_key != optim[0].1.groups_key
-            || o.stage != optim[0].1.stage
-        {
-            return Err(mixed(
-                dir,
-                &format!(
-                    "its ZeRO stage or parameter groups differ from {}'s",
-                    n.optim[0].1
-                ),
-                f,
-            ));
-        }
+        let rank = RankOptim::take(&f, o, files.len())?;
+        files.push(f.blob.clone());
+        unsafe_calls.extend(f.payload.unsafe_calls.iter().cloned());
+        optim.push(rank);
     }
     for r in 0..world {
         if n.optim.get(r).map(|(x, _)| *x) != Some(r) {
@@ -103,31 +132,27 @@ pub fn open(found: &Found) -> Result<Checkpoint> {
             });
         }
     }
-    let zero3 = optim[0].1.groups_key == ZERO3_KEY;
-    let stage = optim[0].1.stage;
+    let groups_key = optim[0].states.groups_key;
+    let zero3 = groups_key == ZERO3_KEY;
+    let stage = optim[0].states.stage;
     if zero3 != zero3_layout {
         return Err(Error::corrupt(
             dir,
             format!(
             "the optimizer-state files hold {} but the model-states files are named for ZeRO-{}",
-            optim[0].1.groups_key,
+            groups_key,
             if zero3_layout { "3" } else { "1/2" }
         ),
         ));
     }
-    // What every file's pickle would run under torch.load, in file order.
-    let mut unsafe_calls = Vec::new();
-    for (f, _) in &optim {
-        files.push(f.blob.clone());
-        unsafe_calls.extend(f.payload.unsafe_calls.iter().cloned());
-    }
 
-    // Model states: rank 0's (ZeRO-1/2's only one) describes the layout.
-    let mut model_files: Vec<Parsed> = Vec::new();
+    // Model states: rank 0's (ZeRO-1/2's only one) describes the layout; under
+    // ZeRO-3 every rank's holds its share of the frozen parameters.
+    let mut model_names: Vec<&str> = Vec::new();
     if zero3 {
         for r in 0..world {
             match n.model_ranks.get(r) {
-                Some((x, name)) if *x == r => model_files.push(Parsed::open(&dir.join(name))?),
+                Some((x, name)) if *x == r => model_names.push(name),
                 _ => {
                     return Err(Error::Incomplete {
                         path: dir.join(format!("zero_pp_rank_{r}_mp_rank_00_model_states.pt")),
@@ -150,18 +175,37 @@ pub fn open(found: &Found) -> Result<Checkpoint> {
             });
         }
     } else if let Some(name) = &n.model {
-        model_files.push(Parsed::open(&dir.join(name))?);
+        model_names.push(name);
     }
-    let Some(m0) = model_files.first() else {
+    let Some(first_name) = model_names.first() else {
         return Err(Error::Incomplete {
             path: dir.to_path_buf(),
             msg: "no model-states file (mp_rank_00_model_states.pt or zero_pp_rank_0_mp_rank_00_model_states.pt): it records which parameter is where".into(),
             hint: Some("copy the tag folder's *_model_states.pt files back into it".into()),
         });
     };
-    let model = files::model_states(m0)?;
+    let m0 = Parsed::open(&dir.join(first_name), pool.as_ref())?;
+    let model = files::model_states(&m0)?;
     let first_model_file = files.len();
-    for f in &model_files {
+    let mut frozen_files: Vec<FrozenFile> = Vec::new();
+    if !model.frozen_shapes.is_empty() {
+        frozen_files.push(FrozenFile::take(
+            &model,
+            &m0,
+            &model.frozen_fragments,
+            first_model_file,
+        )?);
+    }
+    files.push(m0.blob.clone());
+    unsafe_calls.extend(m0.payload.unsafe_calls.iter().cloned());
+    for name in &model_names[1..] {
+        // The other ranks' model states, one at a time: only their frozen shares
+        // are kept.
+        let f = Parsed::open(&dir.join(name), pool.as_ref())?;
+        if !model.frozen_shapes.is_empty() {
+            let fragments = files::model_states(&f)?.frozen_fragments;
+            frozen_files.push(FrozenFile::take(&model, &f, &fragments, files.len())?);
+        }
         files.push(f.blob.clone());
         unsafe_calls.extend(f.payload.unsafe_calls.iter().cloned());
     }
@@ -177,13 +221,13 @@ pub fn open(found: &Found) -> Result<Checkpoint> {
         stage_label: stage_label.clone(),
     };
     let mut built: HashMap<String, TensorSource> = HashMap::new();
-    if model.param_shapes.len() != optim[0].1.groups.len() {
+    if model.param_shapes.len() != optim[0].flats.len() {
         return Err(Error::corrupt(
             &m0.path,
             format!(
                 "'param_shapes' lists {} parameter group(s), the optimizer-state files hold {}",
                 model.param_shapes.len(),
-                optim[0].1.groups.len()
+                optim[0].flats.len()
             ),
         ));
     }
@@ -192,14 +236,8 @@ pub fn open(found: &Found) -> Result<Checkpoint> {
     } else {
         zero12_params(&ctx, &model, &optim, &mut built)?;
     }
-    let frozen_from_fragments = frozen(
-        &ctx,
-        &model,
-        &model_files,
-        first_model_file,
-        zero3,
-        &mut built,
-    )?;
+    let frozen_from_fragments = frozen(&ctx, &model, &frozen_files, zero3, &mut built)?;
+    drop(frozen_files);
 
     // Buffers, and (ZeRO-1) frozen parameters kept only in the module.
     let aliases: HashSet<&str> = model.shared.iter().map(|(a, _)| a.as_str()).collect();
@@ -255,7 +293,7 @@ pub fn open(found: &Found) -> Result<Checkpoint> {
     notes.push(format!(
         "rebuilt {} parameter(s) from the fp32 master partitions ({}) in {} optimizer-state file(s)",
         model.param_shapes.iter().map(Vec::len).sum::<usize>(),
-        optim[0].1.groups_key,
+        groups_key,
         world
     ));
     if frozen_from_fragments > 0 {
@@ -270,7 +308,8 @@ pub fn open(found: &Found) -> Result<Checkpoint> {
     if !zero3 {
         notes.push("skipped the module's 16-bit copy of the trained parameters (the fp32 masters are the weights)".into());
     }
-    let moments: usize = optim.iter().map(|(_, o)| o.moments).sum();
+    let moments: usize = optim.iter().map(|o| o.states.moments).sum();
+    drop(optim);
     if moments > 0 {
         notes.push(format!(
             "skipped the optimizer's state (Adam's exp_avg, exp_avg_sq...): {moments} tensor(s) over {world} file(s), not read"
@@ -302,7 +341,7 @@ pub fn open(found: &Found) -> Result<Checkpoint> {
             kind: format!("str '{v}'"),
         });
     }
-    Ok(Checkpoint {
+    let checkpoint = Checkpoint {
         format: Format::DeepSpeed,
         path: found.path.clone(),
         files,
@@ -311,7 +350,8 @@ pub fn open(found: &Found) -> Result<Checkpoint> {
         extras,
         notes,
         unsafe_calls,
-    })
+    };
+    Ok((checkpoint, pool))
 }
 
 /// The largest world size believed.
@@ -325,5 +365,61 @@ fn mixed(dir: &Path, what: &str, f: &Parsed) -> Error {
             "keep only the files of one save_checkpoint in {} (every rank's file of the same world size)",
             dir.display()
         )),
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use std::path::PathBuf;
+
+    use super::*;
+    use crate::source::OpenOptions;
+    use crate::write::read_tensor;
+    use crate::DType;
+
+    fn found(case: &str) -> Found {
+        let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+            .join("../../fixtures/deepspeed")
+            .join(case);
+        super::super::find(&path, &OpenOptions::default())
+            .unwrap()
+            .unwrap()
+    }
+
+    /// More rank files than the budget: the same tensors, read through a pool that
+    /// never holds more than the budget open, give the same bytes.
+    #[test]
+    fn rank_files_past_the_budget_are_opened_on_demand() {
+        // ZeRO-3 over 3 ranks (6 files, frozen shares in every model-states file)
+        // and ZeRO-2 over 3 ranks (4 files, frozen parameters in the one).
+        for (case, files) in [
+            ("llama_z3_fp16_w3_frozen", 6),
+            ("qwen2_z2_bf16_w3_frozen", 4),
+        ] {
+            let f = found(case);
+            let (all, none) = open_with(&f, usize::MAX).unwrap();
+            assert!(none.is_none(), "{case}: no pool needed");
+            assert_eq!(all.files.len(), files, "{case}");
+            let (few, pool) = open_with(&f, 2).unwrap();
+            let pool = pool.unwrap_or_else(|| panic!("{case}: {files} files, budget 2"));
+            assert!(pool.open_now() <= 2, "{case}: {} open", pool.open_now());
+            let names =
+                |c: &Checkpoint| c.tensors.iter().map(|t| t.name.clone()).collect::<Vec<_>>();
+            assert_eq!(names(&all), names(&few), "{case}");
+            for (a, b) in all.tensors.iter().zip(&few.tensors) {
+                assert_eq!(*a.pieces, *b.pieces, "{case}: {}", a.name);
+                let (x, _) = read_tensor(&all.files, a, DType::F32).unwrap();
+                let (y, _) = read_tensor(&few.files, b, DType::F32).unwrap();
+                assert!(x == y, "{case}: {} differs", a.name);
+                assert!(pool.open_now() <= 2, "{case}: {} open", pool.open_now());
+            }
+            // Files were closed and opened again: more opens than files.
+            assert!(
+                pool.opens() > files as u64,
+                "{case}: {} opens",
+                pool.opens()
+            );
+        }
     }
 }

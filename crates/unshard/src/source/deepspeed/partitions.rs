@@ -3,8 +3,11 @@
 //! frozen parameters are in the model-states files.
 
 use std::collections::HashMap;
+use std::path::PathBuf;
 
-use super::files::{self, Flat, ModelStates, OptimStates, Parsed};
+use unshard_pickle::NodeId;
+
+use super::files::{Flat, ModelStates, OptimStates, Parsed};
 use super::runs;
 use crate::source::{StorageId, TensorSource};
 use crate::{Error, Result};
@@ -14,6 +17,71 @@ pub(super) struct Ctx<'a> {
     pub dir: &'a std::path::Path,
     pub world: usize,
     pub stage_label: String,
+}
+
+/// One rank's optimizer-state file as the layouts need it: what it says and where
+/// its flat partitions are. Its pickle (the Adam moments, the groups' settings) is
+/// dropped once this is taken out, so that a folder of thousands of ranks is not
+/// held in memory one parsed file per rank.
+pub(super) struct RankOptim {
+    pub path: PathBuf,
+    pub states: OptimStates,
+    /// The rank's flat fp32 partition of each group, in group order.
+    pub flats: Vec<Flat>,
+}
+
+impl RankOptim {
+    /// Takes the partitions out of a parsed optimizer-state file, `file` in the
+    /// checkpoint's list.
+    pub fn take(f: &Parsed, states: OptimStates, file: usize) -> Result<RankOptim> {
+        let flats = states
+            .groups
+            .iter()
+            .enumerate()
+            .map(|(g, &id)| f.flat(&format!("{}[{g}]", states.groups_key), id, file))
+            .collect::<Result<Vec<_>>>()?;
+        Ok(RankOptim {
+            path: f.path.clone(),
+            states,
+            flats,
+        })
+    }
+}
+
+/// A model-states file's frozen fragments, one per entry of `frozen_param_shapes`
+/// in its order (its pickle dropped, as for [`RankOptim`]).
+pub(super) struct FrozenFile {
+    pub path: PathBuf,
+    pub flats: Vec<Flat>,
+}
+
+impl FrozenFile {
+    /// Finds each frozen parameter of `model` in a file's `frozen_param_fragments`.
+    pub fn take(
+        model: &ModelStates,
+        f: &Parsed,
+        fragments: &[(String, NodeId)],
+        file: usize,
+    ) -> Result<FrozenFile> {
+        let by_name: HashMap<&str, NodeId> =
+            fragments.iter().map(|(k, v)| (k.as_str(), *v)).collect();
+        let flats = model
+            .frozen_shapes
+            .iter()
+            .map(|(name, _)| {
+                let Some(&id) = by_name.get(name.as_str()) else {
+                    return Err(Error::corrupt(&f.path, format!(
+                        "'frozen_param_shapes' lists '{name}' but 'frozen_param_fragments' does not hold it"
+                    )));
+                };
+                f.flat(&format!("frozen_param_fragments.{name}"), id, file)
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(FrozenFile {
+            path: f.path.clone(),
+            flats,
+        })
+    }
 }
 
 /// The optim files' key for ZeRO-3's partitions.
@@ -49,39 +117,33 @@ fn new_tensor(
 pub(super) fn zero12_params(
     ctx: &Ctx,
     model: &ModelStates,
-    optim: &[(Parsed, OptimStates)],
+    optim: &[RankOptim],
     built: &mut HashMap<String, TensorSource>,
 ) -> Result<()> {
-    let paddings = optim[0].1.alignment_paddings.as_ref();
+    let paddings = optim[0].states.alignment_paddings.as_ref();
     for (g, shapes) in model.param_shapes.iter().enumerate() {
-        let flats: Vec<Flat> = optim
-            .iter()
-            .enumerate()
-            .map(|(r, (f, o))| f.flat(&format!("{}[{g}]", o.groups_key), o.groups[g], r))
-            .collect::<Result<_>>()?;
-        // Partitions are equal in size, but ZeRO-1/2 saves the last rank's without
-        // the padding that made the group divisible by the world size (it can be
-        // shorter); BF16_Optimizer keeps it. Each rank's run starts where the
-        // previous one ended.
+        let flats: Vec<&Flat> = optim.iter().map(|o| &o.flats[g]).collect();
+        // Partitions are equal in size, but ZeRO-1/2 saves each rank's without the
+        // part of it that is padding (the padding that made the group divisible by
+        // the world size): the last rank's is short, and with many ranks and a
+        // small group (the norms) the ranks before it can hold padding only and be
+        // saved empty. BF16_Optimizer keeps the padding. So the saved lengths are
+        // full partitions, then at most one short one, then empty ones; each rank's
+        // run starts where the previous one ended.
         let part = flats[0].numel;
-        let last = flats.len() - 1;
-        if let Some((r, f)) = flats
-            .iter()
-            .enumerate()
-            .find(|(r, f)| f.numel != part && !(*r == last && f.numel < part))
-        {
-            return Err(Error::corrupt(&optim[r].0.path, format!(
-                "its partition of group {g} holds {} elements, rank 0's holds {part}: partitions are equal in size",
-                f.numel
+        if let Some(r) = unpadded_misfit(flats.iter().map(|f| f.numel)) {
+            return Err(Error::corrupt(&optim[r].path, format!(
+                "its partition of group {g} holds {} elements, rank 0's holds {part}: partitions are equal in size, only padding is left out",
+                flats[r].numel
             )));
         }
         let starts: Vec<u64> = (0..flats.len() as u64).map(|r| r * part).collect();
-        let total = part * last as u64 + flats[last].numel;
+        let total: u64 = flats.iter().map(|f| f.numel).sum();
         let pads = paddings.and_then(|p| p.get(g));
         if let Some(p) = pads {
             if p.len() != shapes.len() {
                 return Err(Error::corrupt(
-                    &optim[0].0.path,
+                    &optim[0].path,
                     format!(
                     "'param_alignment_paddings' gives group {g} {} entries for its {} parameters",
                     p.len(),
@@ -109,7 +171,7 @@ pub(super) fn zero12_params(
                     ctx.stage_label, ctx.world
                 ),
             );
-            for (f, &start) in flats.iter().zip(&starts) {
+            for (&f, &start) in flats.iter().zip(&starts) {
                 let (lo, hi) = (offset.max(start), end.min(start + f.numel));
                 if lo < hi {
                     t.pieces.extend(runs::pieces(
@@ -137,32 +199,45 @@ pub(super) fn zero12_params(
     Ok(())
 }
 
+/// The first rank whose saved ZeRO-1/2 partition length cannot be: partitions are
+/// rank 0's length, then at most one shorter, then empty (padding only).
+fn unpadded_misfit(lengths: impl IntoIterator<Item = u64>) -> Option<usize> {
+    let mut lengths = lengths.into_iter().enumerate();
+    let (_, part) = lengths.next()?;
+    let mut short = false;
+    for (r, n) in lengths {
+        if n > part || (short && n > 0) {
+            return Some(r);
+        }
+        short |= n < part;
+    }
+    None
+}
+
 /// ZeRO-3: every parameter cut into `world` equal shares (the last padded); a rank's
 /// groups, concatenated, hold its shares in `param_shapes` order.
 pub(super) fn zero3_params(
     ctx: &Ctx,
     model: &ModelStates,
-    optim: &[(Parsed, OptimStates)],
+    optim: &[RankOptim],
     built: &mut HashMap<String, TensorSource>,
 ) -> Result<()> {
     // Per rank: the flat groups and where each starts in the rank's concatenation.
-    let mut ranks: Vec<Vec<(u64, Flat)>> = Vec::with_capacity(ctx.world);
-    for (r, (f, o)) in optim.iter().enumerate() {
+    let mut ranks: Vec<Vec<(u64, &Flat)>> = Vec::with_capacity(ctx.world);
+    for o in optim {
         let mut at = 0u64;
-        let mut v = Vec::new();
-        for (g, &id) in o.groups.iter().enumerate() {
-            let flat = f.flat(&format!("{ZERO3_KEY}[{g}]"), id, r)?;
-            let n = flat.numel;
+        let mut v = Vec::with_capacity(o.flats.len());
+        for flat in &o.flats {
             v.push((at, flat));
-            at += n;
+            at += flat.numel;
         }
         ranks.push(v);
     }
-    let total = |v: &Vec<(u64, Flat)>| v.last().map_or(0, |(a, f)| a + f.numel);
+    let total = |v: &Vec<(u64, &Flat)>| v.last().map_or(0, |(a, f)| a + f.numel);
     let per_rank = total(&ranks[0]);
     if let Some(r) = ranks.iter().position(|v| total(v) != per_rank) {
         return Err(Error::corrupt(
-            &optim[r].0.path,
+            &optim[r].path,
             format!(
             "holds {} fp32 elements, rank 0's file {per_rank}: ZeRO-3 partitions are equal in size",
             total(&ranks[r])
@@ -225,37 +300,23 @@ pub(super) fn zero3_params(
 
 /// Frozen parameters recorded with `frozen_param_shapes`: whole tensors in the one
 /// ZeRO-1/2 model-states file, or each rank's share (as for trained parameters)
-/// in its ZeRO-3 model-states file. Returns how many were read.
+/// in its ZeRO-3 model-states file (`frozen`: one per model-states file, in rank
+/// order). Returns how many were read.
 pub(super) fn frozen(
     ctx: &Ctx,
     model: &ModelStates,
-    model_files: &[Parsed],
-    first_file: usize,
+    frozen: &[FrozenFile],
     zero3: bool,
     built: &mut HashMap<String, TensorSource>,
 ) -> Result<usize> {
     let mut count = 0;
     let w = ctx.world as u64;
-    for (name, shape) in &model.frozen_shapes {
+    for (i, (name, shape)) in model.frozen_shapes.iter().enumerate() {
         let n = numel(shape);
         let share = if zero3 { n.div_ceil(w) } else { n };
         let mut t: Option<TensorSource> = None;
-        for (r, f) in model_files.iter().enumerate() {
-            let frags = if r == 0 {
-                model.frozen_fragments.clone()
-            } else {
-                files::model_states(f)?.frozen_fragments
-            };
-            let Some((_, id)) = frags.iter().find(|(k, _)| k == name) else {
-                return Err(Error::corrupt(&f.path, format!(
-                    "'frozen_param_shapes' lists '{name}' but 'frozen_param_fragments' does not hold it"
-                )));
-            };
-            let flat = f.flat(
-                &format!("frozen_param_fragments.{name}"),
-                *id,
-                first_file + r,
-            )?;
+        for (r, f) in frozen.iter().enumerate() {
+            let flat = &f.flats[i];
             let (a, b) = (
                 (r as u64).saturating_mul(share).min(n),
                 (r as u64 + 1).saturating_mul(share).min(n),
@@ -292,4 +353,24 @@ pub(super) fn frozen(
         }
     }
     Ok(count)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::unpadded_misfit;
+
+    #[test]
+    fn saved_partitions_are_full_then_one_short_then_empty() {
+        assert_eq!(unpadded_misfit([6, 6, 6]), None);
+        // DeepSpeed at 12 ranks, a group of 60 padded to 72: the last two empty.
+        assert_eq!(unpadded_misfit([6; 10].into_iter().chain([0, 0])), None);
+        assert_eq!(unpadded_misfit([6, 6, 3, 0, 0]), None);
+        assert_eq!(unpadded_misfit([6, 3]), None);
+        assert_eq!(unpadded_misfit([3]), None);
+        // Data after a short or empty partition, or a partition longer than rank 0's.
+        assert_eq!(unpadded_misfit([6, 3, 6]), Some(2));
+        assert_eq!(unpadded_misfit([6, 0, 3]), Some(2));
+        assert_eq!(unpadded_misfit([6, 3, 1]), Some(2));
+        assert_eq!(unpadded_misfit([6, 7]), Some(1));
+    }
 }
