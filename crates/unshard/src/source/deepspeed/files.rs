@@ -20,7 +20,8 @@ use unshard_pickle::{NodeId, Pickle, Value};
 
 use super::super::bytes::{FilePool, PooledFile};
 use super::super::torch::{
-    self, dict_get, dict_of, dims_of, int_of, seq_of, str_of, Leaf, TensorRef, TorchPayload,
+    self, dict_get, dict_of, dims_of, int_of, seq_of, str_of, Leaf, PayloadTemplate,
+    TemplateReader, TensorRef, TorchPayload,
 };
 use super::super::{Blob, Piece};
 use crate::{Error, Result};
@@ -37,11 +38,54 @@ impl Parsed {
     /// demand, closed when others need the room), so that a folder of more rank
     /// files than the limit on open files is read.
     pub fn open(path: &Path, pool: Option<&Arc<FilePool>>) -> Result<Parsed> {
-        let blob = Arc::new(match pool {
+        let blob = Self::blob(path, pool)?;
+        let payload = torch::read_zip_file(&blob)?;
+        Ok(Parsed {
+            path: path.to_path_buf(),
+            blob,
+            payload,
+        })
+    }
+
+    fn blob(path: &Path, pool: Option<&Arc<FilePool>>) -> Result<Arc<Blob>> {
+        Ok(Arc::new(match pool {
             Some(pool) => Blob::new(Arc::new(PooledFile::open(path, pool)?)),
             None => Blob::open(path)?,
-        });
-        let payload = torch::read_zip_file(&blob)?;
+        }))
+    }
+
+    /// [`Parsed::open`], keeping the file's pickle as a template for the other
+    /// ranks' files of its kind (`None` when it cannot be one, e.g. a pickle that
+    /// calls something unsafe).
+    pub fn open_as_template(
+        path: &Path,
+        pool: Option<&Arc<FilePool>>,
+    ) -> Result<(Parsed, Option<PayloadTemplate>)> {
+        let blob = Self::blob(path, pool)?;
+        let (payload, template) = torch::read_zip_file_as_template(&blob)?;
+        let parsed = Parsed {
+            path: path.to_path_buf(),
+            blob,
+            payload,
+        };
+        Ok((parsed, template))
+    }
+
+    /// [`Parsed::open`] through a reader of the first rank's template: a file
+    /// whose pickle differs from it only in free integers and strings (a
+    /// partition's length, a rank number) borrows the reader's copy of its arena
+    /// with those values changed instead of being parsed. Give the payload back
+    /// with [`TemplateReader::done`] before the next file.
+    pub fn open_from(
+        path: &Path,
+        pool: Option<&Arc<FilePool>>,
+        reader: Option<&mut TemplateReader<'_>>,
+    ) -> Result<Parsed> {
+        let Some(reader) = reader else {
+            return Self::open(path, pool);
+        };
+        let blob = Self::blob(path, pool)?;
+        let payload = reader.read(&blob)?;
         Ok(Parsed {
             path: path.to_path_buf(),
             blob,

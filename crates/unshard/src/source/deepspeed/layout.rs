@@ -5,6 +5,7 @@ use std::collections::{HashMap, HashSet};
 use std::path::Path;
 use std::sync::Arc;
 
+use super::super::torch::TemplateReader;
 use super::files::{self, Parsed};
 use super::partitions::{
     frozen, zero12_params, zero3_params, Ctx, FrozenFile, RankOptim, ZERO3_KEY,
@@ -15,15 +16,16 @@ use crate::source::{check_coverage, Checkpoint, Extra, Format, TensorSource};
 use crate::{Error, Result};
 
 pub fn open(found: &Found) -> Result<Checkpoint> {
-    open_with(found, open_file_budget()).map(|(c, _)| c)
+    open_with(found, open_file_budget()).map(|(c, _, _)| c)
 }
 
 /// [`open`] keeping at most `max_open` files open at once when the tag folder
-/// holds more; returns the pool of descriptors, if one was needed (for tests).
+/// holds more; returns the pool of descriptors, if one was needed, and how many
+/// files were read from the first rank's template instead of parsed (for tests).
 pub(super) fn open_with(
     found: &Found,
     max_open: usize,
-) -> Result<(Checkpoint, Option<Arc<FilePool>>)> {
+) -> Result<(Checkpoint, Option<Arc<FilePool>>, u64)> {
     let dir = found.tag_dir.as_path();
     let n = names(dir)?;
     if !n.model_parallel.is_empty() {
@@ -72,8 +74,21 @@ pub(super) fn open_with(
     let mut optim: Vec<RankOptim> = Vec::with_capacity(n.optim.len());
     let prefix = |name: &str| name.starts_with("bf16_");
     let mut world = 0usize;
+    // Rank 0's pickle is the template the other ranks' files are read from where
+    // only integers and strings differ (see `unshard_pickle::Template`).
+    let Some((_, name0)) = n.optim.first() else {
+        return Err(Error::corrupt(dir, "no optimizer-state file"));
+    };
+    let (f0, template) = Parsed::open_as_template(&dir.join(name0), pool.as_ref())?;
+    let mut reader = template
+        .as_ref()
+        .map(|t| TemplateReader::new(t, f0.payload.pickle.clone()));
+    let mut first = Some(f0);
     for (i, (r, name)) in n.optim.iter().enumerate() {
-        let f = Parsed::open(&dir.join(name), pool.as_ref())?;
+        let f = match first.take() {
+            Some(f) => f,
+            None => Parsed::open_from(&dir.join(name), pool.as_ref(), reader.as_mut())?,
+        };
         let mut o = files::optim_states(&f)?;
         if i == 0 {
             world = usize::try_from(o.partition_count)
@@ -121,7 +136,11 @@ pub(super) fn open_with(
         files.push(f.blob.clone());
         unsafe_calls.extend(f.payload.unsafe_calls.iter().cloned());
         optim.push(rank);
+        if let Some(reader) = reader.as_mut() {
+            reader.done(f.payload);
+        }
     }
+    let mut hits = reader.map_or(0, |r| r.hits);
     for r in 0..world {
         if n.optim.get(r).map(|(x, _)| *x) != Some(r) {
             let stem = if prefix(&n.optim[0].1) { "bf16_" } else { "" };
@@ -184,7 +203,10 @@ pub(super) fn open_with(
             hint: Some("copy the tag folder's *_model_states.pt files back into it".into()),
         });
     };
-    let m0 = Parsed::open(&dir.join(first_name), pool.as_ref())?;
+    let (m0, template) = Parsed::open_as_template(&dir.join(first_name), pool.as_ref())?;
+    let mut reader = template
+        .as_ref()
+        .map(|t| TemplateReader::new(t, m0.payload.pickle.clone()));
     let model = files::model_states(&m0)?;
     let first_model_file = files.len();
     let mut frozen_files: Vec<FrozenFile> = Vec::new();
@@ -201,14 +223,18 @@ pub(super) fn open_with(
     for name in &model_names[1..] {
         // The other ranks' model states, one at a time: only their frozen shares
         // are kept.
-        let f = Parsed::open(&dir.join(name), pool.as_ref())?;
+        let f = Parsed::open_from(&dir.join(name), pool.as_ref(), reader.as_mut())?;
         if !model.frozen_shapes.is_empty() {
             let fragments = files::model_states(&f)?.frozen_fragments;
             frozen_files.push(FrozenFile::take(&model, &f, &fragments, files.len())?);
         }
         files.push(f.blob.clone());
         unsafe_calls.extend(f.payload.unsafe_calls.iter().cloned());
+        if let Some(reader) = reader.as_mut() {
+            reader.done(f.payload);
+        }
     }
+    hits += reader.map_or(0, |r| r.hits);
 
     let stage_label = match (stage, zero3) {
         (_, true) => "ZeRO-3".to_string(),
@@ -351,7 +377,7 @@ pub(super) fn open_with(
         notes,
         unsafe_calls,
     };
-    Ok((checkpoint, pool))
+    Ok((checkpoint, pool, hits))
 }
 
 /// The largest world size believed.
@@ -387,6 +413,28 @@ mod tests {
             .unwrap()
     }
 
+    /// Under ZeRO-3 the ranks' files of one kind hold pickles that differ only in
+    /// integers and strings, and all but the first of each kind are read from the
+    /// first's template (what they hold is checked against zero_to_fp32's output
+    /// in tests/deepspeed.rs); a file that differs otherwise is parsed.
+    #[test]
+    fn rank_files_are_read_from_the_first_ranks_template() {
+        // (case, files, files read from a template)
+        for (case, files, hits) in [
+            // 3 optimizer-state and 3 model-states files.
+            ("llama_z3_fp16_w3_frozen", 6, 4),
+            // Rank 0's model states alone record the tied alias (shared_params):
+            // the other two are parsed.
+            ("qwen2_z3_bf16_w3", 6, 2),
+            // ZeRO-2: each rank's param_slice_mappings names the parameters in
+            // its partition (dict keys), the same only for ranks 0 and 1 here.
+            ("llama12_z2_fp16_w12", 13, 1),
+        ] {
+            let (ckpt, _, got) = open_with(&found(case), usize::MAX).unwrap();
+            assert_eq!((ckpt.files.len(), got), (files, hits), "{case}");
+        }
+    }
+
     /// More rank files than the budget: the same tensors, read through a pool that
     /// never holds more than the budget open, give the same bytes.
     #[test]
@@ -398,10 +446,10 @@ mod tests {
             ("qwen2_z2_bf16_w3_frozen", 4),
         ] {
             let f = found(case);
-            let (all, none) = open_with(&f, usize::MAX).unwrap();
+            let (all, none, _) = open_with(&f, usize::MAX).unwrap();
             assert!(none.is_none(), "{case}: no pool needed");
             assert_eq!(all.files.len(), files, "{case}");
-            let (few, pool) = open_with(&f, 2).unwrap();
+            let (few, pool, _) = open_with(&f, 2).unwrap();
             let pool = pool.unwrap_or_else(|| panic!("{case}: {files} files, budget 2"));
             assert!(pool.open_now() <= 2, "{case}: {} open", pool.open_now());
             let names =
