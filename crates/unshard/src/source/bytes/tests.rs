@@ -506,6 +506,8 @@ fn strided_reads_by_spans_take_one_read_per_span_and_one_per_far_element() {
         (3, GAP, 4, 10, 1),
         (3, GAP, 4, 33, 2),
         (1, GAP + 1, 4, 5, 5),
+        // The last element ends where the source does: the span stops there too.
+        ((3 << 20) - (999 * 12 + 2), 12, 2, 1000, 1),
     ] {
         let mut out = vec![0u8; n * elem];
         read_strided_by_spans(&src, offset, stride, elem, &mut out).unwrap();
@@ -520,4 +522,19 @@ fn strided_reads_by_spans_take_one_read_per_span_and_one_per_far_element() {
     let mut out = [0u8; 3];
     read_strided_by_spans(&src, 0, 8, 4, &mut out).unwrap();
     assert_eq!(src.reads.load(Ordering::Relaxed), 0);
+}
+
+#[test]
+fn a_gather_whose_offsets_overflow_names_the_bytes_it_could_not_read() {
+    let mem = MemBytes::new(PathBuf::from("over.bin"), pattern(100));
+    // Element 0 is at byte 1; element 1 would be at 1 + u64::MAX.
+    let mut out = [0u8; 16];
+    let e = mem
+        .read_strided(1, u64::MAX, 8, &mut out)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("over.bin") && e.contains("cannot read 8 bytes at byte 1"),
+        "{e}"
+    );
 }
