@@ -16,6 +16,9 @@
 #   MUTANTS_OUT     output directory (default /tmp/unshard-mutants).
 #   MUTANTS_TESTS   which tests judge a mutant (default: the library's unit tests
 #                   and the CLI tests that pin the README's policies).
+#                   Several test-name filters go after `--` ("-- a::b c::d"):
+#                   cargo test takes one name before it, and refuses a second
+#                   with a usage error that counts every mutant as caught.
 #   MUTANTS_ARGS    extra arguments for cargo mutants (e.g. --iterate, --list).
 #   MUTANTS_TEST_TIMEOUT  seconds a mutant's tests may take (default 300).
 #   MUTANTS_IN_PLACE=1    mutate this tree and build in its target/ (no copy of the

@@ -160,3 +160,77 @@ pub(crate) fn advise_will_need(file: &File, offset: u64, len: u64) {
 /// Without `posix_fadvise` (macOS), the hint is dropped: reads just wait for the disk.
 #[cfg(not(target_os = "linux"))]
 pub(crate) fn advise_will_need(_file: &File, _offset: u64, _len: u64) {}
+
+/// Linux only: they read the page table in `/proc/self/pagemap`.
+#[cfg(all(test, target_os = "linux"))]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+
+    use std::io::Write;
+
+    use super::*;
+
+    const PAGE: usize = 4096;
+
+    /// Whether the page of this process at `addr` is mapped in its page table (bit 63
+    /// of its `/proc/self/pagemap` entry, readable without privileges).
+    fn present(addr: usize) -> bool {
+        let pagemap = File::open("/proc/self/pagemap").unwrap();
+        let mut entry = [0u8; 8];
+        pagemap
+            .read_exact_at(&mut entry, (addr / PAGE * 8) as u64)
+            .unwrap();
+        u64::from_le_bytes(entry) >> 63 == 1
+    }
+
+    /// A local file of `pages` pages after one strided read, which maps it.
+    fn mapped_file(pages: usize) -> (tempfile::NamedTempFile, LocalFile) {
+        let mut f = tempfile::NamedTempFile::new().unwrap();
+        f.write_all(&vec![1u8; pages * PAGE]).unwrap();
+        let local = LocalFile::open(f.path()).unwrap();
+        let mut out = [0u8; 2];
+        local.read_strided(0, PAGE as u64, 1, &mut out).unwrap();
+        (f, local)
+    }
+
+    #[test]
+    fn a_strided_read_of_a_non_empty_file_maps_it_once_and_an_empty_one_is_not_mapped() {
+        let (_f, local) = mapped_file(4);
+        let first = local.map.get().unwrap().as_ref().unwrap().as_ptr();
+        let mut out = [0u8; 4];
+        local.read_strided(1, PAGE as u64, 1, &mut out).unwrap();
+        assert_eq!(out, [1; 4]);
+        assert_eq!(local.map.get().unwrap().as_ref().unwrap().as_ptr(), first);
+        let empty = tempfile::NamedTempFile::new().unwrap();
+        let local = LocalFile::open(empty.path()).unwrap();
+        local.read_strided(0, 4, 4, &mut []).unwrap();
+        assert!(matches!(local.map.get(), Some(None)));
+    }
+
+    #[test]
+    fn a_release_unmaps_exactly_the_whole_pages_inside_the_range() {
+        let (_f, local) = mapped_file(16);
+        let base = local.map.get().unwrap().as_ref().unwrap().as_ptr() as usize;
+        // The pages of the map that are in the page table now.
+        let resident = || -> Vec<usize> { (0..16).filter(|&p| present(base + p * PAGE)).collect() };
+        let touch = |local: &LocalFile| {
+            let mut out = [0u8; 16];
+            local.read_strided(0, PAGE as u64, 1, &mut out).unwrap();
+            assert_eq!(out, [1; 16]);
+        };
+        // Bytes 100 .. 100 + 3 pages: only pages 1 and 2 lie wholly inside.
+        touch(&local);
+        assert_eq!(resident(), (0..16).collect::<Vec<_>>());
+        local.release(100, 3 * PAGE as u64);
+        assert_eq!(resident(), [0, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15]);
+        // Page-aligned, from page 5 to past the end of the map.
+        touch(&local);
+        local.release(5 * PAGE as u64, u64::MAX);
+        assert_eq!(resident(), [0, 1, 2, 3, 4]);
+        // Ranges inside one page release nothing.
+        touch(&local);
+        local.release(PAGE as u64 + 1, PAGE as u64 - 2);
+        local.release(0, PAGE as u64 - 1);
+        assert_eq!(resident(), (0..16).collect::<Vec<_>>());
+    }
+}

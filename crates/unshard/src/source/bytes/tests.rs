@@ -491,3 +491,50 @@ fn a_source_with_the_defaults_reads_strided_views_by_spans_and_holds_no_bytes() 
     assert!(!blob.is_empty());
     assert!(Blob::owned(PathBuf::from("none.bin"), Vec::new()).is_empty());
 }
+
+#[test]
+fn strided_reads_by_spans_take_one_read_per_span_and_one_per_far_element() {
+    let data = pattern(3 << 20);
+    let src = Counting::new(data.clone());
+    // (offset, stride, elem, n, reads): a span holds at most STRIDED_SPAN bytes, so
+    // (2^20 - 2) / 12 + 1 = 87,382 elements of 2 bytes 12 apart fit in one read and
+    // one more takes a second; at a stride of GAP elements still share spans (32 of 4
+    // bytes in 1 MiB); past GAP each element is read on its own.
+    for (offset, stride, elem, n, reads) in [
+        (6u64, 12u64, 2usize, 87_382usize, 1usize),
+        (6, 12, 2, 87_383, 2),
+        (3, GAP, 4, 10, 1),
+        (3, GAP, 4, 33, 2),
+        (1, GAP + 1, 4, 5, 5),
+        // The last element ends where the source does: the span stops there too.
+        ((3 << 20) - (999 * 12 + 2), 12, 2, 1000, 1),
+    ] {
+        let mut out = vec![0u8; n * elem];
+        read_strided_by_spans(&src, offset, stride, elem, &mut out).unwrap();
+        for (i, e) in out.chunks_exact(elem).enumerate() {
+            let at = (offset + i as u64 * stride) as usize;
+            assert_eq!(e, &data[at..at + elem], "stride {stride}, element {i}");
+        }
+        let got = src.reads.swap(0, Ordering::Relaxed);
+        assert_eq!(got, reads, "{n} elements {stride} bytes apart: {got} reads");
+    }
+    // Less than one element's bytes: nothing to read, and no panic.
+    let mut out = [0u8; 3];
+    read_strided_by_spans(&src, 0, 8, 4, &mut out).unwrap();
+    assert_eq!(src.reads.load(Ordering::Relaxed), 0);
+}
+
+#[test]
+fn a_gather_whose_offsets_overflow_names_the_bytes_it_could_not_read() {
+    let mem = MemBytes::new(PathBuf::from("over.bin"), pattern(100));
+    // Element 0 is at byte 1; element 1 would be at 1 + u64::MAX.
+    let mut out = [0u8; 16];
+    let e = mem
+        .read_strided(1, u64::MAX, 8, &mut out)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("over.bin") && e.contains("cannot read 8 bytes at byte 1"),
+        "{e}"
+    );
+}
