@@ -271,7 +271,8 @@ mod tests {
     /// elements each (so each element's place counts), against the bytes torch 2.15
     /// writes for `.to(dtype)` of a tensor built from these bit patterns: rounding up
     /// and to even, subnormals (with mantissas other than 1) in and out, overflow to
-    /// infinity, an infinity, a negative zero.
+    /// infinity, an infinity, a negative zero. `fixtures/gen_convert_table.py` checks
+    /// the table against torch (and prints the rows torch gives).
     #[test]
     fn every_float_pair_converts_as_torch_does() {
         #[rustfmt::skip]
