@@ -182,11 +182,11 @@ struct Collected {
 ///
 /// Rank 0's file is read first: its pickle is parsed and kept as a template, and
 /// the head of each tensor (names, global shape and dtype, placements) is taken
-/// from it. The other ranks' files are then read on up to [`READ_THREADS`] threads,
-/// each holding one copy of rank 0's arena: a file whose pickle differs from rank
-/// 0's only in integers (a shard's size, a mesh coordinate) is read as that arena
-/// with those integers changed instead of being parsed; any other is parsed in
-/// full. Either way the records of its tensors (where the local tensor's bytes are,
+/// from it. The other ranks' files are then read on up to `READ_THREADS` (4)
+/// threads, each holding one copy of rank 0's arena: a file whose pickle differs
+/// from rank 0's only in free integers and strings (a shard's size, a mesh
+/// coordinate, a process group's name) is read as that arena with those values
+/// changed instead of being parsed; any other is parsed in full. Either way the records of its tensors (where the local tensor's bytes are,
 /// its box) are taken out, checked against rank 0's, and its pickle is dropped (or
 /// given back) before the thread reads another file. What is held is one record per
 /// tensor per rank, however many objects each rank's pickle holds.
