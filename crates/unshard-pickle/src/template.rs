@@ -294,14 +294,16 @@ mod tests {
 
     // pickle.dumps({'a': (1, 300, 2**40), 'b': [7]}, protocol=2)
     fn dict_of(a: [&[u8]; 3], b: &[u8]) -> Vec<u8> {
-        let mut v = b"\x80\x02}q\x00(X\x01\x00\x00\x00aq\x01".to_vec();
-        for x in a {
-            v.extend_from_slice(x);
-        }
-        v.extend_from_slice(b"\x87q\x02X\x01\x00\x00\x00bq\x03]q\x04");
-        v.extend_from_slice(b);
-        v.extend_from_slice(b"au.");
-        v
+        [
+            b"\x80\x02}q\x00(X\x01\x00\x00\x00aq\x01",
+            a[0],
+            a[1],
+            a[2],
+            b"\x87q\x02X\x01\x00\x00\x00bq\x03]q\x04",
+            b,
+            b"au.",
+        ]
+        .concat()
     }
 
     #[test]
@@ -368,13 +370,7 @@ mod tests {
         // pickle.dumps({'g': ['1', '3'], 'n': 'cpu'}, protocol=4)-like, with
         // SHORT_BINUNICODE, BINUNICODE and BINUNICODE8 values.
         let of = |a: &[u8], b: &[u8], c: &[u8]| {
-            let mut v = b"\x80\x04}(\x8c\x01g]q\x00(".to_vec();
-            v.extend_from_slice(a);
-            v.extend_from_slice(b);
-            v.extend_from_slice(b"e\x8c\x01n");
-            v.extend_from_slice(c);
-            v.extend_from_slice(b"u.");
-            v
+            [b"\x80\x04}(\x8c\x01g]q\x00(", a, b, b"e\x8c\x01n", c, b"u."].concat()
         };
         let base = of(
             b"\x8c\x011",
@@ -401,22 +397,20 @@ mod tests {
     #[test]
     fn strings_looked_at_while_parsing_are_pinned() {
         // A dict key: {'a': 1} against {'b': 1}.
-        let key = |k: u8| {
-            let mut v = b"\x80\x04}\x8c\x01".to_vec();
-            v.push(k);
-            v.extend_from_slice(b"K\x01s.");
-            v
-        };
+        let key = |k: u8| [&b"\x80\x04}\x8c\x01"[..], &[k], b"K\x01s."].concat();
         assert_eq!(through(&key(b'a'), &key(b'a')), Some(0));
         assert_eq!(through(&key(b'a'), &key(b'b')), None);
         // STACK_GLOBAL's module and name: collections.OrderedDict() against
         // collections.Counter(), both recognised builtins.
         let global = |name: &[u8]| {
-            let mut v = b"\x80\x04\x8c\x0bcollections\x8c".to_vec();
-            v.push(name.len() as u8);
-            v.extend_from_slice(name);
-            v.extend_from_slice(b"\x93)R.");
-            v
+            let len = [name.len() as u8];
+            [
+                &b"\x80\x04\x8c\x0bcollections\x8c"[..],
+                &len,
+                name,
+                b"\x93)R.",
+            ]
+            .concat()
         };
         assert_eq!(
             through(&global(b"OrderedDict"), &global(b"OrderedDict")),
@@ -429,10 +423,8 @@ mod tests {
         assert_eq!(through(&global(b"OrderedDict"), &global(b"Counter")), None);
         // A call's argument: getattr(torch.Tensor, 'x') names another global.
         let getattr = |attr: u8| {
-            let mut v = b"\x80\x04\x8c\x08builtins\x8c\x07getattr\x93\x8c\x05torch\x8c\x06Tensor\x93\x8c\x01".to_vec();
-            v.push(attr);
-            v.extend_from_slice(b"\x86R.");
-            v
+            let call = b"\x80\x04\x8c\x08builtins\x8c\x07getattr\x93\x8c\x05torch\x8c\x06Tensor\x93\x8c\x01";
+            [&call[..], &[attr], b"\x86R."].concat()
         };
         assert_eq!(through(&getattr(b'a'), &getattr(b'a')), Some(0));
         assert_eq!(through(&getattr(b'a'), &getattr(b'b')), None);
@@ -442,12 +434,14 @@ mod tests {
     fn integers_compared_as_keys_are_pinned() {
         // {1: 'x', 2: 'y'}: changing key 2 to 1 would merge the two entries.
         let keys = |a: u8, b: u8| {
-            let mut v = b"\x80\x02}q\x00(K".to_vec();
-            v.extend_from_slice(&[a]);
-            v.extend_from_slice(b"X\x01\x00\x00\x00xK");
-            v.extend_from_slice(&[b]);
-            v.extend_from_slice(b"X\x01\x00\x00\x00yu.");
-            v
+            [
+                &b"\x80\x02}q\x00(K"[..],
+                &[a],
+                b"X\x01\x00\x00\x00xK",
+                &[b],
+                b"X\x01\x00\x00\x00yu.",
+            ]
+            .concat()
         };
         assert_eq!(through(&keys(1, 2), &keys(1, 2)), Some(0));
         assert_eq!(through(&keys(1, 2), &keys(1, 1)), None);
@@ -456,10 +450,8 @@ mod tests {
         assert_eq!(through(&keys(1, 1), &keys(1, 2)), None);
         // frozenset((1, 2)) members: pickle.dumps(frozenset((1, 2)), protocol=4)-like.
         let set = |a: u8| {
-            let mut v = b"\x80\x04\x95\x00\x00\x00\x00\x00\x00\x00\x00(K".to_vec();
-            v.extend_from_slice(&[a]);
-            v.extend_from_slice(b"K\x02\x91.");
-            v
+            let head = b"\x80\x04\x95\x00\x00\x00\x00\x00\x00\x00\x00(K";
+            [&head[..], &[a], b"K\x02\x91."].concat()
         };
         assert_eq!(through(&set(1), &set(1)), Some(0));
         assert_eq!(through(&set(1), &set(2)), None);

@@ -14,7 +14,7 @@ use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
 use unshard::merge::{self, MergeOptions};
-use unshard::source::{self, Format, OpenOptions};
+use unshard::source::{self, Checkpoint, Format, OpenOptions, TensorSource};
 use unshard::write::{read_tensor, NoProgress};
 use unshard::{DType, Error};
 
@@ -130,11 +130,7 @@ fn a_parameter_straddles_two_ranks_and_the_last_partition_is_short() {
     }
     // ZeRO-3 cuts every parameter over every rank.
     let ckpt = open(&ds("qwen2_z3_bf16_w3")).unwrap();
-    let embed = ckpt
-        .tensors
-        .iter()
-        .find(|t| t.name == "model.embed_tokens.weight")
-        .unwrap();
+    let embed = named(&ckpt, "model.embed_tokens.weight");
     let mut files: Vec<usize> = embed.pieces.iter().map(|p| p.file).collect();
     files.dedup();
     assert_eq!(files.len(), 3);
@@ -147,14 +143,18 @@ fn ranks_holding_padding_only_are_empty_and_skipped() {
     // empty, as a small group over thousands of ranks. The weights are the ones
     // zero_to_fp32 rebuilds (every_case_... above); no piece is in those files.
     let ckpt = open(&ds("llama12_z2_fp16_w12")).unwrap();
-    let norm = ckpt
-        .tensors
-        .iter()
-        .find(|t| t.name == "model.norm.weight")
-        .unwrap();
+    let norm = named(&ckpt, "model.norm.weight");
     assert!(norm.pieces.iter().all(|p| p.file < 10), "{:?}", norm.pieces);
-    let last: Vec<usize> = norm.pieces.iter().map(|p| p.file).collect();
-    assert_eq!(last.last(), Some(&9));
+    let files: Vec<usize> = norm.pieces.iter().map(|p| p.file).collect();
+    assert_eq!(files.last(), Some(&9));
+}
+
+/// The checkpoint's tensor of that name.
+fn named<'a>(ckpt: &'a Checkpoint, name: &str) -> &'a TensorSource {
+    ckpt.tensors
+        .iter()
+        .find(|t| t.name == name)
+        .unwrap_or_else(|| panic!("no tensor {name}"))
 }
 
 #[test]

@@ -172,6 +172,13 @@ mod tests {
         assert!(reads < archives.len() / 5, "{reads} reads");
     }
 
+    /// `e` holds the first and last bytes of the archive at `(offset, len)` in `data`.
+    fn assert_ends(data: &[u8], (offset, len): (u64, u64), e: &Ends<'_>, what: &str) {
+        let a = &data[offset as usize..(offset + len) as usize];
+        assert_eq!(e.head, &a[..e.head.len()], "{what}");
+        assert_eq!(e.tail, &a[e.tail_at as usize..], "{what}");
+    }
+
     /// One buffer serves file after file: a later file with shorter runs than the
     /// one before gets its own bytes, never what the buffer held before.
     #[test]
@@ -186,10 +193,7 @@ mod tests {
             let archives: Vec<(u64, u64)> = (0..n / len).map(|i| (i * len, len)).collect();
             let mut n_seen = 0;
             for_each_ends(&blob, &archives, 1000, 64 << 10, &mut buf, |i, e| {
-                let (offset, len) = archives[i];
-                let a = &data[offset as usize..(offset + len) as usize];
-                assert_eq!(e.head, &a[..e.head.len()], "file {k}, archive {i}");
-                assert_eq!(e.tail, &a[e.tail_at as usize..], "file {k}, archive {i}");
+                assert_ends(&data, archives[i], &e, &format!("file {k}, archive {i}"));
                 n_seen += 1;
                 Ok(())
             })
@@ -206,10 +210,7 @@ mod tests {
         let archives = [(50_000, 3000), (0, 40_000), (100, 500), (60_000, 40_000)];
         let mut n = 0;
         for_each_ends(&blob, &archives, 2000, 1 << 20, &mut Vec::new(), |i, e| {
-            let (offset, len) = archives[i];
-            let a = &data[offset as usize..(offset + len) as usize];
-            assert_eq!(e.head, &a[..e.head.len()], "archive {i}");
-            assert_eq!(e.tail, &a[e.tail_at as usize..], "archive {i}");
+            assert_ends(&data, archives[i], &e, &format!("archive {i}"));
             n += 1;
             Ok(())
         })

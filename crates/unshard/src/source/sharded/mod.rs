@@ -166,6 +166,7 @@ struct RankOut {
 }
 
 /// What the threads reading ranks 1.. fill in, rank by rank.
+#[derive(Default)]
 struct Collected {
     /// Per tensor, one record per rank (empty for a plain tensor).
     held: Vec<Vec<Held>>,
@@ -262,8 +263,7 @@ fn open_counted(set: &RankSet, opts: &OpenOptions) -> Result<(Checkpoint, u64)> 
         files: vec![None; nfiles],
         coords: vec![Vec::new(); nfiles],
         unsafe_calls: vec![Vec::new(); nfiles],
-        error: None,
-        hits: 0,
+        ..Collected::default()
     };
     collected.files[0] = Some(blob0);
     collected.coords[0] = coords0;
@@ -276,10 +276,7 @@ fn open_counted(set: &RankSet, opts: &OpenOptions) -> Result<(Checkpoint, u64)> 
         index: &index,
         heads: &heads,
     };
-    let arena = match template {
-        Some(_) => Some(payload.pickle),
-        None => None,
-    };
+    let arena = template.as_ref().map(|_| payload.pickle);
     read_later_ranks(&first, template.as_ref(), arena, &mut collected);
     if let Some((_, e)) = collected.error.take() {
         return Err(e);
@@ -354,17 +351,7 @@ fn read_later_ranks(
         .min(nfiles - 1);
     let next = AtomicUsize::new(1);
     let failed = AtomicUsize::new(usize::MAX);
-    let shared = Mutex::new(std::mem::replace(
-        out,
-        Collected {
-            held: Vec::new(),
-            files: Vec::new(),
-            coords: Vec::new(),
-            unsafe_calls: Vec::new(),
-            error: None,
-            hits: 0,
-        },
-    ));
+    let shared = Mutex::new(std::mem::take(out));
     let work = |arena: Option<unshard_pickle::Pickle>| {
         let mut reader = match (template, arena) {
             (Some(t), Some(a)) => Some(torch::TemplateReader::new(t, a)),
