@@ -206,6 +206,8 @@ struct Builder {
     md: Metadata,
     files: HashMap<String, u32>,
     transforms: HashMap<Vec<String>, u32>,
+    /// The file of the item made last.
+    last_file: u32,
 }
 
 impl Builder {
@@ -217,23 +219,32 @@ impl Builder {
     }
 
     fn item(&mut self, file: &str, offset: u64, length: u64, transforms: &[String]) -> Item {
-        let next = self.md.files.len() as u32;
-        let file = match self.files.get(file) {
-            Some(&i) => i,
-            None => {
-                self.files.insert(file.to_string(), next);
-                self.md.files.push(file.to_string());
-                next
+        // Items come file by file: the last file is checked before the table.
+        let file = match self.md.files.get(self.last_file as usize) {
+            Some(last) if last == file => self.last_file,
+            _ => {
+                let next = self.md.files.len() as u32;
+                let i = match self.files.get(file) {
+                    Some(&i) => i,
+                    None => {
+                        self.files.insert(file.to_string(), next);
+                        self.md.files.push(file.to_string());
+                        next
+                    }
+                };
+                self.last_file = i;
+                i
             }
         };
         let next = self.md.transforms.len() as u32;
-        let transforms = match self.transforms.get(transforms) {
-            Some(&i) => i,
-            None => {
-                self.transforms.insert(transforms.to_vec(), next);
-                self.md.transforms.push(transforms.to_vec());
-                next
-            }
+        let transforms = if transforms.is_empty() {
+            0
+        } else if let Some(&i) = self.transforms.get(transforms) {
+            i
+        } else {
+            self.transforms.insert(transforms.to_vec(), next);
+            self.md.transforms.push(transforms.to_vec());
+            next
         };
         Item {
             file,

@@ -60,10 +60,73 @@ pub(super) struct Fold<'k> {
     meta: Option<Vec<(V, V)>>,
 }
 
-/// The field `name` of a dataclass state (a dict with string keys).
-fn field<'v>(state: &'v [(V, V)], name: &str, strings: &[String]) -> Option<&'v V> {
+/// The dataclass fields the fold reads. The reader interns their names before
+/// anything else, so that the string numbered `f as u32` is `f.name()` and a field
+/// is found by number.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Field {
+    Dtype,
+    Offsets,
+    Sizes,
+    Properties,
+    Size,
+    Chunks,
+    Fqn,
+    Offset,
+    RelativePath,
+    Length,
+    TransformDescriptors,
+    StateDictMetadata,
+    StorageData,
+    PlannerData,
+}
+
+impl Field {
+    /// Every field, in the order of their numbers.
+    pub(super) const ALL: [Field; 14] = [
+        Field::Dtype,
+        Field::Offsets,
+        Field::Sizes,
+        Field::Properties,
+        Field::Size,
+        Field::Chunks,
+        Field::Fqn,
+        Field::Offset,
+        Field::RelativePath,
+        Field::Length,
+        Field::TransformDescriptors,
+        Field::StateDictMetadata,
+        Field::StorageData,
+        Field::PlannerData,
+    ];
+
+    /// The field's name in the dataclass.
+    pub(super) fn name(self) -> &'static str {
+        match self {
+            Field::Dtype => "dtype",
+            Field::Offsets => "offsets",
+            Field::Sizes => "sizes",
+            Field::Properties => "properties",
+            Field::Size => "size",
+            Field::Chunks => "chunks",
+            Field::Fqn => "fqn",
+            Field::Offset => "offset",
+            Field::RelativePath => "relative_path",
+            Field::Length => "length",
+            Field::TransformDescriptors => "transform_descriptors",
+            Field::StateDictMetadata => "state_dict_metadata",
+            Field::StorageData => "storage_data",
+            Field::PlannerData => "planner_data",
+        }
+    }
+}
+
+/// The field `f` of a dataclass state (a dict with string keys): the last value
+/// set for it, as Python's dict keeps.
+fn field(state: &[(V, V)], f: Field) -> Option<&V> {
+    let id = f as u32;
     state.iter().rev().find_map(|(k, v)| match k {
-        V::Str(s) if strings.get(*s as usize).is_some_and(|x| x == name) => Some(v),
+        V::Str(s) if *s == id => Some(v),
         _ => None,
     })
 }
@@ -137,12 +200,12 @@ impl<'k> Fold<'k> {
         let V::Dict(state) = state else {
             return Err(GiveUp::Stop);
         };
-        let f = |name: &str| field(&state, name, strings);
+        let f = |name: Field| field(&state, name);
         match class {
-            Class::Properties => Ok(V::Properties(dtype_of(f("dtype"))?)),
+            Class::Properties => Ok(V::Properties(dtype_of(f(Field::Dtype))?)),
             Class::Chunk => {
-                let offsets = size_of(f("offsets"))?;
-                let sizes = size_of(f("sizes"))?;
+                let offsets = size_of(f(Field::Offsets))?;
+                let sizes = size_of(f(Field::Sizes))?;
                 let open = self.open.as_mut().or_stop()?;
                 if offsets.len() != sizes.len() || open.ndim.is_some_and(|n| n != sizes.len()) {
                     return Err(GiveUp::Stop);
@@ -160,11 +223,11 @@ impl<'k> Fold<'k> {
             }
             Class::Tensor => {
                 let open = self.open.take().or_stop()?;
-                let V::Properties(dtype) = f("properties").or_stop()? else {
+                let V::Properties(dtype) = f(Field::Properties).or_stop()? else {
                     return Err(GiveUp::Stop);
                 };
-                let shape = size_of(f("size"))?.to_vec();
-                let Some(V::List(list)) = f("chunks") else {
+                let shape = size_of(f(Field::Size))?.to_vec();
+                let Some(V::List(list)) = f(Field::Chunks) else {
                     return Err(GiveUp::Stop);
                 };
                 // The list holds the chunks folded since the entry was made, in order.
@@ -195,10 +258,10 @@ impl<'k> Fold<'k> {
                 Ok(V::Entry(self.add_rec(rec)?))
             }
             Class::Index => {
-                let Some(V::Str(fqn)) = f("fqn") else {
+                let Some(V::Str(fqn)) = f(Field::Fqn) else {
                     return Err(GiveUp::Stop);
                 };
-                let at = match f("offset") {
+                let at = match f(Field::Offset) {
                     None | Some(V::None) => At::Entry,
                     Some(V::Size(dims)) => At::Dims(dims.clone()),
                     _ => return Err(GiveUp::Stop),
@@ -206,12 +269,12 @@ impl<'k> Fold<'k> {
                 Ok(V::Index(Box::new(Index { fqn: *fqn, at })))
             }
             Class::StorageInfo => {
-                let Some(V::Str(file)) = f("relative_path") else {
+                let Some(V::Str(file)) = f(Field::RelativePath) else {
                     return Err(GiveUp::Stop);
                 };
-                let offset = uint_of(f("offset"))?;
-                let length = uint_of(f("length"))?;
-                let transforms = match f("transform_descriptors") {
+                let offset = uint_of(f(Field::Offset))?;
+                let length = uint_of(f(Field::Length))?;
+                let transforms = match f(Field::TransformDescriptors) {
                     None | Some(V::None) => Vec::new(),
                     Some(V::List(items)) => strs(items, strings)?,
                     Some(V::Tuple(items)) => strs(items, strings)?,
@@ -288,16 +351,16 @@ impl<'k> Fold<'k> {
         if self.open.is_some() {
             return Err(GiveUp::Stop);
         }
-        let f = |name: &str| field(&state, name, strings);
-        let Some(V::Dict(sdm)) = f("state_dict_metadata") else {
+        let f = |name: Field| field(&state, name);
+        let Some(V::Dict(sdm)) = f(Field::StateDictMetadata) else {
             return Err(GiveUp::Stop);
         };
-        match f("storage_data") {
+        match f(Field::StorageData) {
             Some(V::Dict(rest)) if rest.is_empty() => {}
             _ => return Err(GiveUp::Stop),
         }
         let mut paths: HashMap<u32, Vec<String>> = HashMap::new();
-        match f("planner_data") {
+        match f(Field::PlannerData) {
             Some(V::Dict(planner)) => {
                 for (k, v) in planner.iter() {
                     let V::Str(k) = k else { continue };

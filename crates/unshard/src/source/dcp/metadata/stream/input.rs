@@ -29,10 +29,19 @@ impl<'a> Input<'a> {
     }
 
     /// Makes `n` bytes available at `pos`; gives up at the end of the file.
+    #[inline]
     fn fill(&mut self, n: usize) -> R<()> {
         if self.buf.len() - self.pos >= n {
             return Ok(());
         }
+        self.refill(n)
+    }
+
+    /// [`Input::fill`] when the buffer holds fewer than `n` bytes: reads the next part
+    /// of the file, keeping what is left of the buffer.
+    #[cold]
+    #[inline(never)]
+    fn refill(&mut self, n: usize) -> R<()> {
         let offset = self.start + self.pos as u64;
         let left = self.blob.len().saturating_sub(offset);
         if (n as u64) > left {
@@ -50,6 +59,7 @@ impl<'a> Input<'a> {
         Ok(())
     }
 
+    #[inline]
     pub(super) fn byte(&mut self) -> R<u8> {
         self.fill(1)?;
         let b = self.buf[self.pos];
@@ -57,6 +67,7 @@ impl<'a> Input<'a> {
         Ok(b)
     }
 
+    #[inline]
     pub(super) fn bytes(&mut self, n: usize) -> R<&[u8]> {
         self.fill(n)?;
         let s = &self.buf[self.pos..self.pos + n];
@@ -64,6 +75,7 @@ impl<'a> Input<'a> {
         Ok(s)
     }
 
+    #[inline]
     pub(super) fn uint(&mut self, n: usize) -> R<u64> {
         let b = self.bytes(n)?;
         Ok(b.iter().rev().fold(0u64, |a, &x| (a << 8) | u64::from(x)))
@@ -97,16 +109,42 @@ impl<'a> Input<'a> {
 /// indexed by key: only those are kept by the reading pass, so that the memo holds
 /// what is shared (class names, fqns, offsets reused as storage keys), not the
 /// millions of objects DCP's pickler memoizes and never refers to again.
+///
+/// The keys kept are numbered in order ([`Used::index`]), so that the memo is a plain
+/// vector of their values: a fetch is a look-up, not a search.
 pub(super) struct Used {
     bits: Vec<u64>,
+    /// Per word of `bits`: how many keys the words before it hold.
+    before: Vec<u32>,
 }
 
 impl Used {
-    pub(super) fn contains(&self, key: u32) -> bool {
+    /// The place of `key` among the keys fetched again, in increasing order; `None`
+    /// when it is not one of them.
+    #[inline]
+    pub(super) fn index(&self, key: u32) -> Option<usize> {
         let k = key as usize;
-        self.bits
-            .get(k / 64)
-            .is_some_and(|w| w & (1 << (k % 64)) != 0)
+        let word = *self.bits.get(k / 64)?;
+        let bit = 1u64 << (k % 64);
+        if word & bit == 0 {
+            return None;
+        }
+        let below = (word & (bit - 1)).count_ones() as usize;
+        Some(*self.before.get(k / 64)? as usize + below)
+    }
+
+    /// Numbers the keys once the pre-pass has found them all.
+    fn count(&mut self) {
+        let mut n = 0u32;
+        self.before = self
+            .bits
+            .iter()
+            .map(|w| {
+                let at = n;
+                n += w.count_ones();
+                at
+            })
+            .collect();
     }
 
     fn insert(&mut self, key: u32) {
@@ -123,14 +161,20 @@ impl Used {
 pub(super) fn used_memo(blob: &Blob) -> R<Used> {
     use super::op::*;
     let mut input = Input::new(blob);
-    let mut used = Used { bits: Vec::new() };
+    let mut used = Used {
+        bits: Vec::new(),
+        before: Vec::new(),
+    };
     // Keys are assigned in increasing order (MEMOIZE: the memo's size; BINPUT: by
     // the pickler, which does the same); anything else is left to the full reader.
     let mut next: u64 = 0;
     loop {
         let op = input.byte()?;
         match op {
-            STOP => return Ok(used),
+            STOP => {
+                used.count();
+                return Ok(used);
+            }
             MARK | POP | EMPTY_TUPLE | TUPLE | TUPLE1 | TUPLE2 | TUPLE3 | EMPTY_LIST
             | EMPTY_DICT | APPEND | APPENDS | SETITEM | SETITEMS | NEWOBJ | REDUCE | BUILD
             | NONE | NEWTRUE | NEWFALSE | STACK_GLOBAL => {}

@@ -21,7 +21,7 @@ use super::{Keep, Metadata};
 mod fold;
 mod input;
 
-use fold::Fold;
+use fold::{Field, Fold};
 use input::{used_memo, Input, Used};
 
 /// Why the pass stopped early.
@@ -171,25 +171,27 @@ fn weight(v: &V, cap: usize) -> usize {
     n
 }
 
-/// What the memo keeps of a value (and its nesting depth), for the keys fetched again.
+/// What the memo keeps of a value (and its nesting depth), for the keys fetched
+/// again: the value of the `i`th of those keys ([`Used::index`]) at `values[i]`.
 struct Memo {
-    keys: Vec<u32>,
+    used: Used,
     values: Vec<(V, u16)>,
 }
 
 impl Memo {
-    fn put(&mut self, key: u32, v: (V, u16)) -> R<()> {
-        if self.keys.last().is_some_and(|&k| k >= key) {
+    /// Keeps the value of the `i`th key fetched again. Keys come in increasing order,
+    /// each once, so the value lands at its index.
+    fn put(&mut self, i: usize, v: (V, u16)) -> R<()> {
+        if i != self.values.len() {
             return Err(GiveUp::Stop);
         }
-        self.keys.push(key);
         self.values.push(v);
         Ok(())
     }
 
+    #[inline]
     fn get(&self, key: u32) -> Option<&(V, u16)> {
-        let i = self.keys.binary_search(&key).ok()?;
-        self.values.get(i)
+        self.values.get(self.used.index(key)?)
     }
 }
 
@@ -199,7 +201,6 @@ struct Machine<'a, 'k> {
     /// How deep the containers of each stack value nest (0: not a container).
     depths: Vec<u16>,
     marks: Vec<usize>,
-    used: Used,
     memo: Memo,
     /// The number of memo keys assigned so far.
     memo_len: u32,
@@ -227,14 +228,16 @@ impl<'a, 'k> Machine<'a, 'k> {
             stack: Vec::new(),
             depths: Vec::new(),
             marks: Vec::new(),
-            used,
             memo: Memo {
-                keys: Vec::new(),
+                used,
                 values: Vec::new(),
             },
             memo_len: 0,
-            strings: Vec::new(),
-            interned: HashMap::new(),
+            strings: Field::ALL.iter().map(|f| f.name().to_string()).collect(),
+            interned: Field::ALL
+                .iter()
+                .map(|f| (f.name().to_string(), *f as u32))
+                .collect(),
             fold: Fold::new(keep),
         }
     }
@@ -274,7 +277,7 @@ impl<'a, 'k> Machine<'a, 'k> {
         if m > self.stack.len() {
             return Err(GiveUp::Stop);
         }
-        let depth = self.depths.split_off(m).into_iter().max().unwrap_or(0);
+        let depth = self.depths.drain(m..).max().unwrap_or(0);
         Ok((self.stack.split_off(m), depth))
     }
 
@@ -294,9 +297,9 @@ impl<'a, 'k> Machine<'a, 'k> {
     }
 
     fn memoize(&mut self, key: u32) -> R<()> {
-        if !self.used.contains(key) {
+        let Some(i) = self.memo.used.index(key) else {
             return Ok(());
-        }
+        };
         let depth = self.depths.last().copied().unwrap_or(0);
         let top = self.top()?;
         if weight(top, MAX_MEMO_WEIGHT) > MAX_MEMO_WEIGHT {
@@ -309,7 +312,7 @@ impl<'a, 'k> Machine<'a, 'k> {
             _ => {}
         }
         let v = top.clone();
-        self.memo.put(key, (v, depth))
+        self.memo.put(i, (v, depth))
     }
 
     fn global(&mut self, module: &str, name: &str) -> R<()> {
@@ -460,15 +463,12 @@ impl<'a, 'k> Machine<'a, 'k> {
                     list.extend(items);
                 }
                 SETITEM => {
-                    let (v, a) = self.pop_nested()?;
-                    let (k, b) = self.pop_nested()?;
-                    self.deepen_top(a.max(b))?;
-                    self.set_items(vec![k, v])?;
+                    let at = self.stack.len().checked_sub(2).or_stop()?;
+                    self.set_items(at)?;
                 }
                 SETITEMS => {
-                    let (items, inner) = self.pop_mark()?;
-                    self.deepen_top(inner)?;
-                    self.set_items(items)?;
+                    let m = self.marks.pop().or_stop()?;
+                    self.set_items(m)?;
                 }
                 NEWOBJ => {
                     let args = self.pop()?;
@@ -530,30 +530,47 @@ impl<'a, 'k> Machine<'a, 'k> {
         }
     }
 
-    /// `SETITEM(S)` on the dict below: storage pairs go to their chunks, state-dict
-    /// entries are checked against the key they are stored under.
-    fn set_items(&mut self, items: Vec<V>) -> R<()> {
-        if items.len() % 2 != 0 {
+    /// `SETITEM(S)` of the values from `at` up on the dict below them: storage
+    /// pairs go to their chunks, state-dict entries are checked against the key they
+    /// are stored under.
+    fn set_items(&mut self, at: usize) -> R<()> {
+        let len = self.stack.len();
+        // The dict must be above the last mark, as `top` would see it.
+        let marked = self.marks.last().is_some_and(|&m| m >= at);
+        if at == 0 || at > len || (len - at) % 2 != 0 || marked {
             return Err(GiveUp::Stop);
         }
-        let mut pairs = Vec::new();
-        let mut it = items.into_iter();
-        while let (Some(k), Some(v)) = (it.next(), it.next()) {
-            if let Some(pair) = self.fold.pair(k, v, &self.strings)? {
-                pairs.push(pair);
-            }
-        }
-        let V::Dict(dict) = self.top()? else {
+        let inner = self.depths.drain(at..).max().unwrap_or(0);
+        self.deepen_top(inner)?;
+        let (below, items) = self.stack.split_at_mut(at);
+        let Some(V::Dict(dict)) = below.last_mut() else {
             return Err(GiveUp::Stop);
         };
-        dict.extend(pairs);
+        for pair in items.chunks_exact_mut(2) {
+            let k = std::mem::replace(&mut pair[0], V::None);
+            let v = std::mem::replace(&mut pair[1], V::None);
+            if let Some(pair) = self.fold.pair(k, v, &self.strings)? {
+                dict.push(pair);
+            }
+        }
+        self.stack.truncate(at);
         Ok(())
     }
 }
 
 #[cfg(test)]
 mod tests {
+    use super::fold::Field;
     use super::{weight, V};
+
+    /// The field names are numbered by their place in `Field::ALL`, which is how the
+    /// reader interns them.
+    #[test]
+    fn fields_are_numbered_in_order() {
+        for (i, f) in Field::ALL.iter().enumerate() {
+            assert_eq!(*f as usize, i, "{}", f.name());
+        }
+    }
 
     /// What the memo may keep is counted without walking all of a big value.
     #[test]
