@@ -18,6 +18,7 @@ fn metadata_files() -> Vec<PathBuf> {
         "sharded/llama_w3_dcp",
         "sharded/llama_w8_dcp",
         "sharded/wide_metadata",
+        "sharded/wide_metadata_batches",
         "sharded/llama_hsdp_2x2_dcp",
         "sharded/llama_w2_dcp_with_optim",
         "sharded/llama_w2_dcp_zstd",
@@ -98,6 +99,38 @@ fn streaming_reads_what_torch_writes_as_the_full_reader_does() {
                 assert_eq!(x, y, "{}", path.display());
             }
         }
+    }
+}
+
+/// A pickle cut in two and read on two threads gives what one thread reads, with
+/// every chunk kept and with optimizer chunks dropped: the second half is taken over
+/// whenever the cut falls before a batch boundary of `storage_data`, which is
+/// everywhere in this file but its last batch.
+#[test]
+fn a_pickle_read_in_two_halves_reads_as_in_one() {
+    let path = fixtures().join("sharded/wide_metadata_batches/.metadata");
+    let blob = crate::source::fs::open(&path).unwrap();
+    let model = Keep::Model {
+        key: None,
+        optimizer_keys: &["optim", "optimizer"],
+    };
+    for keep in [Keep::All, model] {
+        let (whole, took) = stream::read_cut(&blob, keep, None).unwrap().unwrap();
+        assert!(!took);
+        let whole = resolved(&whole);
+        let mut taken = 0;
+        let cuts = 16;
+        for i in 0..cuts {
+            let at = blob.len() * i / cuts;
+            let (md, took) = stream::read_cut(&blob, keep, Some(at)).unwrap().unwrap();
+            let md = resolved(&md);
+            assert_eq!(md.len(), whole.len(), "cut at {at}");
+            for (x, y) in md.iter().zip(&whole) {
+                assert_eq!(x, y, "cut at {at}");
+            }
+            taken += usize::from(took);
+        }
+        assert_eq!(taken, cuts as usize, "halves taken over");
     }
 }
 

@@ -22,6 +22,19 @@ pub(super) struct Index {
     at: At,
 }
 
+/// A second half's storage pairs, kept in order for the first half to fold onto its
+/// chunks, compactly: there may be hundreds of thousands.
+#[derive(Default)]
+pub(super) struct Deferred {
+    /// Per pair: the fqn, where its offsets start in `dims` (`u32::MAX`: a byte
+    /// entry, no offsets) and how many there are, and the item.
+    pub(super) pairs: Vec<(u32, u32, u32, Item)>,
+    /// The offsets of the pairs' chunks, one after the other.
+    pub(super) dims: Vec<u64>,
+    /// The fqns of pairs whose chunks are not kept, only checked (each run once).
+    pub(super) dropped: Vec<u32>,
+}
+
 #[derive(Clone, Debug)]
 enum At {
     /// A byte entry (no offsets).
@@ -58,6 +71,9 @@ pub(super) struct Fold<'k> {
     open: Option<Open>,
     /// The `BUILD` state of `Metadata`.
     meta: Option<Vec<(V, V)>>,
+    /// A second half's fold: storage pairs are kept here, in order, for the first
+    /// half to fold onto its chunks, and nothing that needs the entries is allowed.
+    deferred: Option<Deferred>,
 }
 
 /// The dataclass fields the fold reads. The reader interns their names before
@@ -161,12 +177,65 @@ impl<'k> Fold<'k> {
             by_fqn: HashMap::new(),
             open: None,
             meta: None,
+            deferred: None,
+        }
+    }
+
+    /// The fold of a second half (see [`Fold::deferred`]), keeping the chunks of the
+    /// entries `keep` keeps.
+    pub(super) fn second_half(keep: Keep<'k>) -> Fold<'k> {
+        Fold {
+            deferred: Some(Deferred::default()),
+            ..Fold::new(keep)
+        }
+    }
+
+    /// How many storage pairs a second half's fold has kept, and checks.
+    pub(super) fn deferred_len(&self) -> (usize, usize) {
+        self.deferred
+            .as_ref()
+            .map_or((0, 0), |d| (d.pairs.len(), d.dropped.len()))
+    }
+
+    /// A second half's storage pairs (`n` of them, from [`Fold::deferred_len`]), and
+    /// its tables of the files and transforms their items refer to.
+    pub(super) fn into_deferred(
+        self,
+        n: (usize, usize),
+    ) -> (Deferred, Vec<String>, Vec<Vec<String>>) {
+        let mut d = self.deferred.unwrap_or_default();
+        d.pairs.truncate(n.0);
+        d.dropped.truncate(n.1);
+        (d, self.b.md.files, self.b.md.transforms)
+    }
+
+    /// Folds a storage pair read by a second half onto its chunk: `fqn` in this
+    /// fold's strings, the chunk's offsets (`None`: a byte entry), and the item's
+    /// place in `file` after `transforms`.
+    pub(super) fn adopt_storage(
+        &mut self,
+        fqn: u32,
+        dims: Option<&[u64]>,
+        item: &Item,
+        (file, transforms): (&str, &[String]),
+    ) -> R<()> {
+        let item = self.b.item(file, item.offset, item.length, transforms);
+        self.apply(fqn, dims, item)
+    }
+
+    /// Checks what a second half only checked: that `fqn` is a tensor entry whose
+    /// chunks are not kept.
+    pub(super) fn adopt_dropped(&mut self, fqn: u32) -> R<()> {
+        let r = *self.by_fqn.get(&fqn).or_stop()?;
+        match self.recs.get(r as usize).and_then(|rec| rec.kind.as_ref()) {
+            Some(EntryKind::Tensor { dropped: true, .. }) => Ok(()),
+            _ => Err(GiveUp::Stop),
         }
     }
 
     /// A `TensorStorageMetadata` stored under `fqn` was made; its chunks follow.
     pub(super) fn begin_tensor(&mut self, fqn: u32, keep: bool) -> R<()> {
-        if self.open.is_some() {
+        if self.open.is_some() || self.deferred.is_some() {
             return Err(GiveUp::Stop);
         }
         self.open = Some(Open {
@@ -180,6 +249,9 @@ impl<'k> Fold<'k> {
     }
 
     fn add_rec(&mut self, rec: Rec) -> R<u32> {
+        if self.deferred.is_some() {
+            return Err(GiveUp::Stop);
+        }
         let id = u32::try_from(self.recs.len()).map_err(|_| GiveUp::Stop)?;
         if self.by_fqn.insert(rec.fqn, id).is_some() {
             return Err(GiveUp::Stop);
@@ -285,7 +357,7 @@ impl<'k> Fold<'k> {
                 Ok(V::Storage(Box::new(item)))
             }
             Class::Metadata => {
-                if self.meta.is_some() {
+                if self.meta.is_some() || self.deferred.is_some() {
                     return Err(GiveUp::Stop);
                 }
                 self.meta = Some(*state);
@@ -298,10 +370,13 @@ impl<'k> Fold<'k> {
     /// One `key: value` pair set on a dict. Storage pairs are folded onto their
     /// chunk (`None`); entries are checked against their key.
     pub(super) fn pair(&mut self, k: V, v: V, strings: &[String]) -> R<Option<(V, V)>> {
-        let _ = strings;
         match (k, v) {
             (V::Index(index), V::Storage(item)) => {
-                self.storage(&index, *item)?;
+                let dims = match &index.at {
+                    At::Entry => None,
+                    At::Dims(d) => Some(&d[..]),
+                };
+                self.storage(index.fqn, dims, *item, strings)?;
                 Ok(None)
             }
             (V::Str(s), V::Entry(r)) => {
@@ -327,13 +402,44 @@ impl<'k> Fold<'k> {
         }
     }
 
-    fn storage(&mut self, index: &Index, item: Item) -> R<()> {
-        let r = *self.by_fqn.get(&index.fqn).or_stop()?;
+    /// A storage pair: `item` is where the chunk at offsets `dims` (`None`: the
+    /// byte entry) of entry `fqn` is. A second half keeps it (in `strings`' numbers)
+    /// for the first half.
+    fn storage(&mut self, fqn: u32, dims: Option<&[u64]>, item: Item, strings: &[String]) -> R<()> {
+        if let Some(d) = &mut self.deferred {
+            let name = strings.get(fqn as usize).or_stop()?;
+            if dims.is_some() && !self.keep.chunks_of(name) {
+                if d.dropped.last() != Some(&fqn) {
+                    d.dropped.push(fqn);
+                }
+                return Ok(());
+            }
+            let (at, n) = match dims {
+                None => (u32::MAX, 0),
+                Some(dims) => {
+                    let end = d.dims.len() + dims.len();
+                    let at = u32::try_from(d.dims.len()).map_err(|_| GiveUp::Stop)?;
+                    if end >= u32::MAX as usize {
+                        return Err(GiveUp::Stop);
+                    }
+                    d.dims.extend_from_slice(dims);
+                    (at, dims.len() as u32)
+                }
+            };
+            d.pairs.push((fqn, at, n, item));
+            return Ok(());
+        }
+        self.apply(fqn, dims, item)
+    }
+
+    /// Puts `item` on the chunk at `dims` of entry `fqn` (or on the byte entry).
+    fn apply(&mut self, fqn: u32, dims: Option<&[u64]>, item: Item) -> R<()> {
+        let r = *self.by_fqn.get(&fqn).or_stop()?;
         let rec = self.recs.get_mut(r as usize).or_stop()?;
-        match (&index.at, rec.kind.as_mut().or_stop()?) {
-            (At::Entry, EntryKind::Bytes { item: slot }) => *slot = Some(item),
-            (At::Dims(_), EntryKind::Tensor { dropped: true, .. }) => {}
-            (At::Dims(d), EntryKind::Tensor { chunks, .. }) => {
+        match (dims, rec.kind.as_mut().or_stop()?) {
+            (None, EntryKind::Bytes { item: slot }) => *slot = Some(item),
+            (Some(_), EntryKind::Tensor { dropped: true, .. }) => {}
+            (Some(d), EntryKind::Tensor { chunks, .. }) => {
                 let i = chunks.find(d, rec.cursor).or_stop()?;
                 chunks.list[i].item = Some(item);
                 rec.cursor = i + 1;

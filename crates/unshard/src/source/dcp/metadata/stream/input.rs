@@ -1,6 +1,6 @@
 //! The `.metadata` file read front to back through a buffer of a few MB, so that a
-//! pickle of hundreds of MB is never held whole, and the pre-pass that finds which
-//! memo entries are ever fetched again.
+//! pickle of hundreds of MB is never held whole, and the set of memo keys the pickle
+//! fetches again (found by the pre-pass).
 
 use super::{GiveUp, R};
 use crate::source::Blob;
@@ -20,12 +20,30 @@ pub(super) struct Input<'a> {
 
 impl<'a> Input<'a> {
     pub(super) fn new(blob: &'a Blob) -> Input<'a> {
+        Input::at(blob, 0)
+    }
+
+    /// A reader from byte `offset` of the file (the start of an opcode).
+    pub(super) fn at(blob: &'a Blob, offset: u64) -> Input<'a> {
         Input {
             blob,
             buf: Vec::new(),
-            start: 0,
+            start: offset,
             pos: 0,
         }
+    }
+
+    /// The offset in the file of the next byte read.
+    #[inline]
+    pub(super) fn position(&self) -> u64 {
+        self.start + self.pos as u64
+    }
+
+    /// Goes on from byte `offset` of the file.
+    pub(super) fn seek(&mut self, offset: u64) {
+        self.buf.clear();
+        self.start = offset;
+        self.pos = 0;
     }
 
     /// Makes `n` bytes available at `pos`; gives up at the end of the file.
@@ -112,6 +130,7 @@ impl<'a> Input<'a> {
 ///
 /// The keys kept are numbered in order ([`Used::index`]), so that the memo is a plain
 /// vector of their values: a fetch is a look-up, not a search.
+#[derive(Default)]
 pub(super) struct Used {
     bits: Vec<u64>,
     /// Per word of `bits`: how many keys the words before it hold.
@@ -133,8 +152,43 @@ impl Used {
         Some(*self.before.get(k / 64)? as usize + below)
     }
 
+    /// How many of the keys fetched again are below `key`.
+    pub(super) fn count_below(&self, key: u32) -> usize {
+        let k = key as usize;
+        match self.bits.get(k / 64) {
+            Some(&word) => {
+                let below = (word & ((1u64 << (k % 64)) - 1)).count_ones() as usize;
+                self.before.get(k / 64).map_or(0, |&b| b as usize) + below
+            }
+            None => self.bits.iter().map(|w| w.count_ones() as usize).sum(),
+        }
+    }
+
+    /// The keys in the set, in increasing order.
+    pub(super) fn keys(&self) -> impl Iterator<Item = u32> + '_ {
+        self.bits.iter().enumerate().flat_map(|(w, &bits)| {
+            let mut left = bits;
+            std::iter::from_fn(move || {
+                (left != 0).then(|| {
+                    let b = left.trailing_zeros();
+                    left &= left - 1;
+                    w as u32 * 64 + b
+                })
+            })
+        })
+    }
+
+    /// Notes that `key` is fetched again.
+    pub(super) fn insert(&mut self, key: u32) {
+        let k = key as usize;
+        if self.bits.len() <= k / 64 {
+            self.bits.resize(k / 64 + 1, 0);
+        }
+        self.bits[k / 64] |= 1 << (k % 64);
+    }
+
     /// Numbers the keys once the pre-pass has found them all.
-    fn count(&mut self) {
+    pub(super) fn count(&mut self) {
         let mut n = 0u32;
         self.before = self
             .bits
@@ -145,86 +199,5 @@ impl Used {
                 at
             })
             .collect();
-    }
-
-    fn insert(&mut self, key: u32) {
-        let k = key as usize;
-        if self.bits.len() <= k / 64 {
-            self.bits.resize(k / 64 + 1, 0);
-        }
-        self.bits[k / 64] |= 1 << (k % 64);
-    }
-}
-
-/// Walks the opcodes once, noting every memo key fetched. Gives up on any opcode the
-/// reading pass does not handle, and on memo keys that are not assigned in order.
-pub(super) fn used_memo(blob: &Blob) -> R<Used> {
-    use super::op::*;
-    let mut input = Input::new(blob);
-    let mut used = Used {
-        bits: Vec::new(),
-        before: Vec::new(),
-    };
-    // Keys are assigned in increasing order (MEMOIZE: the memo's size; BINPUT: by
-    // the pickler, which does the same); anything else is left to the full reader.
-    let mut next: u64 = 0;
-    loop {
-        let op = input.byte()?;
-        match op {
-            STOP => {
-                used.count();
-                return Ok(used);
-            }
-            MARK | POP | EMPTY_TUPLE | TUPLE | TUPLE1 | TUPLE2 | TUPLE3 | EMPTY_LIST
-            | EMPTY_DICT | APPEND | APPENDS | SETITEM | SETITEMS | NEWOBJ | REDUCE | BUILD
-            | NONE | NEWTRUE | NEWFALSE | STACK_GLOBAL => {}
-            MEMOIZE => next += 1,
-            BINPUT | LONG_BINPUT => {
-                let key = input.uint(if op == BINPUT { 1 } else { 4 })?;
-                if key != next {
-                    return Err(GiveUp::Stop);
-                }
-                next += 1;
-            }
-            BINGET | LONG_BINGET => {
-                let key = input.uint(if op == BINGET { 1 } else { 4 })?;
-                if key >= next {
-                    return Err(GiveUp::Stop);
-                }
-                used.insert(key as u32);
-            }
-            PROTO | BININT1 => {
-                input.bytes(1)?;
-            }
-            BININT2 => {
-                input.bytes(2)?;
-            }
-            BININT => {
-                input.bytes(4)?;
-            }
-            FRAME | BINFLOAT => {
-                input.bytes(8)?;
-            }
-            SHORT_BINUNICODE | SHORT_BINBYTES | LONG1 => {
-                let n = input.length(1)?;
-                input.bytes(n)?;
-            }
-            BINUNICODE | BINBYTES => {
-                let n = input.length(4)?;
-                input.bytes(n)?;
-            }
-            BINUNICODE8 => {
-                let n = input.length(8)?;
-                input.bytes(n)?;
-            }
-            GLOBAL => {
-                input.line()?;
-                input.line()?;
-            }
-            _ => return Err(GiveUp::Stop),
-        }
-        if next > u64::from(u32::MAX) {
-            return Err(GiveUp::Stop);
-        }
     }
 }

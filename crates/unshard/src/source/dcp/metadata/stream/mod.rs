@@ -19,10 +19,12 @@ use crate::{DType, Error};
 use super::{Keep, Metadata};
 
 mod fold;
+mod half;
 mod input;
+mod prepass;
 
 use fold::{Field, Fold};
-use input::{used_memo, Input, Used};
+use input::{Input, Used};
 
 /// Why the pass stopped early.
 enum GiveUp {
@@ -46,11 +48,26 @@ impl<T> OrStop<T> for Option<T> {
 }
 
 /// Reads `.metadata` in one pass. `Ok(None)` when the file holds anything beyond
-/// what DCP writes (the caller reads it with the full reader).
+/// what DCP writes (the caller reads it with the full reader). A file of more than
+/// [`half::MIN_BYTES`] is read in two halves on two threads when the machine has two
+/// cores.
 pub(super) fn read(blob: &Blob, keep: Keep<'_>) -> crate::Result<Option<Metadata>> {
-    let run = || -> R<Metadata> {
-        let used = used_memo(blob)?;
-        Machine::new(blob, used, keep).run()
+    read_cut(blob, keep, half::cut_at(blob.len())).map(|r| r.map(|(md, _)| md))
+}
+
+/// [`read`], cut for a second thread at the first batch boundary at or after
+/// `cut_at`, if any; also says whether the second half was taken.
+pub(super) fn read_cut(
+    blob: &Blob,
+    keep: Keep<'_>,
+    cut_at: Option<u64>,
+) -> crate::Result<Option<(Metadata, bool)>> {
+    let run = || -> R<(Metadata, bool)> {
+        let pass = prepass::pre_pass(blob, cut_at)?;
+        let Some(cut) = &pass.cut else {
+            return Machine::new(blob, &pass.used, keep).run();
+        };
+        half::read_in_two(blob, &pass.used, cut, keep)
     };
     match run() {
         Ok(md) => Ok(Some(md)),
@@ -172,17 +189,31 @@ fn weight(v: &V, cap: usize) -> usize {
 }
 
 /// What the memo keeps of a value (and its nesting depth), for the keys fetched
-/// again: the value of the `i`th of those keys ([`Used::index`]) at `values[i]`.
-struct Memo {
-    used: Used,
+/// again: the value of the `i`th of those keys ([`Used::index`]) at
+/// `values[i - base]`. A second half starts at `base` with the values of the keys
+/// it fetches from before its cut in `imports`.
+struct Memo<'a> {
+    used: &'a Used,
+    base: usize,
     values: Vec<(V, u16)>,
+    /// By key.
+    imports: Vec<(u32, (V, u16))>,
 }
 
-impl Memo {
+impl<'a> Memo<'a> {
+    fn new(used: &'a Used) -> Memo<'a> {
+        Memo {
+            used,
+            base: 0,
+            values: Vec::new(),
+            imports: Vec::new(),
+        }
+    }
+
     /// Keeps the value of the `i`th key fetched again. Keys come in increasing order,
     /// each once, so the value lands at its index.
     fn put(&mut self, i: usize, v: (V, u16)) -> R<()> {
-        if i != self.values.len() {
+        if i.checked_sub(self.base) != Some(self.values.len()) {
             return Err(GiveUp::Stop);
         }
         self.values.push(v);
@@ -191,22 +222,35 @@ impl Memo {
 
     #[inline]
     fn get(&self, key: u32) -> Option<&(V, u16)> {
-        self.values.get(self.used.index(key)?)
+        let i = self.used.index(key)?;
+        match i.checked_sub(self.base) {
+            Some(i) => self.values.get(i),
+            None => {
+                let j = self.imports.binary_search_by_key(&key, |(k, _)| *k).ok()?;
+                Some(&self.imports[j].1)
+            }
+        }
     }
 }
 
 struct Machine<'a, 'k> {
     input: Input<'a>,
     stack: Vec<V>,
+    /// Values at the bottom of the stack that may not be popped (a second half's dict).
+    floor: usize,
     /// How deep the containers of each stack value nest (0: not a container).
     depths: Vec<u16>,
     marks: Vec<usize>,
-    memo: Memo,
+    memo: Memo<'a>,
     /// The number of memo keys assigned so far.
     memo_len: u32,
     strings: Vec<String>,
     interned: HashMap<String, u32>,
     fold: Fold<'k>,
+    /// The second half being read on another thread, taken over at its cut.
+    half: Option<half::Pending>,
+    /// Whether it was.
+    took_half: bool,
 }
 
 /// The number of string `bytes` in `strings`, adding it if it is new.
@@ -222,16 +266,14 @@ fn intern(strings: &mut Vec<String>, interned: &mut HashMap<String, u32>, bytes:
 }
 
 impl<'a, 'k> Machine<'a, 'k> {
-    fn new(blob: &'a Blob, used: Used, keep: Keep<'k>) -> Self {
+    fn new(blob: &'a Blob, used: &'a Used, keep: Keep<'k>) -> Self {
         Machine {
             input: Input::new(blob),
             stack: Vec::new(),
+            floor: 0,
             depths: Vec::new(),
             marks: Vec::new(),
-            memo: Memo {
-                used,
-                values: Vec::new(),
-            },
+            memo: Memo::new(used),
             memo_len: 0,
             strings: Field::ALL.iter().map(|f| f.name().to_string()).collect(),
             interned: Field::ALL
@@ -239,6 +281,8 @@ impl<'a, 'k> Machine<'a, 'k> {
                 .map(|f| (f.name().to_string(), *f as u32))
                 .collect(),
             fold: Fold::new(keep),
+            half: None,
+            took_half: false,
         }
     }
 
@@ -264,7 +308,8 @@ impl<'a, 'k> Machine<'a, 'k> {
     }
 
     fn pop_nested(&mut self) -> R<(V, u16)> {
-        if self.marks.last().is_some_and(|&m| m >= self.stack.len()) {
+        let floor = self.marks.last().map_or(self.floor, |&m| m.max(self.floor));
+        if floor >= self.stack.len() {
             return Err(GiveUp::Stop);
         }
         let d = self.depths.pop().or_stop()?;
@@ -321,10 +366,30 @@ impl<'a, 'k> Machine<'a, 'k> {
         Ok(())
     }
 
-    fn run(mut self) -> R<Metadata> {
-        use op::*;
+    /// Reads to the end; also says whether a second half was taken over.
+    fn run(mut self) -> R<(Metadata, bool)> {
         loop {
             let op = self.input.byte()?;
+            match op {
+                op::STOP => {
+                    let top = self.pop()?;
+                    if !self.stack.is_empty() || !self.marks.is_empty() {
+                        return Err(GiveUp::Stop);
+                    }
+                    let took = self.took_half;
+                    return Ok((self.fold.finish(top, &self.strings)?, took));
+                }
+                // The second half starts at a mark: take it over when it is here.
+                op::MARK if self.half.is_some() && self.take_half()? => {}
+                _ => self.step(op)?,
+            }
+        }
+    }
+
+    /// Runs opcode `op` (anything but `STOP`).
+    fn step(&mut self, op: u8) -> R<()> {
+        use op::*;
+        {
             match op {
                 PROTO => {
                     if self.input.byte()? > 5 {
@@ -333,13 +398,6 @@ impl<'a, 'k> Machine<'a, 'k> {
                 }
                 FRAME => {
                     self.input.bytes(8)?;
-                }
-                STOP => {
-                    let top = self.pop()?;
-                    if !self.stack.is_empty() || !self.marks.is_empty() {
-                        return Err(GiveUp::Stop);
-                    }
-                    return self.fold.finish(top, &self.strings);
                 }
                 MARK => self.marks.push(self.stack.len()),
                 POP => {
@@ -528,6 +586,7 @@ impl<'a, 'k> Machine<'a, 'k> {
                 _ => return Err(GiveUp::Stop),
             }
         }
+        Ok(())
     }
 
     /// `SETITEM(S)` of the values from `at` up on the dict below them: storage
@@ -537,7 +596,7 @@ impl<'a, 'k> Machine<'a, 'k> {
         let len = self.stack.len();
         // The dict must be above the last mark, as `top` would see it.
         let marked = self.marks.last().is_some_and(|&m| m >= at);
-        if at == 0 || at > len || (len - at) % 2 != 0 || marked {
+        if at == 0 || at < self.floor || at > len || (len - at) % 2 != 0 || marked {
             return Err(GiveUp::Stop);
         }
         let inner = self.depths.drain(at..).max().unwrap_or(0);

@@ -1,0 +1,230 @@
+//! The pre-pass: one walk over the opcodes, before the reading pass, that finds
+//! which memo keys are ever fetched again, and where the pickle can be cut in two
+//! for a second thread.
+//!
+//! The cut is at a batch boundary of a dict: Python's pickler writes a dict's items
+//! in batches of a thousand, each `MARK ... SETITEMS`, so a `MARK` right after a
+//! `SETITEMS` starts a batch on the dict below it. `storage_data` (most of the file)
+//! is such a dict. The second half is read from there on its own stack and memo
+//! (`half`), and only needs the values of the keys it fetches from before the cut:
+//! class names and fqns, strings and globals, which this pass records where they are
+//! memoized. Nothing here is trusted: the first half checks, when it reaches the
+//! cut, that its own state is the one the second half assumed.
+
+use super::input::{Input, Used};
+use super::op::*;
+use super::{GiveUp, R};
+use crate::source::Blob;
+
+/// What the pre-pass found.
+pub(super) struct Pass {
+    pub(super) used: Used,
+    pub(super) cut: Option<Cut>,
+}
+
+/// Where the second half starts, and what it needs from before it.
+#[derive(Debug)]
+pub(super) struct Cut {
+    /// The offset of the `MARK` that starts a batch of a dict's items.
+    pub(super) offset: u64,
+    /// Memo keys assigned before it.
+    pub(super) memo_len: u32,
+    /// The values of the keys from before the cut that the second half fetches, by
+    /// key.
+    pub(super) imports: Vec<(u32, Import)>,
+}
+
+/// The value of a memo key from before the cut.
+#[derive(Debug, PartialEq, Eq)]
+pub(super) enum Import {
+    /// A string.
+    Str(Vec<u8>),
+    /// A global: module and name.
+    Global(Vec<u8>, Vec<u8>),
+}
+
+/// Where a value on the stack came from, as far as the pre-pass follows it.
+#[derive(Clone, Copy, Debug)]
+enum Src {
+    /// Anything else.
+    Other,
+    /// A string opcode's bytes, at this offset and length.
+    Bytes(u64, u32),
+    /// Fetched from the memo.
+    Key(u32),
+}
+
+/// What a memo key assigned before the cut holds, as far as the pre-pass follows it.
+#[derive(Clone, Copy, Debug)]
+enum Def {
+    Str(u64, u32),
+    Global(Src, Src),
+}
+
+/// Walks the opcodes once, noting every memo key fetched. Gives up on any opcode the
+/// reading pass does not handle, and on memo keys that are not assigned in order.
+/// With `cut_at`, looks for a cut at the first batch boundary at or after that
+/// offset.
+pub(super) fn pre_pass(blob: &Blob, cut_at: Option<u64>) -> R<Pass> {
+    let mut input = Input::new(blob);
+    let mut used = Used::default();
+    // Keys are assigned in increasing order (MEMOIZE: the memo's size; BINPUT: by
+    // the pickler, which does the same); anything else is left to the full reader.
+    let mut next: u64 = 0;
+    // The last two values pushed, when nothing but memo puts and frames came between
+    // (for the operands of `STACK_GLOBAL`); what a memo put right now would hold.
+    let mut last = [Src::Other; 2];
+    let mut pending: Option<Def> = None;
+    // The strings and globals memoized before the cut, by key (in increasing order).
+    let mut defs: Vec<(u32, Def)> = Vec::new();
+    let mut cut: Option<(u64, u32)> = None;
+    // Keys below the cut fetched after it.
+    let mut imported = Used::default();
+    let mut prev = STOP;
+    loop {
+        let at = input.position();
+        let op = input.byte()?;
+        let mut pushed = Src::Other;
+        match op {
+            STOP => break,
+            MARK => {
+                if cut.is_none() && prev == SETITEMS && cut_at.is_some_and(|c| at >= c) {
+                    cut = Some((at, u32::try_from(next).map_err(|_| GiveUp::Stop)?));
+                }
+            }
+            POP | EMPTY_TUPLE | TUPLE | TUPLE1 | TUPLE2 | TUPLE3 | EMPTY_LIST | EMPTY_DICT
+            | APPEND | APPENDS | SETITEM | SETITEMS | NEWOBJ | REDUCE | BUILD | NONE | NEWTRUE
+            | NEWFALSE => {}
+            STACK_GLOBAL => {
+                if let [m @ (Src::Bytes(..) | Src::Key(_)), n @ (Src::Bytes(..) | Src::Key(_))] =
+                    last
+                {
+                    pending = Some(Def::Global(m, n));
+                }
+            }
+            MEMOIZE | BINPUT | LONG_BINPUT => {
+                if op != MEMOIZE {
+                    let key = input.uint(if op == BINPUT { 1 } else { 4 })?;
+                    if key != next {
+                        return Err(GiveUp::Stop);
+                    }
+                }
+                if let (None, Some(def)) = (cut, pending.take()) {
+                    defs.push((next as u32, def));
+                }
+                next += 1;
+                if next > u64::from(u32::MAX) {
+                    return Err(GiveUp::Stop);
+                }
+                continue;
+            }
+            BINGET | LONG_BINGET => {
+                let key = input.uint(if op == BINGET { 1 } else { 4 })?;
+                if key >= next {
+                    return Err(GiveUp::Stop);
+                }
+                used.insert(key as u32);
+                if cut.is_some_and(|(_, n)| key < u64::from(n)) {
+                    imported.insert(key as u32);
+                }
+                pushed = Src::Key(key as u32);
+            }
+            PROTO | BININT1 => {
+                input.bytes(1)?;
+            }
+            BININT2 => {
+                input.bytes(2)?;
+            }
+            BININT => {
+                input.bytes(4)?;
+            }
+            FRAME => {
+                input.bytes(8)?;
+                continue;
+            }
+            BINFLOAT => {
+                input.bytes(8)?;
+            }
+            SHORT_BINUNICODE | BINUNICODE | BINUNICODE8 => {
+                let width = match op {
+                    SHORT_BINUNICODE => 1,
+                    BINUNICODE => 4,
+                    _ => 8,
+                };
+                let n = input.length(width)?;
+                let start = input.position();
+                input.bytes(n)?;
+                if let Ok(n) = u32::try_from(n) {
+                    pushed = Src::Bytes(start, n);
+                }
+            }
+            SHORT_BINBYTES | LONG1 => {
+                let n = input.length(1)?;
+                input.bytes(n)?;
+            }
+            BINBYTES => {
+                let n = input.length(4)?;
+                input.bytes(n)?;
+            }
+            GLOBAL => {
+                input.line()?;
+                input.line()?;
+            }
+            _ => return Err(GiveUp::Stop),
+        }
+        prev = op;
+        if op != STACK_GLOBAL {
+            pending = match pushed {
+                Src::Bytes(at, n) => Some(Def::Str(at, n)),
+                _ => None,
+            };
+        }
+        last = [last[1], pushed];
+    }
+    used.count();
+    let cut = match cut {
+        Some((offset, memo_len)) => resolve(blob, &defs, &imported, memo_len).map(|imports| Cut {
+            offset,
+            memo_len,
+            imports,
+        }),
+        None => None,
+    };
+    Ok(Pass { used, cut })
+}
+
+/// The values of the keys in `imported` (all below `memo_len`) from `defs`; `None`
+/// when one of them is not a string or global the pre-pass followed, or cannot be
+/// read (the second half is then not read apart).
+fn resolve(
+    blob: &Blob,
+    defs: &[(u32, Def)],
+    imported: &Used,
+    memo_len: u32,
+) -> Option<Vec<(u32, Import)>> {
+    let def = |key: u32| {
+        defs.binary_search_by_key(&key, |(k, _)| *k)
+            .ok()
+            .map(|i| defs[i].1)
+    };
+    let bytes = |src: Src| -> Option<Vec<u8>> {
+        let (at, n) = match src {
+            Src::Bytes(at, n) => (at, n),
+            Src::Key(k) => match def(k)? {
+                Def::Str(at, n) => (at, n),
+                Def::Global(..) => return None,
+            },
+            Src::Other => return None,
+        };
+        blob.read_vec(at, u64::from(n)).ok()
+    };
+    let mut imports = Vec::new();
+    for key in imported.keys().take_while(|&k| k < memo_len) {
+        let import = match def(key)? {
+            Def::Str(at, n) => Import::Str(bytes(Src::Bytes(at, n))?),
+            Def::Global(m, n) => Import::Global(bytes(m)?, bytes(n)?),
+        };
+        imports.push((key, import));
+    }
+    Some(imports)
+}
