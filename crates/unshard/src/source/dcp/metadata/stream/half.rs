@@ -137,8 +137,10 @@ fn second_half(
         // A key it cannot give a value makes the second half stop where it is fetched.
         if let Some(v) = v {
             m.memo.imports.push((*key, (v, 0)));
+            m.memo.imported.insert(*key);
         }
     }
+    m.memo.imported.count();
     let mut at = checkpoint(&m);
     let mut ops = 0u32;
     loop {

@@ -196,8 +196,9 @@ struct Memo<'a> {
     used: &'a Used,
     base: usize,
     values: Vec<(V, u16)>,
-    /// By key.
+    /// By key, the `j`th at place `j` in `imported`.
     imports: Vec<(u32, (V, u16))>,
+    imported: Used,
 }
 
 impl<'a> Memo<'a> {
@@ -207,6 +208,7 @@ impl<'a> Memo<'a> {
             base: 0,
             values: Vec::new(),
             imports: Vec::new(),
+            imported: Used::default(),
         }
     }
 
@@ -226,8 +228,8 @@ impl<'a> Memo<'a> {
         match i.checked_sub(self.base) {
             Some(i) => self.values.get(i),
             None => {
-                let j = self.imports.binary_search_by_key(&key, |(k, _)| *k).ok()?;
-                Some(&self.imports[j].1)
+                let j = self.imported.index(key)?;
+                self.imports.get(j).map(|(_, v)| v)
             }
         }
     }
