@@ -200,10 +200,15 @@ struct Reused {
 /// threads, each holding one copy of rank 0's arena: a file whose pickle differs
 /// from rank 0's only in free integers and strings (a shard's size, a mesh
 /// coordinate, a process group's name) is read as that arena with those values
-/// changed instead of being parsed; any other is parsed in full. Either way the records of its tensors (where the local tensor's bytes are,
-/// its box) are taken out, checked against rank 0's, and its pickle is dropped (or
-/// given back) before the thread reads another file. What is held is one record per
-/// tensor per rank, however many objects each rank's pickle holds.
+/// changed instead of being parsed, and holds its tensors at rank 0's nodes; any
+/// other is parsed in full. Each file's zip index is read and checked in full; one
+/// that lists rank 0's records, entry by entry, under the file's own folder shares
+/// rank 0's checks of the record names and its table of storage keys (see
+/// `torch/storages.rs`). Either way the records of its tensors (where the local
+/// tensor's bytes are, its box) are taken out, checked against rank 0's, and its
+/// pickle is dropped (or given back) before the thread reads another file. What is
+/// held is one record per tensor per rank, however many objects each rank's pickle
+/// holds.
 pub fn open(set: &RankSet, opts: &OpenOptions) -> Result<Checkpoint> {
     open_counted(set, opts).map(|(c, _)| c)
 }

@@ -13,7 +13,9 @@
 //!   and turning tensor views into [`Piece`]s;
 //! - `values`: soft accessors over pickle values;
 //! - `rebuild`: the rebuild calls that make a tensor ([`leaf`]);
-//! - `find`: where the state dict is inside the pickle ([`find_tensors`]).
+//! - `find`: where the state dict is inside the pickle ([`find_tensors`]);
+//! - `storages`: the storage table ([`Storages`]), and the records of one archive
+//!   kept to read others listing the same ones.
 
 use std::path::PathBuf;
 
@@ -340,8 +342,10 @@ fn payload(
 
 /// A `torch.save` file's pickle kept to read other files written by the same code
 /// (the other ranks' files of one job) without parsing theirs: a file whose pickle
-/// differs from it only in integers (see [`unshard_pickle::Template`]) gets the
-/// template's arena with those integers changed. Kept only for a pickle that calls
+/// differs from it only in integers and strings (see [`unshard_pickle::Template`])
+/// gets the template's arena with those values changed. Its archive's records are
+/// kept too: a file listing the same ones under its own folder shares their
+/// checks and storage keys. Kept only for a pickle that calls
 /// nothing `torch.load` would run unsafely, so that a file matching it does not
 /// either.
 #[derive(Debug)]
