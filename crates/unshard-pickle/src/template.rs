@@ -124,11 +124,7 @@ impl Template {
             // The bytes from here that both share are whole equal opcodes.
             let same = common_prefix(&t[at..], other.get(q..)?);
             let end = at + same;
-            // Skip the opcodes that end by `end`: a binary search over the
-            // opcodes' starts (opcode `j` ends where `j + 1` starts), not a walk
-            // through every opcode of the pickle.
-            k += self.ops[k + 1..].partition_point(|&(start, _, _)| start as usize <= end);
-            if k + 1 == self.ops.len() && self.op_end(k) <= end {
+            while k < self.ops.len() && self.op_end(k) <= end {
                 k += 1;
             }
             if k == self.ops.len() {
