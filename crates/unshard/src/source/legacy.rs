@@ -15,7 +15,7 @@ use std::path::Path;
 
 use unshard_pickle::{ErrorKind, Limits, Pickle, Value};
 
-use super::torch::{dict_get, seq_of, storage_table, str_of, StorageLoc, TorchPayload};
+use super::torch::{dict_get, seq_of, storage_table, str_of, StorageLoc, Storages, TorchPayload};
 use super::Blob;
 use crate::{Error, Result};
 
@@ -164,7 +164,7 @@ fn read_legacy_with(blob: &Blob, first: u64) -> Result<TorchPayload> {
         .iter()
         .map(|(k, d, n)| (k.as_str(), (*d, *n)))
         .collect();
-    let mut storages = HashMap::new();
+    let mut storages = Storages::default();
     let mut pos = at;
     let len = blob.len();
     for key in &key_list {

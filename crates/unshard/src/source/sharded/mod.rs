@@ -152,6 +152,9 @@ struct First<'a> {
     /// The tensor names in file order, and where each is.
     names: &'a [String],
     index: &'a HashMap<String, usize>,
+    /// The node of each tensor in rank 0's pickle, which a pickle read from its
+    /// template has at the same nodes.
+    nodes: &'a [NodeId],
     heads: &'a [Head],
 }
 
@@ -175,8 +178,18 @@ struct Collected {
     unsafe_calls: Vec<Vec<crate::scan::UnsafeCall>>,
     /// The error of the lowest rank that failed.
     error: Option<(usize, Error)>,
-    /// Files read from rank 0's template instead of parsed.
-    hits: u64,
+    /// What was taken from rank 0's file instead of read again.
+    reused: Reused,
+}
+
+/// How many later ranks' files were read with what rank 0's file holds.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+struct Reused {
+    /// Files whose pickle was read from rank 0's template instead of parsed.
+    pickles: u64,
+    /// Files whose archive lists rank 0's records, whose checks and storage keys
+    /// were taken from rank 0's.
+    tables: u64,
 }
 
 /// Opens every rank's file and describes the global tensors.
@@ -187,16 +200,21 @@ struct Collected {
 /// threads, each holding one copy of rank 0's arena: a file whose pickle differs
 /// from rank 0's only in free integers and strings (a shard's size, a mesh
 /// coordinate, a process group's name) is read as that arena with those values
-/// changed instead of being parsed; any other is parsed in full. Either way the records of its tensors (where the local tensor's bytes are,
-/// its box) are taken out, checked against rank 0's, and its pickle is dropped (or
-/// given back) before the thread reads another file. What is held is one record per
-/// tensor per rank, however many objects each rank's pickle holds.
+/// changed instead of being parsed, and holds its tensors at rank 0's nodes; any
+/// other is parsed in full. Each file's zip index is read and checked in full; one
+/// that lists rank 0's records, entry by entry, under the file's own folder shares
+/// rank 0's checks of the record names and its table of storage keys (see
+/// `torch/storages.rs`). Either way the records of its tensors (where the local
+/// tensor's bytes are, its box) are taken out, checked against rank 0's, and its
+/// pickle is dropped (or given back) before the thread reads another file. What is
+/// held is one record per tensor per rank, however many objects each rank's pickle
+/// holds.
 pub fn open(set: &RankSet, opts: &OpenOptions) -> Result<Checkpoint> {
     open_counted(set, opts).map(|(c, _)| c)
 }
 
-/// [`open`], and how many files were read from rank 0's template.
-fn open_counted(set: &RankSet, opts: &OpenOptions) -> Result<(Checkpoint, u64)> {
+/// [`open`], and how many files were read with what rank 0's holds.
+fn open_counted(set: &RankSet, opts: &OpenOptions) -> Result<(Checkpoint, Reused)> {
     let n = check_complete(set)?;
     let Some((_, name0)) = set.ranks.first() else {
         return Err(Error::corrupt(
@@ -234,7 +252,7 @@ fn open_counted(set: &RankSet, opts: &OpenOptions) -> Result<(Checkpoint, u64)> 
             payload: &payload,
             rank: 0,
         };
-        for (name, id) in names.iter().zip(nodes) {
+        for (name, &id) in names.iter().zip(&nodes) {
             let leaf = match torch::leaf(&payload.pickle, id) {
                 Ok(Some(l)) => l,
                 Ok(None) => return Err(Error::bad_tensor(&path0, name, "not a tensor")),
@@ -274,6 +292,7 @@ fn open_counted(set: &RankSet, opts: &OpenOptions) -> Result<(Checkpoint, u64)> 
         path0: &path0,
         names: &names,
         index: &index,
+        nodes: &nodes,
         heads: &heads,
     };
     let arena = template.as_ref().map(|_| payload.pickle);
@@ -286,7 +305,7 @@ fn open_counted(set: &RankSet, opts: &OpenOptions) -> Result<(Checkpoint, u64)> 
         files,
         coords,
         unsafe_calls,
-        hits,
+        reused,
         ..
     } = collected;
     unsafe0.extend(unsafe_calls.into_iter().flatten());
@@ -327,7 +346,7 @@ fn open_counted(set: &RankSet, opts: &OpenOptions) -> Result<(Checkpoint, u64)> 
         notes,
         unsafe_calls,
     };
-    Ok((ckpt, hits))
+    Ok((ckpt, reused))
 }
 
 /// Reads ranks 1.. into `out`, on up to [`READ_THREADS`] threads taking the next
@@ -385,7 +404,8 @@ fn read_later_ranks(
         }
         if let Some(reader) = reader {
             let mut c = shared.lock().unwrap_or_else(|e| e.into_inner());
-            c.hits += reader.hits;
+            c.reused.pickles += reader.hits;
+            c.reused.tables += reader.tables;
         }
     };
     let work = &work;
@@ -426,12 +446,16 @@ fn read_rank(
     let set = first.set;
     let path = set.dir.join(&set.ranks[r].1);
     let blob = Arc::new(crate::source::fs::open(&path)?);
-    let mut payload = match reader.as_deref_mut() {
-        Some(t) if torch::is_zip(&blob.head(64)?) => t.read(&blob)?,
-        _ => read_payload(&path, &blob)?,
+    let (mut payload, from_template) = match reader.as_deref_mut() {
+        Some(t) if torch::is_zip(&blob.head(64)?) => {
+            let hits = t.hits;
+            let payload = t.read(&blob)?;
+            (payload, t.hits > hits)
+        }
+        _ => (read_payload(&path, &blob)?, false),
     };
     let unsafe_calls = std::mem::take(&mut payload.unsafe_calls);
-    let records = records_of(first, r, &path, &payload);
+    let records = records_of(first, r, &path, &payload, from_template);
     if let Some(t) = reader {
         t.done(payload);
     }
@@ -446,22 +470,33 @@ fn read_rank(
 
 /// The record of each of rank 0's tensors in rank `r`'s payload, checked against
 /// rank 0's heads, and the rank's distinct mesh coordinates.
+///
+/// A payload read `from_template` holds its tensors at rank 0's nodes: finding the
+/// state dict looks at the pickle's structure, its dict keys and the globals of its
+/// calls only, none of which a template lets differ.
 fn records_of(
     first: &First<'_>,
     r: usize,
     path: &Path,
     payload: &TorchPayload,
+    from_template: bool,
 ) -> Result<(Vec<Held>, Vec<Vec<u64>>)> {
-    let found = torch::find_tensors(&payload.pickle, path, first.opts.key.as_deref())?;
     let rank = RankFile {
         path,
         payload,
         rank: r,
     };
-    let nodes = same_names(&rank, &found, first.names, first.index, first.path0)?;
+    let found;
+    let nodes = if from_template {
+        std::borrow::Cow::Borrowed(first.nodes)
+    } else {
+        found = torch::find_tensors(&payload.pickle, path, first.opts.key.as_deref())?;
+        let nodes = same_names(&rank, &found, first.names, first.index, first.path0)?;
+        std::borrow::Cow::Owned(nodes)
+    };
     let mut mine: Vec<Vec<u64>> = Vec::new();
     let mut held = Vec::with_capacity(first.names.len());
-    for ((name, id), head) in first.names.iter().zip(nodes).zip(first.heads) {
+    for ((name, &id), head) in first.names.iter().zip(nodes.iter()).zip(first.heads) {
         let leaf = match torch::leaf(&payload.pickle, id) {
             Ok(Some(l)) => l,
             Ok(None) => return Err(Error::bad_tensor(path, name, "not a tensor")),
@@ -706,7 +741,7 @@ fn refuse_flat_params(set: &RankSet, first: &Found) -> Result<()> {
 mod tests {
     use super::*;
 
-    fn open_fixture(name: &str) -> (Checkpoint, u64) {
+    fn open_fixture(name: &str) -> (Checkpoint, Reused) {
         let dir = Path::new(env!("CARGO_MANIFEST_DIR"))
             .join("../../fixtures")
             .join(name);
@@ -728,15 +763,16 @@ mod tests {
             ("sharded/llama_hsdp_2x2_ranks", 4),
             ("placements/ranks", 4),
         ] {
-            let (ckpt, hits) = open_fixture(name);
+            let (ckpt, reused) = open_fixture(name);
             assert_eq!(ckpt.files.len(), files, "{name}");
-            assert_eq!(hits, files as u64 - 1, "{name}");
+            assert_eq!(reused.pickles, files as u64 - 1, "{name}");
+            assert_eq!(reused.tables, files as u64 - 1, "{name}");
         }
         // Rank 1 names two tensors' storages the other way round: strings that
         // differ, read from the template (what it then holds: tests/sharded.rs).
-        let (_, hits) = open_fixture("sharded/llama_w2_ranks_swapped");
-        assert_eq!(hits, 1);
-        let (_, hits) = open_fixture("sharded/llama_w2_ranks_long_memo");
-        assert_eq!(hits, 0, "rank 1's opcodes are not rank 0's");
+        let (_, reused) = open_fixture("sharded/llama_w2_ranks_swapped");
+        assert_eq!(reused.pickles, 1);
+        let (_, reused) = open_fixture("sharded/llama_w2_ranks_long_memo");
+        assert_eq!(reused.pickles, 0, "rank 1's opcodes are not rank 0's");
     }
 }

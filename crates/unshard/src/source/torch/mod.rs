@@ -13,14 +13,15 @@
 //!   and turning tensor views into [`Piece`]s;
 //! - `values`: soft accessors over pickle values;
 //! - `rebuild`: the rebuild calls that make a tensor ([`leaf`]);
-//! - `find`: where the state dict is inside the pickle ([`find_tensors`]).
+//! - `find`: where the state dict is inside the pickle ([`find_tensors`]);
+//! - `storages`: the storage table ([`Storages`]), and the records of one archive
+//!   kept to read others listing the same ones.
 
-use std::collections::HashMap;
 use std::path::PathBuf;
 
 use unshard_pickle::{NodeId, Pickle, Value};
 
-use super::zip::{Archive, ZipIndex, METHOD_STORED};
+use super::zip::{Archive, ZipEntry, ZipIndex, METHOD_STORED};
 use super::{check_view, legacy, Blob, FileId, Piece, StorageId, TensorSource};
 use crate::dtype::DType;
 use crate::scan::UnsafeCall;
@@ -28,12 +29,15 @@ use crate::{Error, Result};
 
 mod find;
 mod rebuild;
+mod storages;
 mod values;
 
 pub use find::{find_tensors, plain_sources, Found, LOCAL_SHARD, WRAPPER_KEYS};
 pub use rebuild::{
     is_tensor_like, leaf, storage_table, subclass_local, Leaf, SubclassRef, TensorRef,
 };
+use storages::RecordTable;
+pub use storages::Storages;
 pub use values::describe;
 pub(crate) use values::{
     class_of, dict_get, dict_of, dims_of, dtype_of, field_of, int_of, seq_of, str_of,
@@ -63,7 +67,7 @@ pub struct TorchPayload {
     /// The object pickle (`data.pkl`), parsed inertly.
     pub pickle: Pickle,
     /// Storage key → where its bytes are.
-    pub storages: HashMap<String, StorageLoc>,
+    pub storages: Storages,
     /// Whether storages hold big-endian elements.
     pub big_endian: bool,
     /// What the file's pickles would run under `torch.load` (never run here).
@@ -172,31 +176,55 @@ fn records<'a>(a: &'a Archive<'_>, index: &ZipIndex) -> Result<Records<'a>> {
         });
     };
     let pkl_bytes = index.stored(a, pkl)?;
-    let big_endian = match index.find(&format!("{prefix}/byteorder")) {
-        None => false,
-        Some(e) => {
-            let b = index.stored(a, e)?;
-            match &b[..] {
-                b"little" => false,
-                b"big" => true,
-                other => {
-                    return Err(Error::corrupt(
-                        path,
-                        format!(
-                            "unknown byteorder record '{}'",
-                            String::from_utf8_lossy(other)
-                        ),
-                    ))
-                }
-            }
-        }
-    };
+    let big_endian = byte_order(a, index, index.find(&format!("{prefix}/byteorder")))?;
     Ok(Records {
         pkl_name,
         pkl_bytes,
         big_endian,
         data_prefix: format!("{prefix}/data/"),
     })
+}
+
+/// Whether the byte-order record says big-endian (no record: little-endian).
+fn byte_order(a: &Archive<'_>, index: &ZipIndex, entry: Option<&ZipEntry>) -> Result<bool> {
+    let Some(e) = entry else { return Ok(false) };
+    let b = index.stored(a, e)?;
+    match &b[..] {
+        b"little" => Ok(false),
+        b"big" => Ok(true),
+        other => Err(Error::corrupt(
+            &a.blob().path,
+            format!(
+                "unknown byteorder record '{}'",
+                String::from_utf8_lossy(other)
+            ),
+        )),
+    }
+}
+
+/// [`records`] of an archive whose index lists `table`'s records under its own
+/// folder: the checks rank 0's archive passed hold for it too (see `storages.rs`).
+/// `None` when it lists anything else.
+fn records_like<'a>(
+    a: &'a Archive<'_>,
+    index: &ZipIndex,
+    table: &RecordTable,
+) -> Result<Option<Records<'a>>> {
+    let Some(folder) = table.folder_of(index) else {
+        return Ok(None);
+    };
+    let (Some(pkl), byteorder) = (
+        index.entries.get(table.pkl),
+        table.byteorder.and_then(|i| index.entries.get(i)),
+    ) else {
+        return Ok(None);
+    };
+    Ok(Some(Records {
+        pkl_name: format!("{folder}/data.pkl"),
+        pkl_bytes: index.stored(a, pkl)?,
+        big_endian: byte_order(a, index, byteorder)?,
+        data_prefix: format!("{folder}/data/"),
+    }))
 }
 
 fn pickle_error(a: &Archive<'_>, records: &Records<'_>, source: unshard_pickle::Error) -> Error {
@@ -221,17 +249,31 @@ fn finish(
     pickle: Pickle,
     unsafe_calls: Option<Vec<UnsafeCall>>,
 ) -> Result<TorchPayload> {
+    let (storages, inflated) = storages_of(a, index, &records.data_prefix)?;
+    let all = (0..pickle.len()).map(|i| NodeId(i as u32));
+    check_storage_sizes(&pickle, all, &storages).map_err(|m| Error::corrupt(&a.blob().path, m))?;
+    Ok(payload(
+        a,
+        records,
+        pickle,
+        storages,
+        inflated,
+        unsafe_calls,
+    ))
+}
+
+/// The storages `index` lists under `data_prefix`, deflated ones inflated back to
+/// back into the returned bytes.
+fn storages_of(
+    a: &Archive<'_>,
+    index: &ZipIndex,
+    data_prefix: &str,
+) -> Result<(Storages, Vec<u8>)> {
     let path = &a.blob().path;
-    let Records {
-        pkl_name,
-        big_endian,
-        data_prefix,
-        ..
-    } = records;
-    let mut storages = HashMap::new();
+    let mut storages = Storages::default();
     let mut inflated = Vec::new();
     for e in &index.entries {
-        let Some(key) = e.name.strip_prefix(&data_prefix) else {
+        let Some(key) = e.name.strip_prefix(data_prefix) else {
             continue;
         };
         let loc = if e.method == METHOD_STORED {
@@ -256,7 +298,25 @@ fn finish(
         };
         storages.insert(key.to_string(), loc);
     }
-    check_storage_sizes(&pickle, &storages).map_err(|m| Error::corrupt(path, m))?;
+    Ok((storages, inflated))
+}
+
+/// The payload of an archive whose storages are located and checked against its
+/// pickle; what the pickle would run (`unsafe_calls`) is audited here when `None`.
+fn payload(
+    a: &Archive<'_>,
+    records: Records<'_>,
+    pickle: Pickle,
+    storages: Storages,
+    inflated: Vec<u8>,
+    unsafe_calls: Option<Vec<UnsafeCall>>,
+) -> TorchPayload {
+    let path = &a.blob().path;
+    let Records {
+        pkl_name,
+        big_endian,
+        ..
+    } = records;
     let unsafe_calls = match unsafe_calls {
         Some(calls) => calls,
         None => {
@@ -269,7 +329,7 @@ fn finish(
             crate::scan::audit_pickle(path, &entry, &pickle).0
         }
     };
-    Ok(TorchPayload {
+    TorchPayload {
         path: path.to_path_buf(),
         pickle,
         storages,
@@ -277,18 +337,26 @@ fn finish(
         unsafe_calls,
         inflated,
         inflated_file: None,
-    })
+    }
 }
 
 /// A `torch.save` file's pickle kept to read other files written by the same code
 /// (the other ranks' files of one job) without parsing theirs: a file whose pickle
-/// differs from it only in integers (see [`unshard_pickle::Template`]) gets the
-/// template's arena with those integers changed. Kept only for a pickle that calls
+/// differs from it only in integers and strings (see [`unshard_pickle::Template`])
+/// gets the template's arena with those values changed. Its archive's records are
+/// kept too: a file listing the same ones under its own folder shares their
+/// checks and storage keys. Kept only for a pickle that calls
 /// nothing `torch.load` would run unsafely, so that a file matching it does not
 /// either.
 #[derive(Debug)]
 pub struct PayloadTemplate {
     template: unshard_pickle::Template,
+    /// The arena's persistent ids: an arena read from the template has them at the
+    /// same nodes (only integer and string values change), so only they are checked
+    /// against the storages.
+    pids: Vec<NodeId>,
+    /// The archive's records, when a file listing the same ones can share them.
+    table: Option<RecordTable>,
 }
 
 /// Reads a `torch.save` zip file and keeps its pickle as a template for others
@@ -300,11 +368,27 @@ pub fn read_zip_file_as_template(blob: &Blob) -> Result<(TorchPayload, Option<Pa
     let (pickle, template) =
         unshard_pickle::Template::parse(&records.pkl_bytes, &unshard_pickle::Limits::default())
             .map_err(|e| pickle_error(&a, &records, e))?;
+    let folder = records
+        .data_prefix
+        .strip_suffix("/data/")
+        .unwrap_or_default()
+        .to_string();
     let payload = finish(&a, &index, records, pickle, None)?;
     let template = template
         .filter(|_| payload.unsafe_calls.is_empty())
-        .map(|template| PayloadTemplate { template });
+        .map(|template| PayloadTemplate {
+            template,
+            pids: persistent_ids(&payload.pickle),
+            table: RecordTable::new(&index, &folder),
+        });
     Ok((payload, template))
+}
+
+fn persistent_ids(p: &Pickle) -> Vec<NodeId> {
+    (0..p.len())
+        .map(|i| NodeId(i as u32))
+        .filter(|&id| matches!(p.get(id), Value::PersistentId(_)))
+        .collect()
 }
 
 /// Reads `torch.save` files against a [`PayloadTemplate`], holding one copy of the
@@ -319,6 +403,9 @@ pub struct TemplateReader<'t> {
     undo: Option<unshard_pickle::Changes>,
     /// Files read from the template.
     pub hits: u64,
+    /// Files whose archive lists the template's records (under their own folder),
+    /// whose storage keys were taken from the template's.
+    pub tables: u64,
 }
 
 impl<'t> TemplateReader<'t> {
@@ -330,6 +417,7 @@ impl<'t> TemplateReader<'t> {
             arena: Some(arena),
             undo: None,
             hits: 0,
+            tables: 0,
         }
     }
 
@@ -337,16 +425,40 @@ impl<'t> TemplateReader<'t> {
     pub fn read(&mut self, blob: &Blob) -> Result<TorchPayload> {
         let mut a = Archive::whole(blob);
         let index = ZipIndex::read(&mut a)?;
-        let records = records(&a, &index)?;
+        let table = self.template.table.as_ref();
+        let like = match table {
+            Some(table) => records_like(&a, &index, table)?,
+            None => None,
+        };
+        let shared = match (&like, table) {
+            (Some(_), Some(table)) => table.storages(&index, a.base()),
+            _ => None,
+        };
+        if shared.is_some() {
+            self.tables += 1;
+        }
+        let records = match like {
+            Some(r) => r,
+            None => records(&a, &index)?,
+        };
+        let (storages, inflated) = match shared {
+            Some(s) => (s, Vec::new()),
+            None => storages_of(&a, &index, &records.data_prefix)?,
+        };
+        let bad_size = |m| Error::corrupt(&blob.path, m);
         let changes = self.template.template.changes(&records.pkl_bytes);
         let (Some(changes), Some(mut arena)) = (changes, self.arena.take()) else {
             let pickle = parse_pickle(&a, &records)?;
-            return finish(&a, &index, records, pickle, None);
+            let all = (0..pickle.len()).map(|i| NodeId(i as u32));
+            check_storage_sizes(&pickle, all, &storages).map_err(bad_size)?;
+            return Ok(payload(&a, records, pickle, storages, inflated, None));
         };
         let undo = arena.apply(&changes);
         // On an error the arena is dropped with the payload, and every later file
         // is parsed in full: `undo` is kept only for a payload that holds it.
-        let payload = finish(&a, &index, records, arena, Some(Vec::new()))?;
+        let pids = self.template.pids.iter().copied();
+        check_storage_sizes(&arena, pids, &storages).map_err(bad_size)?;
+        let payload = payload(&a, records, arena, storages, inflated, Some(Vec::new()));
         self.undo = Some(undo);
         self.hits += 1;
         Ok(payload)
@@ -370,13 +482,15 @@ impl<'t> TemplateReader<'t> {
 
 /// Each storage's declared element count (in its persistent id) against the size of
 /// its record: torch refuses a file where they differ, and a reader that trusted
-/// either would read something else than torch.
+/// either would read something else than torch. `nodes` are the nodes to look at:
+/// every node, or the persistent ids of a template whose arena this is.
 fn check_storage_sizes(
     p: &Pickle,
-    storages: &HashMap<String, StorageLoc>,
+    nodes: impl Iterator<Item = NodeId>,
+    storages: &Storages,
 ) -> std::result::Result<(), String> {
-    for i in 0..p.len() {
-        let Value::PersistentId(pid) = p.get(NodeId(i as u32)) else {
+    for id in nodes {
+        let Value::PersistentId(pid) = p.get(id) else {
             continue;
         };
         let Some(t) = seq_of(p, *pid) else { continue };
@@ -384,8 +498,8 @@ fn check_storage_sizes(
             continue;
         }
         let key = match p.get(t[2]) {
-            Value::Str(s) => s.clone(),
-            Value::Int(i) => i.to_string(),
+            Value::Str(s) => std::borrow::Cow::Borrowed(s.as_str()),
+            Value::Int(i) => std::borrow::Cow::Owned(i.to_string()),
             _ => continue,
         };
         let class = values::global_of(p, t[1]).map(|g| g.1).unwrap_or("?");
@@ -397,7 +511,7 @@ fn check_storage_sizes(
         let (Some(size), Some(numel), Some(loc)) = (
             size,
             int_of(p, t[4]).and_then(|n| u64::try_from(n).ok()),
-            storages.get(&key),
+            storages.get(&key[..]),
         ) else {
             continue;
         };
