@@ -122,15 +122,22 @@ fn a_pickle_read_in_two_halves_reads_as_in_one() {
         let cuts = 16;
         for i in 0..cuts {
             let at = blob.len() * i / cuts;
+            let at = stream::CutAt::Offset(at);
             let (md, took) = stream::read_cut(&blob, keep, Some(at)).unwrap().unwrap();
             let md = resolved(&md);
-            assert_eq!(md.len(), whole.len(), "cut at {at}");
+            assert_eq!(md.len(), whole.len(), "cut at {at:?}");
             for (x, y) in md.iter().zip(&whole) {
-                assert_eq!(x, y, "cut at {at}");
+                assert_eq!(x, y, "cut at {at:?}");
             }
             taken += usize::from(took);
         }
         assert_eq!(taken, cuts as usize, "halves taken over");
+        // Where the halves hold about as many opcodes: a boundary is found and taken.
+        let (md, took) = stream::read_cut(&blob, keep, Some(stream::CutAt::Balanced))
+            .unwrap()
+            .unwrap();
+        assert!(took);
+        assert_eq!(resolved(&md), whole);
     }
 }
 

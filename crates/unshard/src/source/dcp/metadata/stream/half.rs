@@ -20,18 +20,19 @@ use std::sync::mpsc;
 
 use super::fold::{Deferred, Fold};
 use super::input::{Input, Used};
-use super::prepass::{Cut, Import};
+use super::prepass::{Cut, CutAt, Import};
 use super::{classify, intern, op, Keep, Machine, Metadata, OrStop, R, V};
 use crate::source::Blob;
 
 /// Files smaller than this are read by one thread: the second would save little.
 pub(super) const MIN_BYTES: u64 = 8 << 20;
 
-/// Where to look for a cut in a file of `len` bytes: its middle, when it is big
-/// enough and there is a second core to read the second half on.
-pub(super) fn cut_at(len: u64) -> Option<u64> {
+/// Whether to look for a cut in a file of `len` bytes: when it is big enough and
+/// there is a second core to read the second half on, where the halves would take
+/// about as long.
+pub(super) fn cut_at(len: u64) -> Option<CutAt> {
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-    (len >= MIN_BYTES && cores >= 2).then_some(len / 2)
+    (len >= MIN_BYTES && cores >= 2).then_some(CutAt::Balanced)
 }
 
 /// The second half, being read on another thread.
@@ -381,7 +382,9 @@ mod tests {
     #[test]
     fn a_second_half_that_assumed_other_values_is_not_taken() {
         let blob = fixture();
-        let pass = pre_pass(&blob, Some(blob.len() / 2)).ok().unwrap();
+        let pass = pre_pass(&blob, Some(CutAt::Offset(blob.len() / 2)))
+            .ok()
+            .unwrap();
         let cut = pass.cut.as_ref().unwrap();
         let read = || second_half(&blob, &pass.used, cut, Keep::All, &AtomicBool::new(false));
         let (whole, took) = Machine::new(&blob, &pass.used, Keep::All)
@@ -428,11 +431,17 @@ mod tests {
         let blob = fixture();
         let raw = blob.read_vec(0, blob.len()).unwrap();
         let at = blob.len() / 2;
-        let cut = pre_pass(&blob, Some(at)).ok().unwrap().cut.unwrap();
+        let cut = pre_pass(&blob, Some(CutAt::Offset(at)))
+            .ok()
+            .unwrap()
+            .cut
+            .unwrap();
         assert!(cut.offset >= at);
         // `MARK` after `SETITEMS`.
         assert_eq!(&raw[cut.offset as usize - 1..=cut.offset as usize], b"u(");
-        let pass = pre_pass(&blob, Some(blob.len() - 1)).ok().unwrap();
+        let pass = pre_pass(&blob, Some(CutAt::Offset(blob.len() - 1)))
+            .ok()
+            .unwrap();
         assert!(pass.cut.is_none());
     }
 }

@@ -23,6 +23,8 @@ mod half;
 mod input;
 mod prepass;
 
+pub(super) use prepass::CutAt;
+
 use fold::{Field, Fold};
 use input::{Input, Used};
 
@@ -55,12 +57,12 @@ pub(super) fn read(blob: &Blob, keep: Keep<'_>) -> crate::Result<Option<Metadata
     read_cut(blob, keep, half::cut_at(blob.len())).map(|r| r.map(|(md, _)| md))
 }
 
-/// [`read`], cut for a second thread at the first batch boundary at or after
-/// `cut_at`, if any; also says whether the second half was taken.
+/// [`read`], cut for a second thread where `cut_at` says, if anywhere; also says
+/// whether the second half was taken.
 pub(super) fn read_cut(
     blob: &Blob,
     keep: Keep<'_>,
-    cut_at: Option<u64>,
+    cut_at: Option<prepass::CutAt>,
 ) -> crate::Result<Option<(Metadata, bool)>> {
     let run = || -> R<(Metadata, bool)> {
         let pass = prepass::pre_pass(blob, cut_at)?;

@@ -43,6 +43,18 @@ pub(super) enum Import {
     Global(Vec<u8>, Vec<u8>),
 }
 
+/// Where to cut the pickle.
+#[derive(Clone, Copy, Debug)]
+pub(in crate::source::dcp::metadata) enum CutAt {
+    /// At the first batch boundary at or after this offset.
+    Offset(u64),
+    /// At the first batch boundary where the opcodes before it are about as many as
+    /// those after it, estimated from the last batch: the halves then take about as
+    /// long. (State-dict entries, before `storage_data`, hold more opcodes per byte
+    /// than storage pairs do, so the middle byte is not the middle of the work.)
+    Balanced,
+}
+
 /// Where a value on the stack came from, as far as the pre-pass follows it.
 #[derive(Clone, Copy, Debug)]
 enum Src {
@@ -63,9 +75,8 @@ enum Def {
 
 /// Walks the opcodes once, noting every memo key fetched. Gives up on any opcode the
 /// reading pass does not handle, and on memo keys that are not assigned in order.
-/// With `cut_at`, looks for a cut at the first batch boundary at or after that
-/// offset.
-pub(super) fn pre_pass(blob: &Blob, cut_at: Option<u64>) -> R<Pass> {
+/// With `cut_at`, looks for a batch boundary to cut at.
+pub(super) fn pre_pass(blob: &Blob, cut_at: Option<CutAt>) -> R<Pass> {
     let mut input = Input::new(blob);
     let mut used = Used::default();
     // Keys are assigned in increasing order (MEMOIZE: the memo's size; BINPUT: by
@@ -81,17 +92,32 @@ pub(super) fn pre_pass(blob: &Blob, cut_at: Option<u64>) -> R<Pass> {
     // Keys below the cut fetched after it.
     let mut imported = Used::default();
     let mut prev = STOP;
+    // Opcodes so far, and the offset and count at the last batch boundary.
+    let mut ops: u64 = 0;
+    let mut boundary: Option<(u64, u64)> = None;
     loop {
+        ops += 1;
         let at = input.position();
         let op = input.byte()?;
         let mut pushed = Src::Other;
         match op {
             STOP => break,
-            MARK => {
-                if cut.is_none() && prev == SETITEMS && cut_at.is_some_and(|c| at >= c) {
+            MARK if cut.is_none() && prev == SETITEMS => {
+                let here = match cut_at {
+                    None => false,
+                    Some(CutAt::Offset(c)) => at >= c,
+                    Some(CutAt::Balanced) => boundary.is_some_and(|(at0, ops0)| {
+                        // Opcodes per byte in the last batch, times the bytes left.
+                        let density = (ops - ops0) as f64 / (at - at0).max(1) as f64;
+                        ops as f64 >= density * blob.len().saturating_sub(at) as f64
+                    }),
+                };
+                if here {
                     cut = Some((at, u32::try_from(next).map_err(|_| GiveUp::Stop)?));
                 }
+                boundary = Some((at, ops));
             }
+            MARK => {}
             POP | EMPTY_TUPLE | TUPLE | TUPLE1 | TUPLE2 | TUPLE3 | EMPTY_LIST | EMPTY_DICT
             | APPEND | APPENDS | SETITEM | SETITEMS | NEWOBJ | REDUCE | BUILD | NONE | NEWTRUE
             | NEWFALSE => {}
