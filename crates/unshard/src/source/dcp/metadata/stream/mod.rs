@@ -23,6 +23,7 @@ mod half;
 mod input;
 mod prepass;
 
+#[cfg(test)]
 pub(super) use prepass::CutAt;
 
 use fold::{Field, Fold};

@@ -46,7 +46,8 @@ pub(super) enum Import {
 /// Where to cut the pickle.
 #[derive(Clone, Copy, Debug)]
 pub(in crate::source::dcp::metadata) enum CutAt {
-    /// At the first batch boundary at or after this offset.
+    /// At the first batch boundary at or after this offset (for tests).
+    #[cfg_attr(not(test), allow(dead_code))]
     Offset(u64),
     /// At the first batch boundary where the opcodes before it are about as many as
     /// those after it, estimated from the last batch: the halves then take about as
