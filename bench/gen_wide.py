@@ -11,9 +11,11 @@ Writes OUT/dcp (the checkpoint) and OUT/base (config.json for `unshard merge --b
 --optim adds Adam's exp_avg and exp_avg_sq for every parameter to the same
 checkpoint, as torchtitan saves them. --metadata-only writes the `.metadata` of
 Llama-3-405B's real shapes (hidden 16384, 126 layers unless --layers says otherwise,
-fp32) and rank files of the right length that hold no archives: for measuring the
-metadata alone (`unshard inspect` parses it, then stops at the first chunk with an
-error). --kind ranks writes verl's layout instead: OUT/ranks/model_world_size_N_rank_R.pt,
+fp32) and rank files of the right length that hold no archives: for the metadata
+alone (`unshard inspect` parses it, then reports the first chunk that is not an
+archive; since the archive scan looks at both ends of every chunk before that
+report, and the files are sparse, it takes tens of seconds, so time the parse in
+a profile rather than by `inspect`'s wall). --kind ranks writes verl's layout instead: OUT/ranks/model_world_size_N_rank_R.pt,
 one `torch.save` of the model's state dict per rank whose every value is a DTensor
 (`Shard(0)` over a 1-D mesh of all ranks, local shards split by the `torch.chunk` rule
 as FSDP2 saves them, empty ones included), made by torch itself in one process over a
