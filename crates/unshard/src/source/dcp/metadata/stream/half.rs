@@ -424,6 +424,38 @@ mod tests {
         assert_eq!(md, whole);
     }
 
+    /// A second half that stops inside a batch gives back its state at the last
+    /// boundary it passed: the items and memo values of the unfinished batch are not
+    /// in it (the first half reads that batch again).
+    #[test]
+    fn a_second_half_gives_back_its_state_at_the_last_boundary() {
+        // One batch `{'k1': 'v1'}`, then one that memoizes 'k2' (a key fetched again)
+        // and fetches a key the second half has no value for.
+        let first = b"(\x8c\x02k1\x8c\x02v1u";
+        let bytes = [&first[..], b"(\x8c\x02k2\x94h\x63"].concat();
+        let blob = Blob::owned(std::path::PathBuf::from(".metadata"), bytes);
+        let mut used = Used::default();
+        used.insert(0);
+        used.count();
+        let cut = Cut {
+            offset: 0,
+            memo_len: 0,
+            imports: Vec::new(),
+        };
+        let half = second_half(&blob, &used, &cut, Keep::All, &AtomicBool::new(false)).unwrap();
+        assert_eq!(half.end, first.len() as u64);
+        assert_eq!(half.memo_len, 0);
+        assert!(half.memo.is_empty());
+        assert_eq!(half.pairs.len(), 1);
+        let (V::Str(k), V::Str(v)) = &half.pairs[0] else {
+            panic!("{:?}", half.pairs)
+        };
+        assert_eq!(
+            (&*half.strings[*k as usize], &*half.strings[*v as usize]),
+            ("k1", "v1")
+        );
+    }
+
     /// The cut is at a batch boundary at or after the offset asked for, and there is
     /// none after the last one.
     #[test]
