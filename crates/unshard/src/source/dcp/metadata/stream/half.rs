@@ -198,20 +198,17 @@ fn checkpoint(m: &Machine<'_, '_>) -> Checkpoint {
 struct Renumber<'h> {
     from: &'h [String],
     map: Vec<Option<u32>>,
+    strings: &'h mut Vec<String>,
+    interned: &'h mut HashMap<String, u32>,
 }
 
 impl Renumber<'_> {
-    fn id(
-        &mut self,
-        id: u32,
-        strings: &mut Vec<String>,
-        interned: &mut HashMap<String, u32>,
-    ) -> Option<u32> {
+    fn id(&mut self, id: u32) -> Option<u32> {
         if let Some(Some(x)) = self.map.get(id as usize) {
             return Some(*x);
         }
         let s = self.from.get(id as usize)?;
-        let V::Str(x) = intern(strings, interned, s.as_bytes()).ok()? else {
+        let V::Str(x) = intern(self.strings, self.interned, s.as_bytes()).ok()? else {
             return None;
         };
         *self.map.get_mut(id as usize)? = Some(x);
@@ -220,21 +217,16 @@ impl Renumber<'_> {
 
     /// `v` in the first half's numbers; `None` for values that belong to a fold
     /// (entries, chunks, storage): the second half is then not taken.
-    fn value(
-        &mut self,
-        v: V,
-        strings: &mut Vec<String>,
-        interned: &mut HashMap<String, u32>,
-    ) -> Option<V> {
+    fn value(&mut self, v: V) -> Option<V> {
         Some(match v {
-            V::Str(id) => V::Str(self.id(id, strings, interned)?),
-            V::Tuple(items) => V::Tuple(self.values(items.into_vec(), strings, interned)?.into()),
-            V::List(items) => V::List(Box::new(self.values(*items, strings, interned)?)),
+            V::Str(id) => V::Str(self.id(id)?),
+            V::Tuple(items) => V::Tuple(self.values(items.into_vec())?.into()),
+            V::List(items) => V::List(Box::new(self.values(*items)?)),
             V::Dict(pairs) => {
                 let mut out = Vec::with_capacity(pairs.len());
                 for (k, x) in *pairs {
-                    let k = self.value(k, strings, interned)?;
-                    out.push((k, self.value(x, strings, interned)?));
+                    let k = self.value(k)?;
+                    out.push((k, self.value(x)?));
                 }
                 V::Dict(Box::new(out))
             }
@@ -245,16 +237,8 @@ impl Renumber<'_> {
         })
     }
 
-    fn values(
-        &mut self,
-        items: Vec<V>,
-        strings: &mut Vec<String>,
-        interned: &mut HashMap<String, u32>,
-    ) -> Option<Vec<V>> {
-        items
-            .into_iter()
-            .map(|x| self.value(x, strings, interned))
-            .collect()
+    fn values(&mut self, items: Vec<V>) -> Option<Vec<V>> {
+        items.into_iter().map(|x| self.value(x)).collect()
     }
 }
 
@@ -262,14 +246,8 @@ impl Machine<'_, '_> {
     /// At a `MARK`: when it is the cut, waits for the second half and takes it over.
     /// `true` when it did (the input has moved on past what the second half read).
     pub(super) fn take_half(&mut self) -> R<bool> {
-        let at_cut = self
-            .half
-            .as_ref()
-            .is_some_and(|p| self.input.position().checked_sub(1) == Some(p.cut));
-        if !at_cut {
-            return Ok(false);
-        }
-        let Some(p) = self.half.take() else {
+        let at = self.input.position().checked_sub(1);
+        let Some(p) = self.half.take_if(|p| at == Some(p.cut)) else {
             return Ok(false);
         };
         let Ok(Some(half)) = p.rx.recv() else {
@@ -305,18 +283,19 @@ impl Machine<'_, '_> {
         let mut r = Renumber {
             from: &half.strings,
             map: vec![None; half.strings.len()],
+            strings: &mut self.strings,
+            interned: &mut self.interned,
         };
-        let (strings, interned) = (&mut self.strings, &mut self.interned);
         let mut pairs = Vec::with_capacity(half.pairs.len());
         for (k, v) in half.pairs {
-            match (r.value(k, strings, interned), r.value(v, strings, interned)) {
+            match (r.value(k), r.value(v)) {
                 (Some(k), Some(v)) => pairs.push((k, v)),
                 _ => return Ok(false),
             }
         }
         let mut memo = Vec::with_capacity(half.memo.len());
         for (v, d) in half.memo {
-            let Some(v) = r.value(v, strings, interned) else {
+            let Some(v) = r.value(v) else {
                 return Ok(false);
             };
             memo.push((v, d));
@@ -331,7 +310,7 @@ impl Machine<'_, '_> {
         self.memo.values.extend(memo);
         let d = &half.deferred;
         for &(fqn, at, n, ref item) in &d.pairs {
-            let fqn = r.id(fqn, &mut self.strings, &mut self.interned).or_stop()?;
+            let fqn = r.id(fqn).or_stop()?;
             let dims = match at {
                 u32::MAX => None,
                 at => Some(d.dims.get(at as usize..(at + n) as usize).or_stop()?),
@@ -342,7 +321,7 @@ impl Machine<'_, '_> {
                 .adopt_storage(fqn, dims, item, (file, transforms))?;
         }
         for &fqn in &d.dropped {
-            let fqn = r.id(fqn, &mut self.strings, &mut self.interned).or_stop()?;
+            let fqn = r.id(fqn).or_stop()?;
             self.fold.adopt_dropped(fqn)?;
         }
         self.memo_len = half.memo_len;

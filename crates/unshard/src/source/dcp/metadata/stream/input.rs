@@ -144,15 +144,11 @@ impl Used {
     pub(super) fn index(&self, key: u32) -> Option<usize> {
         let k = key as usize;
         let word = *self.bits.get(k / 64)?;
-        let bit = 1u64 << (k % 64);
-        if word & bit == 0 {
-            return None;
-        }
-        let below = (word & (bit - 1)).count_ones() as usize;
-        Some(*self.before.get(k / 64)? as usize + below)
+        (word & (1u64 << (k % 64)) != 0).then(|| self.count_below(key))
     }
 
     /// How many of the keys fetched again are below `key`.
+    #[inline]
     pub(super) fn count_below(&self, key: u32) -> usize {
         let k = key as usize;
         match self.bits.get(k / 64) {
