@@ -8,6 +8,7 @@ use std::sync::Arc;
 
 use rayon::prelude::*;
 
+use super::batched::Batch;
 use super::computed::Computed;
 use super::digest::{self, Sha};
 use super::direct::BufferPool;
@@ -229,6 +230,9 @@ pub(crate) fn fill_block(
         filled = n;
     }
     let mut stats = Vec::new();
+    // Tensors whose pieces are all small are read together, file by file, after
+    // the others (see `batched`).
+    let mut batch = Batch::default();
     for Overlap { ti, off, lo, hi } in block.overlaps(plan) {
         let t = &plan.tensors[ti];
         if lo - b0 > filled {
@@ -248,6 +252,14 @@ pub(crate) fn fill_block(
             source,
             dtype: t.dtype,
         };
+        let size = t.dtype.size() as u64;
+        let whole = (lo - off) % size == 0 && (hi - off) % size == 0;
+        let window = ((lo - off) / size, (hi - off) / size);
+        let files = inputs.files(t.origin);
+        if whole && batch.add(ti, &copy, files, window, (lo - b0) as usize) {
+            filled = hi - b0;
+            continue;
+        }
         let s = fill_bytes(
             &copy,
             inputs.files(t.origin),
@@ -260,6 +272,10 @@ pub(crate) fn fill_block(
         filled = hi - b0;
     }
     out[filled as usize..].fill(0);
+    if scratch.len() < CHUNK_BYTES {
+        scratch.resize(CHUNK_BYTES, 0);
+    }
+    stats.extend(batch.fill(out, scratch)?);
     Ok((stats, block.len - header.saturating_sub(b0).min(block.len)))
 }
 

@@ -32,6 +32,7 @@ use crate::dtype::ConvertStats;
 use crate::plan::Plan;
 use crate::{Error, Result};
 
+mod batched;
 mod computed;
 pub mod digest;
 mod direct;
