@@ -231,3 +231,32 @@ fn the_pre_pass_split_checks_memo_keys_in_the_tail() {
         split_everywhere_agrees(&b, &cuts, &format!("get {i} as {}", key + 1));
     }
 }
+
+/// Times the pre-pass on one thread and on two on the `.metadata` named by
+/// `UNSHARD_PREPASS_FILE` (run with `--ignored --nocapture` in a release build), and
+/// checks that both find the same.
+#[test]
+#[ignore = "a measurement, on a file given by UNSHARD_PREPASS_FILE"]
+fn pre_pass_times_on_one_thread_and_two() {
+    let Some(path) = std::env::var_os("UNSHARD_PREPASS_FILE") else {
+        return;
+    };
+    let blob = crate::source::fs::open(Path::new(&path)).unwrap();
+    let from = tail::split_at(&blob);
+    let cut_at = Some(CutAt::Balanced);
+    for _ in 0..5 {
+        let t = std::time::Instant::now();
+        let one = found(pre_pass_split(&blob, cut_at, None).map(|(p, _)| p));
+        let t1 = t.elapsed();
+        let t = std::time::Instant::now();
+        let two = pre_pass_split(&blob, cut_at, from);
+        let t2 = t.elapsed();
+        let part = two.as_ref().ok().and_then(|(_, part)| *part);
+        let two = found(two.map(|(p, _)| p));
+        let cut = one.as_ref().and_then(|(_, c)| c.as_ref().map(|c| c.0));
+        println!(
+            "one {t1:?}, two {t2:?}: tail from {from:?}, cut at {cut:?}, stopped at part {part:?}"
+        );
+        assert_eq!(one, two);
+    }
+}
