@@ -140,8 +140,9 @@ fn the_pre_pass_split_agrees_on_changed_bytes() {
 }
 
 /// A framed pickle of a dict written in batches, its memo keys given (`BINPUT`,
-/// `LONG_BINPUT`) and fetched (`BINGET`, `LONG_BINGET`), and the offsets of each
-/// `LONG_BINPUT` and `LONG_BINGET` key.
+/// `LONG_BINPUT`, `MEMOIZE`) and fetched (`BINGET`, `LONG_BINGET`), each frame
+/// ending with a `MEMOIZE`; and the offsets of each `LONG_BINPUT` and `LONG_BINGET`
+/// key.
 fn pickle_with_keys() -> (Vec<u8>, Vec<usize>, Vec<usize>) {
     let mut ops: Vec<Vec<u8>> = vec![b"}q\x00".to_vec()];
     // A global from two strings: fetched in every batch.
@@ -160,13 +161,15 @@ fn pickle_with_keys() -> (Vec<u8>, Vec<usize>, Vec<usize>) {
             op.push(b'r');
             op.extend(next.to_le_bytes());
             ops.push(op);
-            // The item before, then the global.
+            // The string before, then the global.
             let mut op = vec![b'j'];
-            op.extend((next - 1).to_le_bytes());
+            op.extend((next - 2).to_le_bytes());
             ops.push(op);
             ops.push(b"h\x03".to_vec());
+            // The pair, memoized (without a key written out, as torch does).
             ops.push(b"\x86".to_vec());
-            next += 1;
+            ops.push(vec![MEMOIZE]);
+            next += 2;
         }
         ops.push(b"u".to_vec());
     }
@@ -177,7 +180,9 @@ fn pickle_with_keys() -> (Vec<u8>, Vec<usize>, Vec<usize>) {
     let mut ops = ops.into_iter().peekable();
     while ops.peek().is_some() {
         let mut frame = Vec::new();
-        while frame.len() < 200 {
+        // Ended after a `MEMOIZE`, so that a frame starts with the memo's size at a
+        // count no key written in it gives.
+        while frame.len() < 200 || frame.last() != Some(&MEMOIZE) {
             let Some(op) = ops.next() else { break };
             let at = bytes.len() + 9 + frame.len() + 1;
             match op[0] {
@@ -226,6 +231,7 @@ fn the_pre_pass_split_checks_memo_keys_in_the_tail() {
             split_everywhere_agrees(&b, &cuts, &format!("put {i} as {wrong}"));
         }
         // Fetched before it is given: the key being given next.
+        // (Each item gives two keys: its string's, then its pair's.)
         let b = changed(gets[i], key + 1);
         assert!(pre_pass_split(&b, None, None).is_err());
         split_everywhere_agrees(&b, &cuts, &format!("get {i} as {}", key + 1));
@@ -258,5 +264,55 @@ fn pre_pass_times_on_one_thread_and_two() {
             "one {t1:?}, two {t2:?}: tail from {from:?}, cut at {cut:?}, stopped at part {part:?}"
         );
         assert_eq!(one, two);
+    }
+}
+
+/// A frame that starts with another memo size than the walk from the start has (a
+/// `MEMOIZE` just before it taken away): the keys written in the tail agree among
+/// themselves, and not with the memo's size, so both walks give up.
+#[test]
+fn the_pre_pass_split_checks_the_tails_keys_against_the_memo_size() {
+    let (bytes, _, _) = pickle_with_keys();
+    let starts: Vec<u64> = frames::starts(&blob(bytes.clone())).collect();
+    let cut_at = Some(CutAt::Offset(bytes.len() as u64 / 4));
+    let mut checked = 0;
+    for &from in &starts[starts.len() / 2..] {
+        let mut changed = bytes.clone();
+        let memoize = from as usize - 1;
+        assert_eq!(changed[memoize], MEMOIZE);
+        changed[memoize] = NONE;
+        let b = blob(changed);
+        assert!(pre_pass_split(&b, cut_at, None).is_err());
+        let two = pre_pass_split(&b, cut_at, Some(from));
+        assert!(two.is_err(), "tail from {from}");
+        checked += 1;
+    }
+    assert!(checked > 5);
+}
+
+/// A tail that does not start where an opcode starts (a frame header that lies) is
+/// not taken: wherever it starts, the split finds what one walk finds.
+#[test]
+fn a_tail_inside_an_opcode_is_not_taken() {
+    let (bytes, _, _) = pickle_with_keys();
+    let b = blob(bytes);
+    let cuts = cuts(b.len());
+    for cut_at in cuts {
+        let one = found(pre_pass_split(&b, Some(cut_at), None).map(|(p, _)| p));
+        assert!(one.is_some());
+        for from in 0..b.len() + 2 {
+            let two = found(pre_pass_split(&b, Some(cut_at), Some(from)).map(|(p, _)| p));
+            assert_eq!(one, two, "{cut_at:?}, tail from {from}");
+        }
+    }
+    // The same in what torch writes, a byte or a few after each frame's start.
+    let path = fixtures().join("sharded/wide_metadata_batches/.metadata");
+    let b = crate::source::fs::open(&path).unwrap();
+    let one = found(pre_pass_split(&b, Some(CutAt::Balanced), None).map(|(p, _)| p));
+    for from in frames::starts(&b).skip(1) {
+        for from in [from + 1, from + 9, from + 12] {
+            let two = pre_pass_split(&b, Some(CutAt::Balanced), Some(from));
+            assert_eq!(one, found(two.map(|(p, _)| p)), "tail from {from}");
+        }
     }
 }
