@@ -10,6 +10,11 @@
 //! class names and fqns, strings and globals, which this pass records where they are
 //! memoized. Nothing here is trusted: the first half checks, when it reaches the
 //! cut, that its own state is the one the second half assumed.
+//!
+//! In a big framed file the pre-pass itself runs on two threads: a second walks
+//! from a frame near the middle to the end, noting only the keys it fetches (see
+//! `tail`), while the first walks from the start until it is past both that frame
+//! and the cut. The result is the one a single walk gives.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 
