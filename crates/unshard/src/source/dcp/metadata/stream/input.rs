@@ -183,6 +183,16 @@ impl Used {
         self.bits[k / 64] |= 1 << (k % 64);
     }
 
+    /// Adds the keys in `other`.
+    pub(super) fn union(&mut self, other: &Used) {
+        if self.bits.len() < other.bits.len() {
+            self.bits.resize(other.bits.len(), 0);
+        }
+        for (word, &more) in self.bits.iter_mut().zip(&other.bits) {
+            *word |= more;
+        }
+    }
+
     /// Numbers the keys once the pre-pass has found them all.
     pub(super) fn count(&mut self) {
         let mut n = 0u32;
