@@ -15,6 +15,7 @@
 use std::collections::{HashMap, HashSet};
 use std::io::Read;
 use std::path::Path;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use super::super::bytes::{FilePool, PooledFile};
@@ -179,62 +180,47 @@ impl<'a> Reader<'a> {
         self.prefetch_more();
     }
 
-    /// [`Reader::scan`] of `jobs` (sorted by file and offset): the files are split
-    /// between threads (one per core, up to [`SCAN_THREADS`]), each with its own
-    /// templates and window; returns the first thread's templates, with the hits
-    /// of all.
+    /// [`Reader::scan`] of `jobs` (sorted by file and offset) on up to one thread per
+    /// core ([`SCAN_THREADS`] at most), each with its own templates and window,
+    /// taking the next file from a shared queue when done with one (a fixed split
+    /// left one thread scanning alone while the other had finished early); returns
+    /// the first thread's templates, with the hits of all.
     fn scan_jobs(
         &mut self,
         tensors: &[(String, &Entry)],
         jobs: &[Job],
         first: Templates,
     ) -> Templates {
+        let groups: Vec<&[Job]> = jobs.chunk_by(|a, b| a.0 == b.0).collect();
         let threads = std::thread::available_parallelism()
             .map_or(1, |n| n.get())
-            .clamp(1, SCAN_THREADS);
-        // Runs of whole files, of about the same number of archives each.
-        let mut parts: Vec<&[Job]> = Vec::new();
-        let mut rest = jobs;
-        for k in (1..=threads).rev() {
-            let mut cut = rest.len().div_ceil(k);
-            while cut > 0 && cut < rest.len() && rest[cut].0 == rest[cut - 1].0 {
-                cut += 1;
-            }
-            let (a, b) = rest.split_at(cut);
-            if !a.is_empty() {
-                parts.push(a);
-            }
-            rest = b;
-        }
+            .clamp(1, SCAN_THREADS)
+            .min(groups.len().max(1));
+        let next = AtomicUsize::new(0);
+        let take = || groups.get(next.fetch_add(1, Ordering::Relaxed)).copied();
         let mut templates = vec![first];
-        templates.resize_with(parts.len().max(1), Templates::default);
+        templates.resize_with(threads, Templates::default);
         let (files, ends) = (&self.files, self.ends);
         let outs: Vec<Scanned> = {
             let (head, tail) = templates.split_at_mut(1);
             std::thread::scope(|scope| {
-                let handles: Vec<_> = parts
-                    .iter()
-                    .skip(1)
-                    .zip(tail.iter_mut())
-                    .map(|(&part, t)| {
+                let handles: Vec<_> = tail
+                    .iter_mut()
+                    .map(|t| {
                         std::thread::Builder::new()
                             .name("unshard-scan".into())
-                            .spawn_scoped(scope, move || scan_part(files, tensors, part, t, ends))
+                            .spawn_scoped(scope, || scan_part(files, tensors, take, t, ends))
                     })
                     .collect();
-                let mut outs: Vec<Scanned> = parts
-                    .first()
-                    .map(|&part| scan_part(files, tensors, part, &mut head[0], ends))
-                    .into_iter()
-                    .collect();
-                for (h, &part) in handles.into_iter().zip(parts.iter().skip(1)) {
-                    // A thread that cannot start (or stops) leaves its files to
-                    // this one.
-                    let out = h.ok().and_then(|h| h.join().ok());
-                    outs.push(
-                        out.unwrap_or_else(|| scan_part(files, tensors, part, &mut head[0], ends)),
-                    );
-                }
+                // This thread drains the queue too, so files a thread that cannot
+                // start would have taken are scanned here. (Files taken by a thread
+                // that stops are left unresolved: read when their tensors are built.)
+                let mut outs = vec![scan_part(files, tensors, take, &mut head[0], ends)];
+                outs.extend(
+                    handles
+                        .into_iter()
+                        .filter_map(|h| h.ok().and_then(|h| h.join().ok())),
+                );
                 outs
             })
         };
@@ -584,12 +570,13 @@ struct Scanned {
     reads: usize,
 }
 
-/// Resolves the archives of `jobs` (whole files, sorted by file and offset) against
-/// `templates`, a file at a time (see [`for_each_ends`]).
-fn scan_part(
+/// Resolves the archives of the files `next` hands out (each file's jobs, sorted by
+/// offset) against `templates`, a file at a time (see [`for_each_ends`]), until it
+/// hands out no more.
+fn scan_part<'j>(
     files: &[Arc<Blob>],
     tensors: &[(String, &Entry)],
-    jobs: &[Job],
+    next: impl Fn() -> Option<&'j [Job]>,
     templates: &mut Templates,
     ends_len: u64,
 ) -> Scanned {
@@ -613,7 +600,7 @@ fn scan_part(
         u32::try_from(i).ok()
     };
     let mut buf = Vec::new();
-    for group in jobs.chunk_by(|a, b| a.0 == b.0) {
+    while let Some(group) = next() {
         let Some(blob) = group.first().and_then(|j| files.get(j.0 as usize)) else {
             continue;
         };

@@ -467,14 +467,11 @@ mod tests {
             "{} of {chunks}",
             c.template_hits
         );
-        // The archives' ends were read a file at a time, not one read each.
+        // The archives' ends were read a file at a time, not one read each, and
+        // every file was scanned (the files are small: one read each), whichever
+        // thread took it.
         assert_eq!(p.scan_reads, 0);
-        assert!(
-            (1..=checked.files.len()).contains(&c.scan_reads),
-            "{} reads for {} files",
-            c.scan_reads,
-            checked.files.len()
-        );
+        assert_eq!(c.scan_reads, checked.files.len());
         assert_eq!(parsed.tensors.len(), checked.tensors.len());
         for (a, b) in parsed.tensors.iter().zip(&checked.tensors) {
             assert_eq!(a.name, b.name);
