@@ -476,6 +476,19 @@ mod tests {
         for (a, b) in parsed.tensors.iter().zip(&checked.tensors) {
             assert_eq!(a.name, b.name);
             assert_eq!(a.pieces, b.pieces, "{}", a.name);
+            // The layout counts the files its chunks are in.
+            let files: HashSet<usize> = b.pieces.iter().map(|p| p.file).collect();
+            let layout = b.layout.as_deref().unwrap_or_default();
+            if b.pieces.len() > 1 {
+                assert!(
+                    layout.ends_with(&format!(" in {} file(s)", files.len())),
+                    "{layout}"
+                );
+            }
         }
+        assert!(checked.tensors.iter().any(|t| t
+            .layout
+            .as_deref()
+            .is_some_and(|l| l.ends_with(" in 8 file(s)"))));
     }
 }
