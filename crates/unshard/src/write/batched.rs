@@ -76,15 +76,7 @@ impl<'a> Batch<'a> {
                 self.ops.truncate(before);
                 return false;
             }
-            for j in runs.first_ending_after(e0)..runs.count {
-                let r = runs.run(j);
-                if r.out >= e1 {
-                    break;
-                }
-                let (a, b) = (r.out.max(e0), (r.out + r.len).min(e1));
-                if a >= b {
-                    continue;
-                }
+            for (r, a, b) in runs.within(e0, e1) {
                 let len = (b - a) * isz;
                 if len > SMALL {
                     self.ops.truncate(before);

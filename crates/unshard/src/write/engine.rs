@@ -359,15 +359,7 @@ pub(crate) fn fill_window(
         // Bytes a strided gather touched (a local file gathers from a map), released
         // when the piece is done.
         let mut touched: Option<(u64, u64)> = None;
-        for j in runs.first_ending_after(e0)..runs.count {
-            let r = runs.run(j);
-            if r.out >= e1 {
-                break;
-            }
-            let (a, b) = (r.out.max(e0), (r.out + r.len).min(e1));
-            if a >= b {
-                continue;
-            }
+        for (r, a, b) in runs.within(e0, e1) {
             let first_src = r.src + (a - r.out) * stride;
             let start = p.byte_offset + first_src * isz;
             let dst = &mut out[((a - e0) * osz) as usize..((b - e0) * osz) as usize];

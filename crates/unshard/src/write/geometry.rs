@@ -89,6 +89,18 @@ impl<'a> PieceRuns<'a> {
         }
     }
 
+    /// The runs that hold output elements of `[e0, e1)`, in order, each with the
+    /// part of it inside: `(run, a, b)` for its elements `[a, b)`, never empty.
+    pub(crate) fn within(&self, e0: u64, e1: u64) -> impl Iterator<Item = (Run, u64, u64)> + '_ {
+        (self.first_ending_after(e0)..self.count)
+            .map(|j| self.run(j))
+            .take_while(move |r| r.out < e1)
+            .filter_map(move |r| {
+                let (a, b) = (r.out.max(e0), (r.out + r.len).min(e1));
+                (a < b).then_some((r, a, b))
+            })
+    }
+
     /// The first run that ends after output element `e` (`count` if none does).
     pub(crate) fn first_ending_after(&self, e: u64) -> u64 {
         let (mut lo, mut hi) = (0, self.count);
