@@ -7,9 +7,9 @@
 //! holds: at 582 K chunks, one read per chunk spent more time in the kernel's
 //! per-call work (the system call, the page-cache look-up) than in copying bytes.
 //! Here the small contiguous runs a block needs are gathered first, sorted by file
-//! and offset, and read in runs (neighbours less than [`GAP`] apart, at most the
-//! scratch buffer's length), then copied or converted from the buffer into the
-//! block: the chunks of all the block's tensors from one file come in one read.
+//! and offset, and read in runs ([`coalesce`]: neighbours less than [`GAP`] apart,
+//! at most the scratch buffer's length), then copied or converted from the buffer
+//! into the block: the chunks of all the block's tensors from one file come in one read.
 //! Pieces that are large, strided or byte-swapped are left to the per-piece path
 //! (`engine::fill_bytes`), which reads them straight into the output.
 
@@ -17,8 +17,8 @@ use std::sync::Arc;
 
 use super::engine::{convert_run, Copied};
 use super::geometry::PieceRuns;
-use crate::dtype::{self, ConvertStats};
-use crate::source::bytes::GAP;
+use crate::dtype::ConvertStats;
+use crate::source::bytes::{coalesce, GAP};
 use crate::source::Blob;
 use crate::{DType, Result};
 
@@ -99,52 +99,34 @@ impl<'a> Batch<'a> {
     }
 
     /// Reads every run taken and fills its part of `out` (the block), using
-    /// `scratch` (at least [`SMALL`] bytes) as the read buffer. Returns what
-    /// conversion saw per tensor.
+    /// `scratch` (at least [`SMALL`] bytes) as the read buffer: each file's runs are
+    /// read in [`coalesce`]d runs of neighbours. Returns what conversion saw per
+    /// tensor.
     pub(crate) fn fill(
-        mut self,
+        self,
         out: &mut [u8],
         scratch: &mut [u8],
     ) -> Result<Vec<(usize, ConvertStats)>> {
-        let cap = scratch.len() as u64;
-        self.ops
-            .sort_unstable_by_key(|o| (o.blob as *const Blob as usize, o.src));
-        let mut i = 0;
-        while i < self.ops.len() {
-            let first = &self.ops[i];
-            let (start, mut end) = (first.src, first.src + first.len);
-            let mut j = i + 1;
-            while let Some(o) = self.ops.get(j) {
-                let next_end = end.max(o.src + o.len);
-                if !std::ptr::eq(o.blob, first.blob)
-                    || o.src > end.saturating_add(GAP)
-                    || next_end - start > cap
-                {
-                    break;
+        let Batch { mut ops, mut stats } = self;
+        ops.sort_unstable_by_key(|o| (o.blob as *const Blob as usize, o.src));
+        for file in ops.chunk_by(|a, b| std::ptr::eq(a.blob, b.blob)) {
+            let ranges: Vec<(u64, u64)> = file.iter().map(|o| (o.src, o.len)).collect();
+            for run in coalesce(&ranges, GAP, scratch.len() as u64) {
+                let buf = &mut scratch[..(run.end - run.start) as usize];
+                file[0].blob.read_at(run.start, buf)?;
+                for o in run.members.iter().map(|&m| &file[m]) {
+                    let at = (o.src - run.start) as usize;
+                    let dst = &mut out[o.dst..o.dst + o.dst_len];
+                    stats[o.slot].1.add(convert_run(
+                        &buf[at..at + o.len as usize],
+                        o.from,
+                        dst,
+                        o.to,
+                    ));
                 }
-                end = next_end;
-                j += 1;
             }
-            let buf = &mut scratch[..(end - start) as usize];
-            first.blob.read_at(start, buf)?;
-            for o in &self.ops[i..j] {
-                let src = &buf[(o.src - start) as usize..(o.src - start + o.len) as usize];
-                let dst = &mut out[o.dst..o.dst + o.dst_len];
-                let s = if o.from == o.to {
-                    dst.copy_from_slice(src);
-                    if o.to.is_float() {
-                        dtype::scan(dst, o.to)
-                    } else {
-                        ConvertStats::default()
-                    }
-                } else {
-                    convert_run(src, o.from, dst, o.to)
-                };
-                self.stats[o.slot].1.add(s);
-            }
-            i = j;
         }
-        Ok(self.stats)
+        Ok(stats)
     }
 }
 

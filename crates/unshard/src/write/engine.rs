@@ -260,14 +260,7 @@ pub(crate) fn fill_block(
             filled = hi - b0;
             continue;
         }
-        let s = fill_bytes(
-            &copy,
-            inputs.files(t.origin),
-            lo - off,
-            hi - off,
-            dst,
-            scratch,
-        )?;
+        let s = fill_bytes(&copy, files, lo - off, hi - off, dst, scratch)?;
         stats.push((ti, s));
         filled = hi - b0;
     }
