@@ -203,6 +203,73 @@ fn a_dcp_checkpoint_of_archives_of_several_structures_merges_bit_exactly() {
     );
 }
 
+/// One chunk archive, in the middle of a rank file, laid out unlike the others of
+/// its structure but holding the same tensor (its records renamed): the merge,
+/// which planned it from the first archive of its structure, finds it when reading
+/// it, reads the checkpoint again checking every archive, says so, and writes the
+/// same bytes as transformers.
+#[test]
+fn an_archive_unlike_the_others_of_its_structure_merges_bit_exactly() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dcp = tmp.path().join("dcp");
+    std::fs::create_dir(&dcp).unwrap();
+    for e in std::fs::read_dir(fixtures().join("sharded/llama_w8_dcp")).unwrap() {
+        let e = e.unwrap();
+        std::fs::copy(e.path(), dcp.join(e.file_name())).unwrap();
+    }
+    let rank = dcp.join("__3_0.distcp");
+    let mut bytes = std::fs::read(&rank).unwrap();
+    let names: Vec<usize> = bytes
+        .windows(16)
+        .enumerate()
+        .filter(|(_, w)| w == b"archive/data.pkl")
+        .map(|(i, _)| i)
+        .collect();
+    // Local header and central directory name each pickle: the middle archive's
+    // records run from its local header to the next archive's.
+    let starts: Vec<usize> = names
+        .iter()
+        .filter(|&&i| i >= 30 && bytes[i - 30..].starts_with(b"PK\x03\x04"))
+        .map(|&i| i - 30)
+        .collect();
+    let k = starts.len() / 2;
+    let archive = &mut bytes[starts[k]..starts[k + 1]];
+    let mut renamed = 0;
+    for i in 0..archive.len() - 8 {
+        if &archive[i..i + 8] == b"archive/" {
+            archive[i + 6] = b'X';
+            renamed += 1;
+        }
+    }
+    assert!(renamed >= 8, "{renamed}");
+    std::fs::write(&rank, &bytes).unwrap();
+    let out = tmp.path().join("out");
+    let r = Command::new(env!("CARGO_BIN_EXE_unshard"))
+        .arg("merge")
+        .arg(&dcp)
+        .arg("--base")
+        .arg(fixtures().join("models/llama-bf16"))
+        .arg("--output")
+        .arg(&out)
+        .output()
+        .unwrap();
+    // The summary, notes included, goes to stderr.
+    let said = String::from_utf8_lossy(&r.stderr);
+    assert!(r.status.success(), "{said}");
+    assert!(
+        said.contains("__3_0.distcp")
+            && said.contains("read again with every chunk archive checked"),
+        "{said}"
+    );
+    let expected = fixtures().join("expected/llama_policy_into_llama-bf16/model.safetensors");
+    assert_eq!(
+        std::fs::read(out.join("model.safetensors")).unwrap(),
+        std::fs::read(expected).unwrap()
+    );
+    let left: Vec<_> = std::fs::read_dir(tmp.path()).unwrap().collect();
+    assert_eq!(left.len(), 2, "no staging left behind: {left:?}");
+}
+
 /// One chunk archive damaged in the middle of a rank file, between archives of the
 /// same structure: the merge fails naming the file, and writes nothing.
 #[test]

@@ -110,8 +110,18 @@ impl<'a> Batch<'a> {
         let Batch { mut ops, mut stats } = self;
         ops.sort_unstable_by_key(|o| (o.blob as *const Blob as usize, o.src));
         for file in ops.chunk_by(|a, b| std::ptr::eq(a.blob, b.blob)) {
-            let ranges: Vec<(u64, u64)> = file.iter().map(|o| (o.src, o.len)).collect();
-            for run in coalesce(&ranges, GAP, scratch.len() as u64) {
+            // Each run widened to what the source checks with it (a chunk archive
+            // around its tensor: see `ByteSource::extent`), unless that outgrows the
+            // buffer: then the source reads the rest itself.
+            let cap = scratch.len() as u64;
+            let ranges: Vec<(u64, u64)> = file
+                .iter()
+                .map(|o| match o.blob.extent(o.src, o.len) {
+                    (start, len) if len <= cap => (start, len),
+                    _ => (o.src, o.len),
+                })
+                .collect();
+            for run in coalesce(&ranges, GAP, cap) {
                 let buf = &mut scratch[..(run.end - run.start) as usize];
                 file[0].blob.read_at(run.start, buf)?;
                 for o in run.members.iter().map(|&m| &file[m]) {

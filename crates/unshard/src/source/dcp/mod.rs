@@ -90,6 +90,8 @@ struct Opened {
     pool: Option<Arc<FilePool>>,
     template_hits: u64,
     scan_reads: usize,
+    /// Archives planned to be checked when read.
+    on_read: usize,
 }
 
 /// [`open`], tuned.
@@ -116,7 +118,13 @@ fn open_tuned(dir: &Path, opts: &OpenOptions, tuning: &Tuning) -> Result<(Checkp
     }
     let selection = select(dir, &md, key)?;
     let pooled = md.file_count() > max_open && !super::fs::is_url(dir);
-    let mut reader = Reader::new(dir, ends, pooled.then_some(max_open), tuning.templates);
+    let mut reader = Reader::new(
+        dir,
+        ends,
+        pooled.then_some(max_open),
+        tuning.templates,
+        opts.check_on_read,
+    );
     let chosen: Vec<(String, &Entry)> = selection
         .tensors
         .iter()
@@ -150,6 +158,7 @@ fn open_tuned(dir: &Path, opts: &OpenOptions, tuning: &Tuning) -> Result<(Checkp
         pool: reader.pool.clone(),
         template_hits: reader.templates.as_ref().map_or(0, |t| t.hits),
         scan_reads: reader.scan_reads,
+        on_read: reader.on_read,
     };
     let checkpoint = Checkpoint {
         format: Format::Dcp,
@@ -490,5 +499,138 @@ mod tests {
             .layout
             .as_deref()
             .is_some_and(|l| l.ends_with(" in 8 file(s)"))));
+    }
+
+    /// A copy of `llama_w8_dcp` in `tmp` with the middle chunk archive of one rank
+    /// file changed by `change` (given the archive's bytes); returns its directory
+    /// and the archive's range in the file.
+    pub(crate) fn w8_with_one_archive_changed(
+        tmp: &Path,
+        change: impl FnOnce(&mut [u8]),
+    ) -> (PathBuf, std::ops::Range<usize>) {
+        let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/sharded/llama_w8_dcp");
+        let dir = tmp.join("dcp");
+        std::fs::create_dir_all(&dir).unwrap();
+        for e in std::fs::read_dir(src).unwrap() {
+            let e = e.unwrap();
+            std::fs::copy(e.path(), dir.join(e.file_name())).unwrap();
+        }
+        let rank = dir.join("__3_0.distcp");
+        let mut bytes = std::fs::read(&rank).unwrap();
+        // Each archive starts with the local header of its pickle.
+        let starts: Vec<usize> = bytes
+            .windows(16)
+            .enumerate()
+            .filter(|(i, w)| *w == b"archive/data.pkl" && *i >= 30)
+            .map(|(i, _)| i - 30)
+            .filter(|&i| bytes[i..].starts_with(b"PK\x03\x04"))
+            .collect();
+        assert!(starts.len() > 20, "{}", starts.len());
+        let k = starts.len() / 2;
+        let range = starts[k]..starts[k + 1];
+        change(&mut bytes[range.clone()]);
+        std::fs::write(&rank, &bytes).unwrap();
+        (dir, range)
+    }
+
+    /// Checked on read, the small archives of eight ranks are planned from the
+    /// first of their structure without a read each, and give the pieces and the
+    /// bytes that scanning them gives; every archive is checked once read.
+    #[test]
+    fn archives_checked_on_read_give_what_scanning_gives() {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/sharded/llama_w8_dcp");
+        let scan = OpenOptions::default();
+        let on_read = OpenOptions {
+            check_on_read: true,
+            ..OpenOptions::default()
+        };
+        let t = Tuning::default();
+        let (scanned, s) = open_tuned(&dir, &scan, &t).unwrap();
+        let (planned, p) = open_tuned(&dir, &on_read, &t).unwrap();
+        assert_eq!(s.on_read, 0);
+        let chunks: usize = scanned.tensors.iter().map(|t| t.pieces.len()).sum();
+        assert!(p.on_read > chunks / 2, "{} of {chunks}", p.on_read);
+        // Only the archives the scan still had to take were scanned.
+        assert_eq!(p.template_hits, 0);
+        assert_eq!(scanned.tensors.len(), planned.tensors.len());
+        for (a, b) in scanned.tensors.iter().zip(&planned.tensors) {
+            assert_eq!(a.name, b.name);
+            assert_eq!(a.pieces, b.pieces, "{}", a.name);
+            let (x, _) = read_tensor(&scanned.files, a, a.dtype).unwrap();
+            let (y, _) = read_tensor(&planned.files, b, b.dtype).unwrap();
+            assert_eq!(x, y, "{}", a.name);
+        }
+        planned.check_unread().unwrap();
+    }
+
+    /// One archive unlike the others of its structure (a pickle byte changed, or
+    /// its records renamed): the open checked on read does not see it, but any
+    /// read of its tensor fails naming the file, as does the check of what was
+    /// not read; scanned, the renamed archive is parsed and reads as before.
+    #[test]
+    fn an_archive_unlike_its_template_fails_the_read_that_touches_it() {
+        let on_read = OpenOptions {
+            check_on_read: true,
+            ..OpenOptions::default()
+        };
+        let renamed = |a: &mut [u8]| {
+            let at: Vec<usize> = a
+                .windows(8)
+                .enumerate()
+                .filter(|(_, w)| *w == b"archive/")
+                .map(|(i, _)| i)
+                .collect();
+            assert!(at.len() >= 8, "{}", at.len());
+            for i in at {
+                a[i + 6] = b'X';
+            }
+        };
+        let pickle_byte = |a: &mut [u8]| {
+            let p = a.windows(2).position(|w| w == b"\x80\x02").unwrap();
+            a[p + 12] ^= 0x20;
+        };
+        for (k, change) in [&renamed as &dyn Fn(&mut [u8]), &pickle_byte]
+            .into_iter()
+            .enumerate()
+        {
+            let tmp = tempfile::tempdir().unwrap();
+            let (dir, range) = w8_with_one_archive_changed(tmp.path(), change);
+            let (c, p) = open_tuned(&dir, &on_read, &Tuning::default()).unwrap();
+            assert!(p.on_read > 0);
+            let rank = c
+                .files
+                .iter()
+                .position(|f| f.path.ends_with("__3_0.distcp"))
+                .unwrap();
+            let (hit, clean): (Vec<_>, Vec<_>) = c.tensors.iter().partition(|t| {
+                t.pieces.iter().any(|p| {
+                    p.file == rank
+                        && (range.start as u64..range.end as u64).contains(&p.byte_offset)
+                })
+            });
+            assert_eq!(hit.len(), 1, "change {k}");
+            let e = read_tensor(&c.files, hit[0], hit[0].dtype).unwrap_err();
+            assert!(matches!(e, Error::Replan { .. }), "change {k}: {e}");
+            assert!(e.to_string().contains("__3_0.distcp"), "{e}");
+            for t in clean {
+                read_tensor(&c.files, t, t.dtype).unwrap();
+            }
+            let (c, _) = open_tuned(&dir, &on_read, &Tuning::default()).unwrap();
+            assert!(matches!(c.check_unread(), Err(Error::Replan { .. })));
+            if k == 0 {
+                let scanned = open(&dir, &OpenOptions::default()).unwrap();
+                let t = scanned
+                    .tensors
+                    .iter()
+                    .find(|t| t.name == hit[0].name)
+                    .unwrap();
+                let (x, _) = read_tensor(&scanned.files, t, t.dtype).unwrap();
+                let orig = Path::new(env!("CARGO_MANIFEST_DIR"))
+                    .join("../../fixtures/sharded/llama_w8_dcp");
+                let orig = open(&orig, &OpenOptions::default()).unwrap();
+                let o = orig.tensors.iter().find(|t| t.name == hit[0].name).unwrap();
+                assert_eq!(x, read_tensor(&orig.files, o, o.dtype).unwrap().0);
+            }
+        }
     }
 }

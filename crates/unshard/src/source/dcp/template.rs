@@ -16,6 +16,7 @@
 //! CRC of the records it reads (the pickle and the byte order), which are compared
 //! here byte for byte with CRC fields included, and never reads the free bytes.
 
+use super::super::bytes::Pattern;
 use super::super::zip::{Archive, ZipIndex};
 use super::super::Piece;
 use super::batch::Ends;
@@ -32,13 +33,8 @@ struct Key {
 }
 
 struct Template {
-    /// Bytes `0..head.len()` of the archive.
-    head: Vec<u8>,
-    /// Bytes `tail_at..` of the archive (empty when the head holds it all).
-    tail_at: u64,
-    tail: Vec<u8>,
-    /// Archive byte ranges that may differ, sorted.
-    free: Vec<(u64, u64)>,
+    /// Its ends as read, and the bytes free to differ.
+    pattern: Pattern,
     /// The tensor's first byte, from the start of the archive.
     rel_offset: u64,
     strides: Vec<u64>,
@@ -65,26 +61,6 @@ fn ends(a: &Archive<'_>, ends: u64) -> Result<(Vec<u8>, u64, Vec<u8>)> {
         len - ends,
         a.read_vec(len - ends, ends)?,
     ))
-}
-
-/// Whether `bytes` (archive bytes from `at`) equal `want` outside the free ranges.
-fn same(at: u64, bytes: &[u8], want: &[u8], free: &[(u64, u64)]) -> bool {
-    if bytes.len() != want.len() {
-        return false;
-    }
-    let end = at + bytes.len() as u64;
-    let mut pos = at;
-    for &(s, e) in free.iter().chain(std::iter::once(&(end, end))) {
-        let (s, e) = (s.clamp(at, end), e.clamp(at, end));
-        if s > pos {
-            let (i, j) = ((pos - at) as usize, (s - at) as usize);
-            if bytes[i..j] != want[i..j] {
-                return false;
-            }
-        }
-        pos = pos.max(e);
-    }
-    true
 }
 
 /// Where a template puts the tensor of an archive that matches it.
@@ -115,9 +91,7 @@ impl Templates {
     ) -> Option<Layout<'_>> {
         let hit = {
             let t = self.find(len, dtype, sizes)?;
-            ends.tail_at == t.tail_at
-                && same(0, ends.head, &t.head, &t.free)
-                && same(ends.tail_at, ends.tail, &t.tail, &t.free)
+            t.pattern.matches_ends(ends.head, ends.tail_at, ends.tail)
         };
         if !hit {
             return None;
@@ -128,6 +102,26 @@ impl Templates {
             rel_offset: t.rel_offset,
             strides: &t.strides,
             big_endian: t.big_endian,
+        })
+    }
+
+    /// The pattern of the archives of `len` bytes holding a `dtype` tensor of
+    /// `sizes`, and where it puts their tensor, if their template is known.
+    pub(super) fn pattern(
+        &self,
+        len: u64,
+        dtype: DType,
+        sizes: &[u64],
+    ) -> Option<(&Pattern, Layout<'_>)> {
+        self.find(len, dtype, sizes).map(|t| {
+            (
+                &t.pattern,
+                Layout {
+                    rel_offset: t.rel_offset,
+                    strides: &t.strides,
+                    big_endian: t.big_endian,
+                },
+            )
         })
     }
 
@@ -236,31 +230,17 @@ impl Templates {
         self.by_key.push((
             key,
             Template {
-                head,
-                tail_at,
-                tail,
-                free,
+                pattern: Pattern {
+                    head,
+                    tail_at,
+                    tail,
+                    free,
+                },
                 rel_offset,
                 strides: piece.strides.clone(),
                 big_endian: piece.big_endian,
             },
         ));
         Ok(())
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::same;
-
-    #[test]
-    fn bytes_are_compared_outside_the_free_ranges_only() {
-        let want = b"abcdefgh";
-        assert!(same(10, b"abXXefgh", want, &[(12, 14)]));
-        assert!(!same(10, b"abXXefgX", want, &[(12, 14)]));
-        assert!(!same(10, b"Xbcdefgh", want, &[(12, 14)]));
-        // Ranges outside the bytes, or overlapping their ends.
-        assert!(same(10, b"Xbcdefgh", want, &[(0, 11), (30, 40)]));
-        assert!(!same(10, b"abcdefgh", b"abcdefg", &[]));
     }
 }

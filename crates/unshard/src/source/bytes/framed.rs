@@ -1,0 +1,471 @@
+//! A byte source that checks the records around the bytes it serves.
+//!
+//! A reader that plans many small records from one it parsed (the chunk archives of
+//! a DCP checkpoint, planned from the first archive of each structure) need not read
+//! each record twice, once at open to check it and once more to copy its payload.
+//! It wraps the file in a [`Framed`] source instead, listing each record it did not
+//! read (a *frame*: a byte range of the file) and the [`Pattern`] the frame must
+//! match. A read that touches a frame checks the whole frame against its pattern,
+//! from the read's own buffer when the frame lies inside it ([`ByteSource::extent`]
+//! tells a caller how far to widen a read for that), else with one read of the
+//! frame; each frame is checked once. A frame unlike its pattern fails the read with
+//! [`Error::Replan`]: the plan made from the pattern may put the payload in the
+//! wrong place, so the caller opens the input again with every record checked up
+//! front. [`ByteSource::check_unread`] checks the frames no read has touched.
+
+use std::fmt;
+use std::path::Path;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use super::{coalesce, read_strided_by_spans, ByteSource, GAP, MAX_RUN};
+use crate::{Error, Result};
+
+/// What every frame planned from one parsed record holds: the record's bytes but
+/// for ranges free to differ (its payload, an id, their checksums).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Pattern {
+    /// Bytes `0..head.len()` of the frame.
+    pub head: Vec<u8>,
+    /// Where `tail` starts in the frame (the frame's length when the head holds it all).
+    pub tail_at: u64,
+    /// Bytes `tail_at..` of the frame. Bytes between the head and the tail are free.
+    pub tail: Vec<u8>,
+    /// Frame byte ranges free to differ, sorted by start.
+    pub free: Vec<(u64, u64)>,
+}
+
+impl Pattern {
+    /// The length of a frame of this pattern.
+    pub fn len(&self) -> u64 {
+        if self.tail.is_empty() {
+            self.head.len() as u64
+        } else {
+            self.tail_at + self.tail.len() as u64
+        }
+    }
+
+    /// Whether the pattern is of empty frames.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Whether a frame whose first `head.len()` bytes are `head` and whose bytes from
+    /// `tail_at` on are `tail` matches the pattern.
+    pub fn matches_ends(&self, head: &[u8], tail_at: u64, tail: &[u8]) -> bool {
+        tail_at == self.tail_at
+            && same(0, head, &self.head, &self.free)
+            && same(tail_at, tail, &self.tail, &self.free)
+    }
+
+    /// Whether `frame`, all of a frame's bytes, matches the pattern.
+    pub fn matches(&self, frame: &[u8]) -> bool {
+        if frame.len() as u64 != self.len() {
+            return false;
+        }
+        let head = &frame[..self.head.len()];
+        let tail_at = if self.tail.is_empty() {
+            frame.len() as u64
+        } else {
+            self.tail_at
+        };
+        self.matches_ends(head, tail_at, &frame[tail_at as usize..])
+    }
+}
+
+/// Whether `bytes` (frame bytes from `at`) equal `want` outside the `free` ranges.
+pub fn same(at: u64, bytes: &[u8], want: &[u8], free: &[(u64, u64)]) -> bool {
+    if bytes.len() != want.len() {
+        return false;
+    }
+    let end = at + bytes.len() as u64;
+    let mut pos = at;
+    for &(s, e) in free.iter().chain(std::iter::once(&(end, end))) {
+        let (s, e) = (s.clamp(at, end), e.clamp(at, end));
+        if s > pos {
+            let (i, j) = ((pos - at) as usize, (s - at) as usize);
+            if bytes[i..j] != want[i..j] {
+                return false;
+            }
+        }
+        pos = pos.max(e);
+    }
+    true
+}
+
+/// A byte range of a file that must match a pattern before any of it is served.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Frame {
+    /// Its first byte in the file.
+    pub offset: u64,
+    /// Its length: that of its pattern.
+    pub len: u32,
+    /// Index of its pattern.
+    pub pattern: u32,
+}
+
+/// A [`ByteSource`] whose reads check the frames they touch (see the module docs).
+pub struct Framed {
+    inner: Arc<dyn ByteSource>,
+    /// Sorted by offset, none overlapping the next.
+    frames: Vec<Frame>,
+    patterns: Arc<[Pattern]>,
+    /// One bit per frame: checked.
+    checked: Vec<AtomicU64>,
+}
+
+impl fmt::Debug for Framed {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Framed")
+            .field("inner", &self.inner)
+            .field("frames", &self.frames.len())
+            .finish()
+    }
+}
+
+impl Framed {
+    /// `inner` with `frames` to check against `patterns`. Frames that overlap one
+    /// before them, name no pattern, are not of their pattern's length or end past
+    /// the source are refused (`Err` holds the frames refused): the reader plans
+    /// those records another way.
+    pub fn new(
+        inner: Arc<dyn ByteSource>,
+        mut frames: Vec<Frame>,
+        patterns: Arc<[Pattern]>,
+    ) -> std::result::Result<Framed, Vec<Frame>> {
+        frames.sort_unstable_by_key(|f| f.offset);
+        let mut refused = Vec::new();
+        let mut end = 0u64;
+        let len = inner.len();
+        frames.retain(|f| {
+            let fits = patterns
+                .get(f.pattern as usize)
+                .is_some_and(|p| p.len() == u64::from(f.len));
+            let f_end = f.offset.saturating_add(u64::from(f.len));
+            let ok = fits && f.offset >= end && f_end <= len;
+            if ok {
+                end = f_end;
+            } else {
+                refused.push(*f);
+            }
+            ok
+        });
+        if !refused.is_empty() {
+            return Err(refused);
+        }
+        let words = frames.len().div_ceil(64);
+        Ok(Framed {
+            inner,
+            frames,
+            patterns,
+            checked: (0..words).map(|_| AtomicU64::new(0)).collect(),
+        })
+    }
+
+    /// How many frames have been checked.
+    pub fn checked(&self) -> usize {
+        self.checked
+            .iter()
+            .map(|w| w.load(Ordering::Relaxed).count_ones() as usize)
+            .sum()
+    }
+
+    fn is_checked(&self, k: usize) -> bool {
+        self.checked[k / 64].load(Ordering::Relaxed) & (1 << (k % 64)) != 0
+    }
+
+    fn mark(&self, k: usize) {
+        self.checked[k / 64].fetch_or(1 << (k % 64), Ordering::Relaxed);
+    }
+
+    /// The indices of the frames that overlap `offset..end`.
+    fn overlapping(&self, offset: u64, end: u64) -> std::ops::Range<usize> {
+        let first = self
+            .frames
+            .partition_point(|f| f.offset + u64::from(f.len) <= offset);
+        let last = first + self.frames[first..].partition_point(|f| f.offset < end);
+        first..last
+    }
+
+    /// Checks frame `k`, whose bytes are `bytes`.
+    fn check_frame(&self, k: usize, bytes: &[u8]) -> Result<()> {
+        let f = self.frames[k];
+        if self.patterns[f.pattern as usize].matches(bytes) {
+            self.mark(k);
+            return Ok(());
+        }
+        let end = f.offset + u64::from(f.len);
+        Err(Error::Replan {
+            path: self.inner.name().to_path_buf(),
+            msg: format!(
+                "the record at bytes {}..{end} is not laid out like the one it was planned from",
+                f.offset
+            ),
+        })
+    }
+
+    /// Checks every frame not yet checked that overlaps the `buf.len()` bytes at
+    /// `offset`, which `buf` holds.
+    fn check(&self, offset: u64, buf: &[u8]) -> Result<()> {
+        let end = offset + buf.len() as u64;
+        let mut frame = Vec::new();
+        for k in self.overlapping(offset, end) {
+            if self.is_checked(k) {
+                continue;
+            }
+            let f = self.frames[k];
+            let f_end = f.offset + u64::from(f.len);
+            if f.offset >= offset && f_end <= end {
+                let at = (f.offset - offset) as usize;
+                self.check_frame(k, &buf[at..at + f.len as usize])?;
+            } else {
+                frame.resize(f.len as usize, 0);
+                self.inner.read_at(f.offset, &mut frame)?;
+                self.check_frame(k, &frame)?;
+            }
+        }
+        Ok(())
+    }
+}
+
+impl ByteSource for Framed {
+    fn name(&self) -> &Path {
+        self.inner.name()
+    }
+
+    fn len(&self) -> u64 {
+        self.inner.len()
+    }
+
+    fn read_at(&self, offset: u64, buf: &mut [u8]) -> Result<()> {
+        self.inner.read_at(offset, buf)?;
+        self.check(offset, buf)
+    }
+
+    fn read_ranges(&self, ranges: &mut [(u64, &mut [u8])]) -> Result<()> {
+        self.inner.read_ranges(ranges)?;
+        ranges.iter().try_for_each(|(o, b)| self.check(*o, b))
+    }
+
+    fn will_need(&self, offset: u64, len: u64) {
+        self.inner.will_need(offset, len);
+    }
+
+    fn release(&self, offset: u64, len: u64) {
+        self.inner.release(offset, len);
+    }
+
+    fn will_need_together(&self, ranges: &[(u64, u64)]) {
+        self.inner.will_need_together(ranges);
+    }
+
+    fn done_with(&self, ranges: &[(u64, u64)]) {
+        self.inner.done_with(ranges);
+    }
+
+    fn readers(&self) -> usize {
+        self.inner.readers()
+    }
+
+    fn read_strided(&self, offset: u64, stride: u64, elem: usize, out: &mut [u8]) -> Result<()> {
+        let n = (out.len() / elem.max(1)) as u64;
+        let span = n
+            .saturating_sub(1)
+            .saturating_mul(stride)
+            .saturating_add(elem as u64);
+        if self
+            .overlapping(offset, offset.saturating_add(span))
+            .is_empty()
+        {
+            self.inner.read_strided(offset, stride, elem, out)
+        } else {
+            read_strided_by_spans(self, offset, stride, elem, out)
+        }
+    }
+
+    fn extent(&self, offset: u64, len: u64) -> (u64, u64) {
+        let end = offset.saturating_add(len);
+        let near = self.overlapping(offset, end);
+        let (Some(first), Some(last)) = (
+            self.frames.get(near.start),
+            near.end.checked_sub(1).and_then(|k| self.frames.get(k)),
+        ) else {
+            return (offset, len);
+        };
+        let start = offset.min(first.offset);
+        let end = end.max(last.offset + u64::from(last.len));
+        (start, end - start)
+    }
+
+    fn check_unread(&self) -> Result<()> {
+        let unread: Vec<(u64, u64)> = (0..self.frames.len())
+            .filter(|&k| !self.is_checked(k))
+            .map(|k| (self.frames[k].offset, u64::from(self.frames[k].len)))
+            .collect();
+        let mut buf = Vec::new();
+        for run in coalesce(&unread, GAP, MAX_RUN) {
+            buf.resize((run.end - run.start) as usize, 0);
+            self.read_at(run.start, &mut buf)?;
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+    use crate::source::bytes::MemBytes;
+    use std::path::PathBuf;
+
+    #[test]
+    fn bytes_are_compared_outside_the_free_ranges_only() {
+        let want = b"abcdefgh";
+        assert!(same(10, b"abXXefgh", want, &[(12, 14)]));
+        assert!(!same(10, b"abXXefgX", want, &[(12, 14)]));
+        assert!(!same(10, b"Xbcdefgh", want, &[(12, 14)]));
+        // Ranges outside the bytes, or overlapping their ends.
+        assert!(same(10, b"Xbcdefgh", want, &[(0, 11), (30, 40)]));
+        assert!(!same(10, b"abcdefgh", b"abcdefg", &[]));
+    }
+
+    /// A record of 40 bytes: "HEAD", a 4-byte id, 24 payload bytes, "TAIL", a
+    /// 4-byte id; the ids and the payload are free.
+    fn record(id: u8, payload: u8) -> Vec<u8> {
+        let mut r = b"HEAD".to_vec();
+        r.extend([id; 4]);
+        r.extend([payload; 24]);
+        r.extend(b"TAIL");
+        r.extend([id; 4]);
+        r
+    }
+
+    fn patterns(split: bool) -> Arc<[Pattern]> {
+        let r = record(0, 0);
+        let free = vec![(4, 8), (8, 32), (36, 40)];
+        let p = if split {
+            // Head and tail apart: the payload in between is not compared.
+            Pattern {
+                head: r[..10].to_vec(),
+                tail_at: 30,
+                tail: r[30..].to_vec(),
+                free,
+            }
+        } else {
+            Pattern {
+                head: r,
+                tail_at: 40,
+                tail: Vec::new(),
+                free,
+            }
+        };
+        Arc::new([p])
+    }
+
+    /// Ten records after 7 bytes of preamble, the fifth with a byte changed at `bad`
+    /// (if any), framed.
+    fn framed(bad: Option<usize>, split: bool) -> (Framed, Vec<u8>) {
+        let mut data = b"PREFACE".to_vec();
+        for k in 0..10u8 {
+            let mut r = record(k, 100 + k);
+            if let (4, Some(i)) = (k, bad) {
+                r[i] ^= 1;
+            }
+            data.extend(r);
+        }
+        let frames: Vec<Frame> = (0..10)
+            .map(|k| Frame {
+                offset: 7 + 40 * k,
+                len: 40,
+                pattern: 0,
+            })
+            .collect();
+        let src = Arc::new(MemBytes::new(PathBuf::from("rank.distcp"), data.clone()));
+        (Framed::new(src, frames, patterns(split)).unwrap(), data)
+    }
+
+    /// Reads serve the file's bytes and check each frame they touch once, from the
+    /// read's buffer or with a read of the frame when the read holds part of it.
+    #[test]
+    fn reads_check_the_frames_they_touch() {
+        for split in [false, true] {
+            let (f, data) = framed(None, split);
+            let mut buf = vec![0; 20];
+            // Inside the payload of record 2 only.
+            f.read_at(7 + 80 + 10, &mut buf).unwrap();
+            assert_eq!(buf, data[97..117]);
+            assert_eq!(f.checked(), 1);
+            // Records 0..=3 whole: three more, the preamble touches none.
+            let mut buf = vec![0; 7 + 160];
+            f.read_at(0, &mut buf).unwrap();
+            assert_eq!(buf, data[..167]);
+            assert_eq!(f.checked(), 4);
+            assert_eq!(f.extent(7 + 40 * 5 + 9, 3), (207, 40));
+            assert_eq!(f.extent(0, 8), (0, 47));
+            assert_eq!(f.extent(3, 2), (3, 2));
+            f.check_unread().unwrap();
+            assert_eq!(f.checked(), 10);
+        }
+    }
+
+    /// A byte changed outside the free ranges fails whichever read touches the
+    /// record, naming the file and the record; one in a free range does not.
+    #[test]
+    fn a_frame_unlike_its_pattern_fails_the_read() {
+        for split in [false, true] {
+            for bad in [0, 3, 32, 35] {
+                let (f, data) = framed(Some(bad), split);
+                let rec = 7 + 4 * 40;
+                let mut buf = vec![0; 2];
+                // A read of the neighbours passes; of any byte of record 4 fails.
+                f.read_at(rec - 2, &mut buf).unwrap();
+                f.read_at(rec + 40, &mut buf).unwrap();
+                let e = f.read_at(rec + 12, &mut buf).unwrap_err();
+                assert!(matches!(e, Error::Replan { .. }), "{e}");
+                let m = e.to_string();
+                assert!(
+                    m.contains("rank.distcp") && m.contains("bytes 167..207"),
+                    "{m}"
+                );
+                let mut all = vec![0; data.len()];
+                assert!(f.read_at(0, &mut all).is_err());
+                assert!(f.check_unread().is_err());
+                // Strided reads too.
+                let mut out = vec![0; 4];
+                assert!(f.read_strided(rec + 8, 4, 2, &mut out).is_err());
+            }
+            for free in [5, 8, 20, 31, 38] {
+                let (f, _) = framed(Some(free), split);
+                f.check_unread().unwrap();
+                assert_eq!(f.checked(), 10);
+            }
+        }
+        // In the middle of a split pattern (payload, never compared).
+        let (f, _) = framed(Some(12), true);
+        f.check_unread().unwrap();
+    }
+
+    /// Frames that overlap, end past the source or are not of their pattern's length
+    /// are refused, with the frames named.
+    #[test]
+    fn frames_that_cannot_be_checked_are_refused() {
+        let src = Arc::new(MemBytes::new(PathBuf::from("f"), vec![0; 100]));
+        let frame = |offset, len, pattern| Frame {
+            offset,
+            len,
+            pattern,
+        };
+        let ok = [frame(0, 40, 0), frame(40, 40, 0)];
+        assert!(Framed::new(src.clone(), ok.to_vec(), patterns(false)).is_ok());
+        for bad in [
+            frame(39, 40, 0),
+            frame(80, 40, 0),
+            frame(50, 39, 0),
+            frame(50, 40, 1),
+        ] {
+            let frames = vec![ok[0], ok[1], bad];
+            let refused = Framed::new(src.clone(), frames, patterns(false)).unwrap_err();
+            assert_eq!(refused, vec![bad]);
+        }
+    }
+}
