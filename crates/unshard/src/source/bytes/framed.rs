@@ -93,6 +93,32 @@ pub fn same(at: u64, bytes: &[u8], want: &[u8], free: &[(u64, u64)]) -> bool {
     true
 }
 
+/// The look-up table of [`Framed::index`] for `frames` (sorted, not overlapping):
+/// about one bucket per frame, each at least 64 bytes wide.
+fn index(frames: &[Frame]) -> (Vec<u32>, u64, u32) {
+    let (Some(first), Some(last)) = (frames.first(), frames.last()) else {
+        return (Vec::new(), 0, 0);
+    };
+    let base = first.offset;
+    let span = last.offset + u64::from(last.len) - base;
+    let per = (span / frames.len() as u64).max(64);
+    let shift = 63 - per.leading_zeros();
+    let buckets = (span >> shift) + 1;
+    let mut index = Vec::with_capacity(buckets as usize);
+    let mut k = 0;
+    for b in 0..buckets {
+        let at = base + (b << shift);
+        while frames
+            .get(k)
+            .is_some_and(|f| f.offset + u64::from(f.len) <= at)
+        {
+            k += 1;
+        }
+        index.push(k as u32);
+    }
+    (index, base, shift)
+}
+
 /// A byte range of a file that must match a pattern before any of it is served.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Frame {
@@ -112,6 +138,13 @@ pub struct Framed {
     patterns: Arc<[Pattern]>,
     /// One bit per frame: checked.
     checked: Vec<AtomicU64>,
+    /// Where to start looking for the frames at an offset: `index[b]` is the first
+    /// frame ending after `base + (b << shift)`. The engine looks up a frame per
+    /// read, and a binary search through hundreds of thousands of frames missed the
+    /// cache at every step.
+    index: Vec<u32>,
+    base: u64,
+    shift: u32,
 }
 
 impl fmt::Debug for Framed {
@@ -154,11 +187,15 @@ impl Framed {
             return Err(refused);
         }
         let words = frames.len().div_ceil(64);
+        let (index, base, shift) = index(&frames);
         Ok(Framed {
             inner,
             frames,
             patterns,
             checked: (0..words).map(|_| AtomicU64::new(0)).collect(),
+            index,
+            base,
+            shift,
         })
     }
 
@@ -180,10 +217,19 @@ impl Framed {
 
     /// The indices of the frames that overlap `offset..end`.
     fn overlapping(&self, offset: u64, end: u64) -> std::ops::Range<usize> {
-        let first = self
-            .frames
-            .partition_point(|f| f.offset + u64::from(f.len) <= offset);
-        let last = first + self.frames[first..].partition_point(|f| f.offset < end);
+        let b = offset.saturating_sub(self.base) >> self.shift;
+        let mut first = usize::try_from(b)
+            .ok()
+            .and_then(|b| self.index.get(b))
+            .map_or(self.frames.len(), |&k| k as usize);
+        let ends_before = |f: &Frame| f.offset + u64::from(f.len) <= offset;
+        while self.frames.get(first).is_some_and(ends_before) {
+            first += 1;
+        }
+        let mut last = first;
+        while self.frames.get(last).is_some_and(|f| f.offset < end) {
+            last += 1;
+        }
         first..last
     }
 
@@ -443,6 +489,61 @@ mod tests {
         // In the middle of a split pattern (payload, never compared).
         let (f, _) = framed(Some(12), true);
         f.check_unread().unwrap();
+    }
+
+    /// The frames a range overlaps, found through the look-up table, are those a
+    /// search of every frame finds: frames of mixed lengths, with gaps small and
+    /// large between them, ranges anywhere (before, between, after the frames).
+    #[test]
+    fn the_index_finds_the_frames_a_range_overlaps() {
+        let mut frames = Vec::new();
+        let mut at = 100u64;
+        for k in 0..300u64 {
+            let len = [40u32, 3, 200, 64, 1000][k as usize % 5];
+            frames.push(Frame {
+                offset: at,
+                len,
+                pattern: 0,
+            });
+            at += u64::from(len) + [0, 0, 7, 5000, 1][k as usize % 5];
+        }
+        let patterns: Vec<Pattern> = [40u64, 3, 200, 64, 1000]
+            .iter()
+            .map(|&n| Pattern {
+                head: vec![0; n as usize],
+                tail_at: n,
+                tail: Vec::new(),
+                free: Vec::new(),
+            })
+            .collect();
+        for f in &mut frames {
+            f.pattern = [40, 3, 200, 64, 1000].iter().position(|&n| n == f.len).unwrap() as u32;
+        }
+        let src = Arc::new(MemBytes::new(PathBuf::from("f"), vec![0; at as usize + 500]));
+        let f = Framed::new(src, frames.clone(), patterns.into()).unwrap();
+        // Every byte: the frame holding it, if any.
+        let mut owner = vec![None; at as usize + 400];
+        for (k, fr) in frames.iter().enumerate() {
+            for o in fr.offset..fr.offset + u64::from(fr.len) {
+                owner[o as usize] = Some(k);
+            }
+        }
+        for (o, &k) in owner.iter().enumerate() {
+            let got: Vec<usize> = f.overlapping(o as u64, o as u64 + 1).collect();
+            assert_eq!(got, k.into_iter().collect::<Vec<_>>(), "byte {o}");
+        }
+        let mut x = 12345u64;
+        for _ in 0..20_000 {
+            x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            let offset = (x >> 20) % (at + 400);
+            let len = 1 + (x >> 50) % [1, 50, 3000][(x % 3) as usize];
+            let end = offset + len;
+            let want: Vec<usize> = (0..frames.len())
+                .filter(|&k| frames[k].offset < end && frames[k].offset + u64::from(frames[k].len) > offset)
+                .collect();
+            let got: Vec<usize> = f.overlapping(offset, end).collect();
+            assert_eq!(got, want, "{offset}..{end}");
+        }
     }
 
     /// Frames that overlap, end past the source or are not of their pattern's length

@@ -38,6 +38,9 @@ pub(super) struct Reader<'a> {
     /// The files opened so far, then in-memory files of decompressed items.
     pub(super) files: Vec<Arc<Blob>>,
     by_name: HashMap<String, FileId>,
+    /// The file of each of `.metadata`'s file indexes, once opened: a chunk's file
+    /// is found without hashing its name (hundreds of thousands of chunks).
+    by_index: Vec<Option<FileId>>,
     /// Every chunk archive to be parsed, in parsing order: file, offset, length.
     ahead: Vec<(FileId, u64, u64)>,
     /// How many of `ahead` have been asked for.
@@ -112,6 +115,7 @@ impl<'a> Reader<'a> {
             dir,
             files: Vec::new(),
             by_name: HashMap::new(),
+            by_index: Vec::new(),
             ahead: Vec::new(),
             asked: 0,
             parsed: 0,
@@ -150,7 +154,7 @@ impl<'a> Reader<'a> {
                 };
                 let idx = self.resolved.len();
                 self.resolved.push(None);
-                let Ok(id) = self.file(md.file(&item), &entry.fqn) else {
+                let Ok(id) = self.file_of(md, &item, &entry.fqn) else {
                     continue;
                 };
                 let inside = item
@@ -172,12 +176,14 @@ impl<'a> Reader<'a> {
         }
         if self.ends > 0 {
             if let Some(mut templates) = self.templates.take() {
-                jobs.sort_unstable_by_key(|j| (j.0, j.1));
+                let mut rest;
                 let scanned = if self.check_on_read {
-                    &self.plan_on_read(tensors, &jobs, &mut templates)
+                    rest = self.plan_on_read(tensors, &jobs, &mut templates);
+                    &mut rest
                 } else {
-                    &jobs
+                    &mut jobs
                 };
+                scanned.sort_unstable_by_key(|j| (j.0, j.1));
                 self.templates = Some(self.scan_jobs(tensors, scanned, templates));
             }
         }
@@ -228,6 +234,20 @@ impl<'a> Reader<'a> {
         }
     }
 
+    /// The file `item` is stored in, opened if it was not yet (see [`Reader::file`]).
+    fn file_of(&mut self, md: &Metadata, item: &Item, tensor: &str) -> Result<FileId> {
+        let i = item.file_index() as usize;
+        if let Some(Some(id)) = self.by_index.get(i) {
+            return Ok(*id);
+        }
+        let id = self.file(md.file(item), tensor)?;
+        if self.by_index.len() <= i {
+            self.by_index.resize(i + 1, None);
+        }
+        self.by_index[i] = Some(id);
+        Ok(id)
+    }
+
     fn file(&mut self, name: &str, tensor: &str) -> Result<FileId> {
         if let Some(&id) = self.by_name.get(name) {
             return Ok(id);
@@ -257,7 +277,7 @@ impl<'a> Reader<'a> {
     /// The bytes of an item as stored: `(file, offset, length)` after checking the
     /// range lies inside its file.
     fn locate(&mut self, md: &Metadata, item: &Item, what: &str) -> Result<(FileId, u64, u64)> {
-        let id = self.file(md.file(item), what)?;
+        let id = self.file_of(md, item, what)?;
         let blob = &self.files[id];
         let end = item.offset.checked_add(item.length);
         match end {

@@ -39,10 +39,10 @@ struct Plan {
 }
 
 impl Reader<'_> {
-    /// Plans the archives of `jobs` (sorted by file and offset) that can be checked
-    /// on read, parsing the first of each structure (the template) and resolving
-    /// the rest from it, and wraps their files in [`Framed`] sources. Returns the
-    /// jobs left for the scan.
+    /// Plans the archives of `jobs` (in the order of their tensors) that can be
+    /// checked on read, parsing the first of each structure (the template) and
+    /// resolving the rest from it, and wraps their files in [`Framed`] sources.
+    /// Returns the jobs left for the scan.
     pub(super) fn plan_on_read(
         &mut self,
         tensors: &[(String, &Entry)],
@@ -54,6 +54,7 @@ impl Reader<'_> {
         let mut patterns: Vec<Pattern> = Vec::new();
         // (job, plan) of the archives to frame, in the order of `jobs`.
         let mut framed: Vec<(Job, Plan)> = Vec::new();
+        let mut last: Option<((u64, DType, &[u64]), Option<Plan>)> = None;
         for &job in jobs {
             let (_, _, length, _, t, c) = job;
             let EntryKind::Tensor { dtype, chunks, .. } = &tensors[t as usize].1.kind else {
@@ -64,8 +65,18 @@ impl Reader<'_> {
                 rest.push(job);
                 continue;
             }
-            let plan = match plans.get(&(length, *dtype, sizes)) {
-                Some(plan) => *plan,
+            // The chunks of a tensor are mostly of one structure: the last one
+            // looked up is tried before the table.
+            let key = (length, *dtype, sizes);
+            let known = match &last {
+                Some((k, plan)) if *k == key => Some(*plan),
+                _ => plans.get(&key).copied(),
+            };
+            let plan = match known {
+                Some(plan) => {
+                    last = Some((key, plan));
+                    plan
+                }
                 None => {
                     let (plan, resolved) = self.seed(job, *dtype, sizes, templates, &mut patterns);
                     plans.insert((length, *dtype, sizes), plan);
@@ -81,6 +92,7 @@ impl Reader<'_> {
             }
         }
         let patterns: Arc<[Pattern]> = patterns.into();
+        framed.sort_unstable_by_key(|(j, _)| (j.0, j.1));
         for file in framed.chunk_by(|a, b| a.0 .0 == b.0 .0) {
             let id = file[0].0 .0 as FileId;
             let frame = |&(j, p): &(Job, Plan)| Frame {
@@ -117,7 +129,6 @@ impl Reader<'_> {
             }
             self.files[id] = Arc::new(Blob::new(Arc::new(source)));
         }
-        rest.sort_unstable_by_key(|j| (j.0, j.1));
         rest
     }
 
