@@ -189,8 +189,9 @@ pub fn merge_into(
     }
 }
 
-/// [`merge_into`], opening the checkpoint with `check_on_read` as given.
-fn merge_once(
+/// [`merge_into`], opening the checkpoint with `check_on_read` as given (tests
+/// compare the two).
+pub(crate) fn merge_once(
     opts: &MergeOptions,
     progress: &dyn Progress,
     open_sink: &dyn Fn() -> Result<Box<dyn Sink>>,

@@ -44,6 +44,7 @@ fn safetensors(n: usize, elems: usize) -> Vec<u8> {
 /// request (not one per tensor), and each input byte once.
 #[test]
 fn each_block_reads_its_tensors_with_one_request() {
+    let _one_at_a_time = COUNTED.lock().unwrap_or_else(|e| e.into_inner());
     let mem = Arc::new(InMemory::new());
     store::register("s3://block-gets", mem.clone());
     let (n, elems) = (24, 1 << 18);
@@ -89,3 +90,57 @@ fn each_block_reads_its_tensors_with_one_request() {
         std::fs::read(dir.path().join("local").join(name)).unwrap()
     );
 }
+
+/// A DCP checkpoint of eight ranks read from the store: its small chunk archives
+/// are planned at open and checked as the engine reads them. Those checks make no
+/// request of their own: the merge makes no more requests than one that checks
+/// every archive at open, and writes the same bytes as transformers.
+#[test]
+fn archives_checked_on_read_cost_no_requests_of_their_own() {
+    let _one_at_a_time = COUNTED.lock().unwrap_or_else(|e| e.into_inner());
+    let mem = Arc::new(InMemory::new());
+    store::register("s3://dcp-gets", mem.clone());
+    let fixtures = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures");
+    for e in std::fs::read_dir(fixtures.join("sharded/llama_w8_dcp")).unwrap() {
+        let e = e.unwrap();
+        let key = format!("ckpt/{}", e.file_name().to_string_lossy());
+        let bytes = std::fs::read(e.path()).unwrap();
+        store::block_on(mem.put(&key.as_str().into(), PutPayload::from(bytes))).unwrap();
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let name = "model.safetensors";
+    let expected = std::fs::read(
+        fixtures
+            .join("expected/llama_policy_into_llama-bf16")
+            .join(name),
+    );
+    let mut gets = Vec::new();
+    for (k, on_read) in [false, true].into_iter().enumerate() {
+        let output = dir.path().join(format!("out{k}"));
+        let opts = MergeOptions {
+            checkpoint: "s3://dcp-gets/ckpt".into(),
+            base: Some(fixtures.join("models/llama-bf16")),
+            output: output.clone(),
+            ..MergeOptions::default()
+        };
+        let sink = || -> crate::Result<Box<dyn crate::write::Sink>> {
+            Ok(Box::new(crate::write::StagingDir::create(&output)?))
+        };
+        let before = fetched().0;
+        crate::merge::merge_once(&opts, &NoProgress, &sink, on_read).unwrap();
+        gets.push(fetched().0 - before);
+        assert_eq!(
+            std::fs::read(output.join(name)).unwrap(),
+            *expected.as_ref().unwrap()
+        );
+    }
+    assert!(
+        gets[1] <= gets[0],
+        "checked at open: {}, on read: {}",
+        gets[0],
+        gets[1]
+    );
+}
+
+/// The request counters are global: tests that read them run one at a time.
+static COUNTED: std::sync::Mutex<()> = std::sync::Mutex::new(());

@@ -21,6 +21,10 @@ use std::sync::Arc;
 use super::{coalesce, read_strided_by_spans, ByteSource, GAP, MAX_RUN};
 use crate::{Error, Result};
 
+/// The longest read [`Framed`] widens to the frames it holds part of (longer ones
+/// read those frames apart).
+const WIDEN_MAX: usize = 1 << 20;
+
 /// What every frame planned from one parsed record holds: the record's bytes but
 /// for ranges free to differ (its payload, an id, their checksums).
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -233,6 +237,11 @@ impl Framed {
         first..last
     }
 
+    /// `ranges`, each widened to the frames it touches (see [`ByteSource::extent`]).
+    fn widened(&self, ranges: &[(u64, u64)]) -> Vec<(u64, u64)> {
+        ranges.iter().map(|&(o, n)| self.extent(o, n)).collect()
+    }
+
     /// Checks frame `k`, whose bytes are `bytes`.
     fn check_frame(&self, k: usize, bytes: &[u8]) -> Result<()> {
         let f = self.frames[k];
@@ -284,6 +293,22 @@ impl ByteSource for Framed {
     }
 
     fn read_at(&self, offset: u64, buf: &mut [u8]) -> Result<()> {
+        let end = offset + buf.len() as u64;
+        // A short read that holds part of a frame not yet checked is widened to the
+        // whole frame: one read instead of two (one request, for an object store).
+        let partial = self.overlapping(offset, end).any(|k| {
+            let f = self.frames[k];
+            !self.is_checked(k) && (f.offset < offset || f.offset + u64::from(f.len) > end)
+        });
+        if partial && buf.len() <= WIDEN_MAX {
+            let (start, len) = self.extent(offset, buf.len() as u64);
+            let mut wide = vec![0; len as usize];
+            self.inner.read_at(start, &mut wide)?;
+            self.check(start, &wide)?;
+            let at = (offset - start) as usize;
+            buf.copy_from_slice(&wide[at..at + buf.len()]);
+            return Ok(());
+        }
         self.inner.read_at(offset, buf)?;
         self.check(offset, buf)
     }
@@ -293,7 +318,11 @@ impl ByteSource for Framed {
         ranges.iter().try_for_each(|(o, b)| self.check(*o, b))
     }
 
+    // Hints name the frames around the bytes too: reads are widened to them (see
+    // `extent`), and a source that fetches what it is told (an object store) would
+    // otherwise make a request of its own for each frame's ends.
     fn will_need(&self, offset: u64, len: u64) {
+        let (offset, len) = self.extent(offset, len);
         self.inner.will_need(offset, len);
     }
 
@@ -302,11 +331,11 @@ impl ByteSource for Framed {
     }
 
     fn will_need_together(&self, ranges: &[(u64, u64)]) {
-        self.inner.will_need_together(ranges);
+        self.inner.will_need_together(&self.widened(ranges));
     }
 
     fn done_with(&self, ranges: &[(u64, u64)]) {
-        self.inner.done_with(ranges);
+        self.inner.done_with(&self.widened(ranges));
     }
 
     fn readers(&self) -> usize {
@@ -517,9 +546,15 @@ mod tests {
             })
             .collect();
         for f in &mut frames {
-            f.pattern = [40, 3, 200, 64, 1000].iter().position(|&n| n == f.len).unwrap() as u32;
+            f.pattern = [40, 3, 200, 64, 1000]
+                .iter()
+                .position(|&n| n == f.len)
+                .unwrap() as u32;
         }
-        let src = Arc::new(MemBytes::new(PathBuf::from("f"), vec![0; at as usize + 500]));
+        let src = Arc::new(MemBytes::new(
+            PathBuf::from("f"),
+            vec![0; at as usize + 500],
+        ));
         let f = Framed::new(src, frames.clone(), patterns.into()).unwrap();
         // Every byte: the frame holding it, if any.
         let mut owner = vec![None; at as usize + 400];
@@ -534,12 +569,16 @@ mod tests {
         }
         let mut x = 12345u64;
         for _ in 0..20_000 {
-            x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            x = x
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
             let offset = (x >> 20) % (at + 400);
             let len = 1 + (x >> 50) % [1, 50, 3000][(x % 3) as usize];
             let end = offset + len;
             let want: Vec<usize> = (0..frames.len())
-                .filter(|&k| frames[k].offset < end && frames[k].offset + u64::from(frames[k].len) > offset)
+                .filter(|&k| {
+                    frames[k].offset < end && frames[k].offset + u64::from(frames[k].len) > offset
+                })
                 .collect();
             let got: Vec<usize> = f.overlapping(offset, end).collect();
             assert_eq!(got, want, "{offset}..{end}");

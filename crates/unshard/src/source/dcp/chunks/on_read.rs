@@ -29,6 +29,9 @@ use crate::DType;
 /// The longest archive planned without a read at open.
 pub(super) const ON_READ_MAX: u64 = 64 << 10;
 
+/// The structure of an archive: its length, and the dtype and sizes of its tensor.
+type Key<'m> = (u64, DType, &'m [u64]);
+
 /// How the archives of one structure are planned: from the pattern of index
 /// `pattern`, the tensor `rel_offset` bytes into the archive, with layout `layout`.
 #[derive(Clone, Copy)]
@@ -50,11 +53,11 @@ impl Reader<'_> {
         templates: &mut Templates,
     ) -> Vec<Job> {
         let mut rest = Vec::new();
-        let mut plans: HashMap<(u64, DType, &[u64]), Option<Plan>> = HashMap::new();
+        let mut plans: HashMap<Key<'_>, Option<Plan>> = HashMap::new();
         let mut patterns: Vec<Pattern> = Vec::new();
         // (job, plan) of the archives to frame, in the order of `jobs`.
         let mut framed: Vec<(Job, Plan)> = Vec::new();
-        let mut last: Option<((u64, DType, &[u64]), Option<Plan>)> = None;
+        let mut last: Option<(Key<'_>, Option<Plan>)> = None;
         for &job in jobs {
             let (_, _, length, _, t, c) = job;
             let EntryKind::Tensor { dtype, chunks, .. } = &tensors[t as usize].1.kind else {
