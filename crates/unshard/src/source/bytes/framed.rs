@@ -293,7 +293,7 @@ impl ByteSource for Framed {
     }
 
     fn read_at(&self, offset: u64, buf: &mut [u8]) -> Result<()> {
-        let end = offset + buf.len() as u64;
+        let end = offset.saturating_add(buf.len() as u64);
         // A short read that holds part of a frame not yet checked is widened to the
         // whole frame: one read instead of two (one request, for an object store).
         let partial = self.overlapping(offset, end).any(|k| {
@@ -480,6 +480,10 @@ mod tests {
             assert_eq!(f.extent(3, 2), (3, 2));
             f.check_unread().unwrap();
             assert_eq!(f.checked(), 10);
+            // Past the end, or overflowing: an error, never a panic.
+            let mut four = [0u8; 4];
+            assert!(f.read_at(u64::MAX - 1, &mut four).is_err());
+            assert!(f.read_at(data.len() as u64 - 2, &mut four).is_err());
         }
     }
 
