@@ -517,9 +517,15 @@ mod tests {
             })
             .collect();
         for f in &mut frames {
-            f.pattern = [40, 3, 200, 64, 1000].iter().position(|&n| n == f.len).unwrap() as u32;
+            f.pattern = [40, 3, 200, 64, 1000]
+                .iter()
+                .position(|&n| n == f.len)
+                .unwrap() as u32;
         }
-        let src = Arc::new(MemBytes::new(PathBuf::from("f"), vec![0; at as usize + 500]));
+        let src = Arc::new(MemBytes::new(
+            PathBuf::from("f"),
+            vec![0; at as usize + 500],
+        ));
         let f = Framed::new(src, frames.clone(), patterns.into()).unwrap();
         // Every byte: the frame holding it, if any.
         let mut owner = vec![None; at as usize + 400];
@@ -534,12 +540,16 @@ mod tests {
         }
         let mut x = 12345u64;
         for _ in 0..20_000 {
-            x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            x = x
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
             let offset = (x >> 20) % (at + 400);
             let len = 1 + (x >> 50) % [1, 50, 3000][(x % 3) as usize];
             let end = offset + len;
             let want: Vec<usize> = (0..frames.len())
-                .filter(|&k| frames[k].offset < end && frames[k].offset + u64::from(frames[k].len) > offset)
+                .filter(|&k| {
+                    frames[k].offset < end && frames[k].offset + u64::from(frames[k].len) > offset
+                })
                 .collect();
             let got: Vec<usize> = f.overlapping(offset, end).collect();
             assert_eq!(got, want, "{offset}..{end}");

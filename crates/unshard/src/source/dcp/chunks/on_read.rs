@@ -38,6 +38,9 @@ struct Plan {
     layout: u32,
 }
 
+/// The structure archives are planned by: length, dtype and chunk shape.
+type Structure<'a> = (u64, DType, &'a [u64]);
+
 impl Reader<'_> {
     /// Plans the archives of `jobs` (in the order of their tensors) that can be
     /// checked on read, parsing the first of each structure (the template) and
@@ -50,11 +53,11 @@ impl Reader<'_> {
         templates: &mut Templates,
     ) -> Vec<Job> {
         let mut rest = Vec::new();
-        let mut plans: HashMap<(u64, DType, &[u64]), Option<Plan>> = HashMap::new();
+        let mut plans: HashMap<Structure, Option<Plan>> = HashMap::new();
         let mut patterns: Vec<Pattern> = Vec::new();
         // (job, plan) of the archives to frame, in the order of `jobs`.
         let mut framed: Vec<(Job, Plan)> = Vec::new();
-        let mut last: Option<((u64, DType, &[u64]), Option<Plan>)> = None;
+        let mut last: Option<(Structure, Option<Plan>)> = None;
         for &job in jobs {
             let (_, _, length, _, t, c) = job;
             let EntryKind::Tensor { dtype, chunks, .. } = &tensors[t as usize].1.kind else {
