@@ -69,6 +69,8 @@ struct Tuning {
     templates: bool,
     /// Whether the files are read ahead while `.metadata` is parsed.
     readahead: bool,
+    /// Threads that build the tensors whose chunks the scan resolved.
+    build_threads: usize,
 }
 
 impl Default for Tuning {
@@ -78,6 +80,9 @@ impl Default for Tuning {
             max_open: super::bytes::open_file_budget(),
             templates: true,
             readahead: true,
+            build_threads: std::thread::available_parallelism()
+                .map_or(1, |n| n.get())
+                .min(chunks::BUILD_THREADS),
         }
     }
 }
@@ -92,6 +97,8 @@ struct Opened {
     scan_reads: usize,
     /// Archives planned to be checked when read.
     on_read: usize,
+    /// How many tensors each thread that built resolved tensors was given.
+    built_parts: Vec<usize>,
 }
 
 /// [`open`], tuned.
@@ -132,15 +139,7 @@ fn open_tuned(dir: &Path, opts: &OpenOptions, tuning: &Tuning) -> Result<(Checkp
         .collect();
     reader.scan(&md, &chosen);
     drop(chosen);
-    let mut tensors = Vec::with_capacity(selection.tensors.len());
-    for (name, i) in &selection.tensors {
-        tensors.push(reader.tensor(&md, name, &md.entries[*i])?);
-        // Its pieces now say all the chunks said: a checkpoint of many chunks
-        // holds one or the other, not both.
-        if let EntryKind::Tensor { chunks, .. } = &mut md.entries[*i].kind {
-            chunks.clear();
-        }
-    }
+    let tensors = reader.build(&mut md, &selection.tensors, tuning.build_threads)?;
     let mut extras = Vec::new();
     for e in &md.entries {
         if matches!(e.kind, EntryKind::Bytes { .. }) {
@@ -159,6 +158,7 @@ fn open_tuned(dir: &Path, opts: &OpenOptions, tuning: &Tuning) -> Result<(Checkp
         template_hits: reader.templates.as_ref().map_or(0, |t| t.hits),
         scan_reads: reader.scan_reads,
         on_read: reader.on_read,
+        built_parts: std::mem::take(&mut reader.built_parts),
     };
     let checkpoint = Checkpoint {
         format: Format::Dcp,
@@ -501,6 +501,53 @@ mod tests {
             .is_some_and(|l| l.ends_with(" in 8 file(s)"))));
     }
 
+    /// The tensors whose chunks were all resolved, built in two parts on two
+    /// threads, are those one thread builds: the same order, pieces and layouts.
+    #[test]
+    fn tensors_built_on_two_threads_are_those_built_on_one() {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/sharded/llama_w8_dcp");
+        let threads = |build_threads| Tuning {
+            build_threads,
+            ..Tuning::default()
+        };
+        for opts in [
+            OpenOptions::default(),
+            OpenOptions {
+                check_on_read: true,
+                ..OpenOptions::default()
+            },
+        ] {
+            let (one, o) = open_tuned(&dir, &opts, &threads(1)).unwrap();
+            let (two, t) = open_tuned(&dir, &opts, &threads(2)).unwrap();
+            assert_eq!(o.built_parts, vec![one.tensors.len()]);
+            // Every tensor was built on a thread, and the cut fell inside the list.
+            assert_eq!(t.built_parts.len(), 2);
+            assert!(t.built_parts.iter().all(|&n| n > 0), "{:?}", t.built_parts);
+            assert_eq!(t.built_parts.iter().sum::<usize>(), two.tensors.len());
+            assert_eq!(one.tensors.len(), two.tensors.len());
+            for (a, b) in one.tensors.iter().zip(&two.tensors) {
+                assert_eq!(a.name, b.name);
+                assert_eq!((a.dtype, &a.shape), (b.dtype, &b.shape), "{}", a.name);
+                assert_eq!(a.pieces, b.pieces, "{}", a.name);
+                assert_eq!(a.layout, b.layout, "{}", a.name);
+            }
+            // Built one by one on the reader's thread, as before there were threads.
+            let (read, _) = open_tuned(
+                &dir,
+                &opts,
+                &Tuning {
+                    templates: false,
+                    ..threads(2)
+                },
+            )
+            .unwrap();
+            for (a, b) in read.tensors.iter().zip(&two.tensors) {
+                assert_eq!(a.pieces, b.pieces, "{}", a.name);
+                assert_eq!(a.layout, b.layout, "{}", a.name);
+            }
+        }
+    }
+
     /// A copy of `llama_w8_dcp` in `tmp` with the middle chunk archive of one rank
     /// file changed by `change` (given the archive's bytes); returns its directory
     /// and the archive's range in the file.
@@ -561,6 +608,54 @@ mod tests {
             assert_eq!(x, y, "{}", a.name);
         }
         planned.check_unread().unwrap();
+    }
+
+    /// Tensors whose chunks the scan left (an archive whose pickle calls a function
+    /// the scan does not take, parsed when its tensor is built) are built in order
+    /// on the reader's thread, between those built on threads, and give what
+    /// parsing every archive gives; an archive that fails to parse fails the open
+    /// as it does when every archive is parsed.
+    #[test]
+    fn tensors_left_by_the_scan_are_built_between_the_others() {
+        let tuned = |templates, build_threads| Tuning {
+            templates,
+            build_threads,
+            ..Tuning::default()
+        };
+        let opts = OpenOptions::default();
+        let tmp = tempfile::tempdir().unwrap();
+        let (dir, _) = w8_with_one_archive_changed(tmp.path(), |a| {
+            let p = a.windows(11).position(|w| w == b"OrderedDict").unwrap();
+            a[p + 10] = b'T';
+        });
+        let (parsed, _) = open_tuned(&dir, &opts, &tuned(false, 1)).unwrap();
+        let (mixed, m) = open_tuned(&dir, &opts, &tuned(true, 2)).unwrap();
+        let on_threads: usize = m.built_parts.iter().sum();
+        assert!(
+            on_threads > 0 && on_threads < mixed.tensors.len(),
+            "{:?}",
+            m.built_parts
+        );
+        assert!(!mixed.unsafe_calls.is_empty());
+        assert_eq!(parsed.tensors.len(), mixed.tensors.len());
+        for (a, b) in parsed.tensors.iter().zip(&mixed.tensors) {
+            assert_eq!(a.name, b.name);
+            assert_eq!(a.pieces, b.pieces, "{}", a.name);
+            assert_eq!(a.layout, b.layout, "{}", a.name);
+        }
+        let tmp = tempfile::tempdir().unwrap();
+        let (dir, _) = w8_with_one_archive_changed(tmp.path(), |a| {
+            let p = a.windows(2).position(|w| w == b"\x80\x02").unwrap();
+            a[p + 12] ^= 0x20;
+        });
+        let e = open_tuned(&dir, &opts, &tuned(false, 1))
+            .map(|_| ())
+            .unwrap_err();
+        let e2 = open_tuned(&dir, &opts, &tuned(true, 2))
+            .map(|_| ())
+            .unwrap_err();
+        assert!(e.to_string().contains("__3_0.distcp"), "{e}");
+        assert_eq!(e.to_string(), e2.to_string());
     }
 
     /// One archive unlike the others of its structure (a pickle byte changed, or

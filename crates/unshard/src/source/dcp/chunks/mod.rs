@@ -11,18 +11,24 @@
 //! each): what it resolves needs no read when the tensor is built. Archives it
 //! leaves (compressed, unusual, broken) are read and parsed one by one as before,
 //! their ends asked for a thousand ahead, and report what is wrong with them.
+//!
+//! By job: this file opens and locates; `scan` and `on_read` resolve archives
+//! before the tensors are built; `build` builds them, those of resolved archives on
+//! two threads.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::io::Read;
 use std::path::Path;
 use std::sync::Arc;
 
 use super::super::bytes::{FilePool, PooledFile};
-use super::super::torch::{self, Leaf};
+use super::super::torch;
 use super::super::zip::Archive;
-use super::super::{check_coverage, Blob, FileId, Piece, TensorSource};
+use super::super::{Blob, FileId};
 use super::metadata::{Chunk, Chunks, Entry, EntryKind, Item, Metadata};
 
+mod build;
+pub(super) use build::BUILD_THREADS;
 mod on_read;
 mod scan;
 
@@ -62,6 +68,11 @@ pub(super) struct Reader<'a> {
     resolved: Vec<Option<Resolved>>,
     /// How many of `resolved` the tensors built so far went through.
     next: usize,
+    /// Per tensor given to [`Reader::scan`], in order: the index in `resolved` of
+    /// its first plain chunk, and whether all its chunks are plain.
+    firsts: Vec<(usize, bool)>,
+    /// How many tensors of resolved chunks each thread's part had (for tests).
+    pub(super) built_parts: Vec<usize>,
     /// The strides and byte order of the resolved pieces, each once.
     layouts: Vec<(Vec<u64>, bool)>,
     /// Reads the scan made (for tests).
@@ -123,6 +134,8 @@ impl<'a> Reader<'a> {
             unsafe_calls: Vec::new(),
             resolved: Vec::new(),
             next: 0,
+            firsts: Vec::new(),
+            built_parts: Vec::new(),
             layouts: Vec::new(),
             scan_reads: 0,
             check_on_read,
@@ -144,12 +157,17 @@ impl<'a> Reader<'a> {
     pub(super) fn scan(&mut self, md: &Metadata, tensors: &[(String, &Entry)]) {
         // (file, offset, length, index in `resolved`, tensor, chunk)
         let mut jobs: Vec<(u32, u64, u64, u32, u32, u32)> = Vec::new();
+        self.firsts = Vec::with_capacity(tensors.len());
         for (t, (_, entry)) in tensors.iter().enumerate() {
+            let first = self.resolved.len();
             let EntryKind::Tensor { chunks, .. } = &entry.kind else {
+                self.firsts.push((first, false));
                 continue;
             };
+            let mut all_plain = true;
             for (c, chunk) in chunks.list.iter().enumerate() {
                 let Some(item) = chunk.item.filter(|_| plain(md, chunks, chunk)) else {
+                    all_plain = false;
                     continue;
                 };
                 let idx = self.resolved.len();
@@ -173,6 +191,7 @@ impl<'a> Reader<'a> {
                     ));
                 }
             }
+            self.firsts.push((first, all_plain));
         }
         if self.ends > 0 {
             if let Some(mut templates) = self.templates.take() {
@@ -328,163 +347,6 @@ impl<'a> Reader<'a> {
         let new = self.files.len();
         self.files.push(Arc::new(Blob::owned(path, data)));
         Ok((new, 0, len))
-    }
-
-    pub(super) fn tensor(
-        &mut self,
-        md: &Metadata,
-        name: &str,
-        entry: &Entry,
-    ) -> Result<TensorSource> {
-        let EntryKind::Tensor {
-            dtype,
-            shape,
-            chunks,
-            ..
-        } = &entry.kind
-        else {
-            return Err(Error::bad_tensor(self.dir, name, "not a tensor entry"));
-        };
-        let mut pieces = Vec::with_capacity(chunks.list.len());
-        let mut files_used: HashSet<u32> = HashSet::new();
-        let mut compressed = false;
-        let elem = dtype.size() as u64;
-        for chunk in &chunks.list {
-            let (offsets, sizes) = (chunks.offsets(chunk), chunks.sizes(chunk));
-            let numel = sizes
-                .iter()
-                .try_fold(1u64, |a, &n| a.checked_mul(n))
-                .and_then(|n| n.checked_mul(elem))
-                .ok_or_else(|| {
-                    Error::bad_tensor(self.dir, name, format!("chunk sizes {sizes:?} overflow"))
-                })?;
-            if numel == 0 {
-                continue;
-            }
-            if plain(md, chunks, chunk) {
-                let idx = self.next;
-                self.next += 1;
-                if let Some(r) = self.resolved.get(idx).copied().flatten() {
-                    let (strides, big_endian) = &self.layouts[r.layout as usize];
-                    files_used.insert(chunk.item.map_or(0, |i| i.file_index()));
-                    pieces.push(Piece {
-                        file: r.file as FileId,
-                        byte_offset: r.byte_offset,
-                        dtype: *dtype,
-                        shape: sizes.to_vec(),
-                        strides: strides.clone(),
-                        global_offset: offsets.to_vec(),
-                        big_endian: *big_endian,
-                    });
-                    continue;
-                }
-            }
-            let what = format!("tensor '{}' chunk at {offsets:?}", entry.fqn);
-            let item = chunk.item.ok_or_else(|| {
-                Error::corrupt(
-                    self.dir.join(".metadata"),
-                    format!("{what} has no storage entry"),
-                )
-            })?;
-            // A chunk archive is the tensor's bytes plus a small pickle and zip records.
-            let max_decoded = numel.saturating_add(16 << 20);
-            let (file, offset, length) = self.archive(md, &item, &what, max_decoded)?;
-            let plain = md.transforms(&item).is_empty();
-            files_used.insert(item.file_index());
-            compressed |= !plain;
-            let blob = self.files[file].clone();
-            // Both ends of the archive in one request: they hold the zip records and
-            // the pickle, so the parse that follows reads nothing more (tensor bytes,
-            // in the middle, are left for the engine).
-            let mut archive = Archive::new(&blob, offset, length)?;
-            archive.read_ends(self.ends, self.ends)?;
-            let mut magic = [0u8; 2];
-            if length < 2 || archive.read(0, &mut magic).is_err() || &magic != b"PK" {
-                return Err(Error::Unsupported {
-                    path: blob.path.clone(),
-                    what: format!("{what}: a DCP item that is not a torch.save archive (safetensors-format DCP)"),
-                    hint: Some("save with the default FileSystemWriter, or convert with torch.distributed.checkpoint.format_utils.dcp_to_torch_save".into()),
-                });
-            }
-            if let (true, Some(templates)) = (plain, &mut self.templates) {
-                let piece = templates.piece(&archive, self.ends, *dtype, sizes, file, offsets)?;
-                if let Some(piece) = piece {
-                    self.parsed += 1;
-                    self.prefetch_more();
-                    pieces.push(piece);
-                    continue;
-                }
-            }
-            let mut payload = torch::read_zip_payload(&mut archive)?;
-            let clean = payload.unsafe_calls.is_empty() && payload.inflated.is_empty();
-            self.unsafe_calls.append(&mut payload.unsafe_calls);
-            if plain {
-                self.parsed += 1;
-                self.prefetch_more();
-            }
-            let t = match torch::leaf(&payload.pickle, payload.pickle.root()) {
-                Ok(Some(Leaf::Tensor(t))) => t,
-                Ok(_) => {
-                    return Err(Error::corrupt(
-                        &blob.path,
-                        format!("{what}: the archive does not hold a plain tensor"),
-                    ))
-                }
-                Err(m) => return Err(Error::bad_tensor(&blob.path, name, m)),
-            };
-            if t.shape != sizes || t.dtype != *dtype {
-                return Err(Error::bad_tensor(
-                    &blob.path,
-                    name,
-                    format!(
-                        "the chunk at {:?} holds a {} {:?} tensor where the metadata says {} {:?}",
-                        offsets,
-                        t.dtype.safetensors_name(),
-                        t.shape,
-                        dtype.safetensors_name(),
-                        sizes
-                    ),
-                ));
-            }
-            let piece = payload.piece(file, name, &t, offsets.to_vec())?;
-            if let (true, true, Some(templates)) = (plain, clean, &mut self.templates) {
-                templates.learn(&mut archive, self.ends, &piece)?;
-            }
-            drop(archive);
-            pieces.push(piece);
-        }
-        let split: Vec<String> = (0..shape.len())
-            .filter(|&d| {
-                chunks
-                    .list
-                    .iter()
-                    .any(|c| chunks.sizes(c).get(d) != shape.get(d))
-            })
-            .map(|d| d.to_string())
-            .collect();
-        let kind = if compressed { "DCP (zstd)" } else { "DCP" };
-        let layout = match (pieces.len(), split.is_empty()) {
-            (1, true) => format!("{kind}, 1 chunk"),
-            (n, _) => format!(
-                "{kind}, {n} chunks{} in {} file(s)",
-                if split.is_empty() {
-                    String::new()
-                } else {
-                    format!(" split on dim {}", split.join(" and "))
-                },
-                files_used.len()
-            ),
-        };
-        let source = TensorSource {
-            name: name.to_string(),
-            dtype: *dtype,
-            shape: shape.clone(),
-            pieces: pieces.into(),
-            storage: None,
-            layout: Some(layout),
-        };
-        check_coverage(self.dir, &source)?;
-        Ok(source)
     }
 
     /// What a byte entry holds, for `inspect`: small items are unpickled (inertly);
