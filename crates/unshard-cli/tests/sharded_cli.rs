@@ -203,13 +203,8 @@ fn a_dcp_checkpoint_of_archives_of_several_structures_merges_bit_exactly() {
     );
 }
 
-/// One chunk archive, in the middle of a rank file, laid out unlike the others of
-/// its structure but holding the same tensor (its records renamed): the merge,
-/// which planned it from the first archive of its structure, finds it when reading
-/// it, reads the checkpoint again checking every archive, says so, and writes the
-/// same bytes as transformers.
-#[test]
-fn an_archive_unlike_the_others_of_its_structure_merges_bit_exactly() {
+/// A copy of `llama_w8_dcp` in a new temporary directory, to change.
+fn copy_of_w8_dcp() -> (tempfile::TempDir, PathBuf) {
     let tmp = tempfile::tempdir().unwrap();
     let dcp = tmp.path().join("dcp");
     std::fs::create_dir(&dcp).unwrap();
@@ -217,6 +212,17 @@ fn an_archive_unlike_the_others_of_its_structure_merges_bit_exactly() {
         let e = e.unwrap();
         std::fs::copy(e.path(), dcp.join(e.file_name())).unwrap();
     }
+    (tmp, dcp)
+}
+
+/// One chunk archive, in the middle of a rank file, laid out unlike the others of
+/// its structure but holding the same tensor (its records renamed): the merge,
+/// which planned it from the first archive of its structure, finds it when reading
+/// it, reads the checkpoint again checking every archive, says so, and writes the
+/// same bytes as transformers.
+#[test]
+fn an_archive_unlike_the_others_of_its_structure_merges_bit_exactly() {
+    let (tmp, dcp) = copy_of_w8_dcp();
     let rank = dcp.join("__3_0.distcp");
     let mut bytes = std::fs::read(&rank).unwrap();
     let names: Vec<usize> = bytes
@@ -274,13 +280,7 @@ fn an_archive_unlike_the_others_of_its_structure_merges_bit_exactly() {
 /// same structure: the merge fails naming the file, and writes nothing.
 #[test]
 fn a_damaged_archive_among_many_alike_is_caught() {
-    let tmp = tempfile::tempdir().unwrap();
-    let dcp = tmp.path().join("dcp");
-    std::fs::create_dir(&dcp).unwrap();
-    for e in std::fs::read_dir(fixtures().join("sharded/llama_w8_dcp")).unwrap() {
-        let e = e.unwrap();
-        std::fs::copy(e.path(), dcp.join(e.file_name())).unwrap();
-    }
+    let (tmp, dcp) = copy_of_w8_dcp();
     let rank = dcp.join("__3_0.distcp");
     let mut bytes = std::fs::read(&rank).unwrap();
     let pickles: Vec<usize> = bytes
