@@ -589,6 +589,172 @@ mod tests {
         }
     }
 
+    /// What a [`Framed`] asks of the source under it.
+    #[derive(Debug)]
+    struct Recorded {
+        inner: MemBytes,
+        calls: std::sync::Mutex<Vec<(&'static str, u64, u64)>>,
+    }
+
+    impl Recorded {
+        fn take(&self) -> Vec<(&'static str, u64, u64)> {
+            std::mem::take(&mut *self.calls.lock().unwrap())
+        }
+        fn note(&self, what: &'static str, ranges: &[(u64, u64)]) {
+            let mut calls = self.calls.lock().unwrap();
+            calls.extend(ranges.iter().map(|&(o, n)| (what, o, n)));
+        }
+    }
+
+    impl ByteSource for Recorded {
+        fn name(&self) -> &Path {
+            self.inner.name()
+        }
+        fn len(&self) -> u64 {
+            self.inner.len()
+        }
+        fn read_at(&self, offset: u64, buf: &mut [u8]) -> Result<()> {
+            self.note("read", &[(offset, buf.len() as u64)]);
+            self.inner.read_at(offset, buf)
+        }
+        fn will_need(&self, offset: u64, len: u64) {
+            self.note("will_need", &[(offset, len)]);
+        }
+        fn will_need_together(&self, ranges: &[(u64, u64)]) {
+            self.note("together", ranges);
+        }
+        fn done_with(&self, ranges: &[(u64, u64)]) {
+            self.note("done_with", ranges);
+        }
+    }
+
+    /// A short read that holds part of a frame not yet checked is widened to the
+    /// whole frame (one read of the source, not the read and then the frame's); a
+    /// read of a checked frame, or one longer than [`WIDEN_MAX`], is not; hints are
+    /// widened to the frames they touch.
+    #[test]
+    fn short_reads_and_hints_are_widened_to_whole_frames() {
+        let (framed_mem, mut data) = framed(None, false);
+        let frames = framed_mem.frames.clone();
+        data.resize(7 + 400 + WIDEN_MAX + 100, 7);
+        let rec = Arc::new(Recorded {
+            inner: MemBytes::new(PathBuf::from("rank.distcp"), data.clone()),
+            calls: Default::default(),
+        });
+        let fresh = || Framed::new(rec.clone(), frames.clone(), patterns(false)).unwrap();
+        let f = fresh();
+        let frame = |k: u64| (7 + 40 * k, 40);
+        let mut two = [0u8; 2];
+        // Two bytes inside record 2: one read, of the whole record.
+        f.read_at(7 + 80 + 10, &mut two).unwrap();
+        assert_eq!(two, data[97..99]);
+        assert_eq!(rec.take(), vec![("read", 87, 40)]);
+        // Again, now checked: the two bytes alone.
+        f.read_at(7 + 80 + 10, &mut two).unwrap();
+        assert_eq!(rec.take(), vec![("read", 97, 2)]);
+        // Across records 3 and 4: both whole, in one read.
+        let mut ten = [0u8; 10];
+        f.read_at(7 + 160 - 5, &mut ten).unwrap();
+        assert_eq!(ten, data[162..172]);
+        assert_eq!(rec.take(), vec![("read", 127, 80)]);
+        // Hints.
+        f.will_need(7 + 200 + 3, 2);
+        f.will_need_together(&[(7 + 240 + 1, 1), (0, 3)]);
+        f.done_with(&[(7 + 280 + 39, 2)]);
+        let (a, b, c, d) = (frame(5), frame(6), frame(7), frame(8));
+        assert_eq!(
+            rec.take(),
+            vec![
+                ("will_need", a.0, a.1),
+                ("together", b.0, b.1),
+                ("together", 0, 3),
+                ("done_with", c.0, d.0 + d.1 - c.0),
+            ]
+        );
+        // The longest read widened, from inside record 9, and one byte longer.
+        let mut long = vec![0u8; WIDEN_MAX];
+        f.read_at(7 + 360 + 1, &mut long).unwrap();
+        assert_eq!(long, data[368..368 + WIDEN_MAX]);
+        assert_eq!(rec.take(), vec![("read", 367, WIDEN_MAX as u64 + 1)]);
+        // Record 9 not yet checked: the read, then the record apart.
+        let g = fresh();
+        let mut longer = vec![0u8; WIDEN_MAX + 1];
+        g.read_at(7 + 360 + 1, &mut longer).unwrap();
+        assert_eq!(longer, data[368..369 + WIDEN_MAX]);
+        assert_eq!(
+            rec.take(),
+            vec![("read", 368, WIDEN_MAX as u64 + 1), ("read", 367, 40)]
+        );
+    }
+
+    /// The look-up table itself: `index[b]` is exactly the first frame ending after
+    /// bucket `b`'s start (a table that only errs early would find the same frames,
+    /// walking further), and there are about as many buckets as frames, each at
+    /// least 64 bytes wide.
+    #[test]
+    fn the_index_has_a_bucket_per_frame_pointing_at_the_first_frame_it_holds() {
+        for (count, len, gap) in [
+            (1u64, 40u32, 0u64),
+            (10, 40, 0),
+            (300, 3, 1),
+            (257, 1000, 4000),
+        ] {
+            let frames: Vec<Frame> = (0..count)
+                .map(|k| Frame {
+                    offset: 50 + k * (u64::from(len) + gap),
+                    len,
+                    pattern: 0,
+                })
+                .collect();
+            let (index, base, shift) = index(&frames);
+            assert_eq!(base, 50);
+            let last = frames.last().unwrap();
+            let span = last.offset + u64::from(last.len) - base;
+            let per = (span / count).max(64);
+            let width = 1u64 << shift;
+            assert!(
+                width >= 64 && width <= per && 2 * width > per,
+                "{count} frames: width {width}, per {per}"
+            );
+            assert_eq!(index.len() as u64, (span >> shift) + 1, "{count} frames");
+            for (b, &k) in index.iter().enumerate() {
+                let at = base + (b as u64) * width;
+                let want = frames
+                    .iter()
+                    .take_while(|f| f.offset + u64::from(f.len) <= at)
+                    .count();
+                assert_eq!(k as usize, want, "{count} frames, bucket {b}");
+            }
+        }
+        assert_eq!(index(&[]), (Vec::new(), 0, 0));
+    }
+
+    #[test]
+    fn a_framed_source_shows_its_source_and_frame_count() {
+        let (f, _) = framed(None, false);
+        let shown = format!("{f:?}");
+        assert!(
+            shown.starts_with("Framed")
+                && shown.contains("rank.distcp")
+                && shown.contains("frames: 10"),
+            "{shown}"
+        );
+    }
+
+    #[test]
+    fn a_pattern_is_empty_only_when_its_frames_are() {
+        assert!(!patterns(false)[0].is_empty());
+        assert!(!patterns(true)[0].is_empty());
+        let none = Pattern {
+            head: Vec::new(),
+            tail_at: 0,
+            tail: Vec::new(),
+            free: Vec::new(),
+        };
+        assert!(none.is_empty());
+        assert!(none.matches(&[]));
+    }
+
     /// Frames that overlap, end past the source or are not of their pattern's length
     /// are refused, with the frames named.
     #[test]
