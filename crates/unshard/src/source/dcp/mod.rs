@@ -728,4 +728,44 @@ mod tests {
             }
         }
     }
+
+    /// A chunk archive whose tensor has another shape than `.metadata` gives its
+    /// chunk (rows 8 of 64 written as 4 of 64, the dtype unchanged) is refused when
+    /// its tensor is built, the error naming both shapes. Checked on read, the read
+    /// of it fails first, as unlike its template (a merge then reads the checkpoint
+    /// again, scanning, and meets the first error).
+    #[test]
+    fn a_chunk_archive_of_another_shape_than_the_metadata_says_is_refused() {
+        let half = |a: &mut [u8]| {
+            let at = a
+                .windows(7)
+                .position(|w| w == b"K\x00K\x08K@\x86")
+                .expect("the size tuple (8, 64) of the chunk's pickle");
+            a[at + 3] = 4;
+        };
+        for check_on_read in [false, true] {
+            let tmp = tempfile::tempdir().unwrap();
+            let (dir, _) = w8_with_one_archive_changed(tmp.path(), half);
+            let opts = OpenOptions {
+                check_on_read,
+                ..OpenOptions::default()
+            };
+            let e = match open_tuned(&dir, &opts, &Tuning::default()) {
+                Err(e) => e,
+                Ok((c, _)) => c
+                    .tensors
+                    .iter()
+                    .find_map(|t| read_tensor(&c.files, t, t.dtype).err())
+                    .or_else(|| c.check_unread().err())
+                    .expect("the archive of another shape is refused"),
+            };
+            let m = e.to_string();
+            assert!(m.contains("__3_0.distcp"), "{m}");
+            if check_on_read {
+                assert!(matches!(e, Error::Replan { .. }), "{m}");
+            } else {
+                assert!(m.contains("[4, 64]") && m.contains("[8, 64]"), "{m}");
+            }
+        }
+    }
 }
