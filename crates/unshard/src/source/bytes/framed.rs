@@ -480,6 +480,12 @@ mod tests {
             assert_eq!(f.extent(3, 2), (3, 2));
             f.check_unread().unwrap();
             assert_eq!(f.checked(), 10);
+            let (g, _) = framed(None, split);
+            let (mut a, mut b) = ([0u8; 3], [0u8; 50]);
+            let mut ranges = [(2, &mut a[..]), (7 + 40 * 6 + 30, &mut b[..])];
+            g.read_ranges(&mut ranges).unwrap();
+            assert_eq!((&a[..], &b[..]), (&data[2..5], &data[277..327]));
+            assert_eq!(g.checked(), 2);
             // Past the end, or overflowing: an error, never a panic.
             let mut four = [0u8; 4];
             assert!(f.read_at(u64::MAX - 1, &mut four).is_err());
@@ -509,9 +515,17 @@ mod tests {
                 let mut all = vec![0; data.len()];
                 assert!(f.read_at(0, &mut all).is_err());
                 assert!(f.check_unread().is_err());
-                // Strided reads too.
+                // Strided reads too, also one whose first element is before the
+                // frames and whose fifth is in record 4.
                 let mut out = vec![0; 4];
                 assert!(f.read_strided(rec + 8, 4, 2, &mut out).is_err());
+                let mut out = vec![0; 20];
+                assert!(f.read_strided(1, 40, 2, &mut out).is_err());
+                // And reads of several ranges at once.
+                let (mut a, mut b) = ([0u8; 3], [0u8; 3]);
+                let mut ranges = [(0, &mut a[..]), (rec + 20, &mut b[..])];
+                let e = f.read_ranges(&mut ranges).unwrap_err();
+                assert!(matches!(e, Error::Replan { .. }), "{e}");
             }
             for free in [5, 8, 20, 31, 38] {
                 let (f, _) = framed(Some(free), split);
@@ -626,6 +640,12 @@ mod tests {
         fn done_with(&self, ranges: &[(u64, u64)]) {
             self.note("done_with", ranges);
         }
+        fn release(&self, offset: u64, len: u64) {
+            self.note("release", &[(offset, len)]);
+        }
+        fn readers(&self) -> usize {
+            7
+        }
     }
 
     /// A short read that holds part of a frame not yet checked is widened to the
@@ -671,6 +691,14 @@ mod tests {
                 ("done_with", c.0, d.0 + d.1 - c.0),
             ]
         );
+        // From the first byte of record 5, ending inside it: widened too.
+        f.read_at(7 + 200, &mut two).unwrap();
+        assert_eq!(two, data[207..209]);
+        assert_eq!(rec.take(), vec![("read", 207, 40)]);
+        // Released bytes are the caller's range; the source's figures are its own.
+        f.release(3, 9);
+        assert_eq!(rec.take(), vec![("release", 3, 9)]);
+        assert_eq!((f.readers(), f.len()), (7, data.len() as u64));
         // The longest read widened, from inside record 9, and one byte longer.
         let mut long = vec![0u8; WIDEN_MAX];
         f.read_at(7 + 360 + 1, &mut long).unwrap();
