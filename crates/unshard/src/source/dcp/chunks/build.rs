@@ -534,5 +534,7 @@ mod tests {
         assert_eq!(split_evenly(&[5, 5, 5], 1), vec![3]);
         assert_eq!(split_evenly(&[], 2), vec![0, 0]);
         assert_eq!(split_evenly(&[0, 0, 0], 2), vec![3, 0]);
+        // A tensor of no chunks after all the others goes in the last part.
+        assert_eq!(split_evenly(&[5, 0], 2), vec![0, 2]);
     }
 }
