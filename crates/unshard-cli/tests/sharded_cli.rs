@@ -132,9 +132,18 @@ fn merge_with_file_limit(
         .arg("--output")
         .arg(out)
         .arg("--quiet");
-    // SAFETY: setrlimit is async-signal-safe and only reads the struct it is given.
+    // SAFETY: fcntl and setrlimit are async-signal-safe; fcntl only sets a flag of
+    // descriptors this child holds, setrlimit only reads the struct it is given.
     unsafe {
         cmd.pre_exec(move || {
+            // Descriptors this process inherited (from a test harness, a build tool)
+            // would count against the limit and leave the merge fewer than the test
+            // means to give it (3 and 4 taken: the loader itself fails, EMFILE).
+            // They are closed at the exec; the merge starts with stdin, stdout and
+            // stderr alone.
+            for fd in 3..1024 {
+                libc::fcntl(fd, libc::F_SETFD, libc::FD_CLOEXEC);
+            }
             let lim = libc::rlimit {
                 rlim_cur: soft,
                 rlim_max: hard,
