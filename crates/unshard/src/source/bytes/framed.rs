@@ -14,6 +14,7 @@
 //! front. [`ByteSource::check_unread`] checks the frames no read has touched.
 
 use std::fmt;
+use std::ops::Range;
 use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -220,7 +221,7 @@ impl Framed {
     }
 
     /// The indices of the frames that overlap `offset..end`.
-    fn overlapping(&self, offset: u64, end: u64) -> std::ops::Range<usize> {
+    fn overlapping(&self, offset: u64, end: u64) -> Range<usize> {
         let b = offset.saturating_sub(self.base) >> self.shift;
         let mut first = usize::try_from(b)
             .ok()
@@ -240,6 +241,21 @@ impl Framed {
     /// `ranges`, each widened to the frames it touches (see [`ByteSource::extent`]).
     fn widened(&self, ranges: &[(u64, u64)]) -> Vec<(u64, u64)> {
         ranges.iter().map(|&(o, n)| self.extent(o, n)).collect()
+    }
+
+    /// [`ByteSource::extent`] of the `len` bytes at `offset`, given the frames
+    /// `near` that they overlap.
+    fn extent_near(&self, near: Range<usize>, offset: u64, len: u64) -> (u64, u64) {
+        let end = offset.saturating_add(len);
+        let (Some(first), Some(last)) = (
+            self.frames.get(near.start),
+            near.end.checked_sub(1).and_then(|k| self.frames.get(k)),
+        ) else {
+            return (offset, len);
+        };
+        let start = offset.min(first.offset);
+        let end = end.max(last.offset + u64::from(last.len));
+        (start, end - start)
     }
 
     /// Checks frame `k`, whose bytes are `bytes`.
@@ -262,9 +278,18 @@ impl Framed {
     /// Checks every frame not yet checked that overlaps the `buf.len()` bytes at
     /// `offset`, which `buf` holds.
     fn check(&self, offset: u64, buf: &[u8]) -> Result<()> {
+        self.check_near(
+            self.overlapping(offset, offset + buf.len() as u64),
+            offset,
+            buf,
+        )
+    }
+
+    /// [`Framed::check`], given the frames `near` that the bytes overlap.
+    fn check_near(&self, near: Range<usize>, offset: u64, buf: &[u8]) -> Result<()> {
         let end = offset + buf.len() as u64;
         let mut frame = Vec::new();
-        for k in self.overlapping(offset, end) {
+        for k in near {
             if self.is_checked(k) {
                 continue;
             }
@@ -294,23 +319,25 @@ impl ByteSource for Framed {
 
     fn read_at(&self, offset: u64, buf: &mut [u8]) -> Result<()> {
         let end = offset.saturating_add(buf.len() as u64);
+        let near = self.overlapping(offset, end);
         // A short read that holds part of a frame not yet checked is widened to the
         // whole frame: one read instead of two (one request, for an object store).
-        let partial = self.overlapping(offset, end).any(|k| {
+        let partial = near.clone().any(|k| {
             let f = self.frames[k];
             !self.is_checked(k) && (f.offset < offset || f.offset + u64::from(f.len) > end)
         });
         if partial && buf.len() <= WIDEN_MAX {
-            let (start, len) = self.extent(offset, buf.len() as u64);
+            // The widened bytes overlap the same frames: they end where those do.
+            let (start, len) = self.extent_near(near.clone(), offset, buf.len() as u64);
             let mut wide = vec![0; len as usize];
             self.inner.read_at(start, &mut wide)?;
-            self.check(start, &wide)?;
+            self.check_near(near, start, &wide)?;
             let at = (offset - start) as usize;
             buf.copy_from_slice(&wide[at..at + buf.len()]);
             return Ok(());
         }
         self.inner.read_at(offset, buf)?;
-        self.check(offset, buf)
+        self.check_near(near, offset, buf)
     }
 
     fn read_ranges(&self, ranges: &mut [(u64, &mut [u8])]) -> Result<()> {
@@ -359,17 +386,11 @@ impl ByteSource for Framed {
     }
 
     fn extent(&self, offset: u64, len: u64) -> (u64, u64) {
-        let end = offset.saturating_add(len);
-        let near = self.overlapping(offset, end);
-        let (Some(first), Some(last)) = (
-            self.frames.get(near.start),
-            near.end.checked_sub(1).and_then(|k| self.frames.get(k)),
-        ) else {
-            return (offset, len);
-        };
-        let start = offset.min(first.offset);
-        let end = end.max(last.offset + u64::from(last.len));
-        (start, end - start)
+        self.extent_near(
+            self.overlapping(offset, offset.saturating_add(len)),
+            offset,
+            len,
+        )
     }
 
     fn check_unread(&self) -> Result<()> {

@@ -82,7 +82,7 @@ impl Reader<'_> {
                 }
                 None => {
                     let (plan, resolved) = self.seed(job, *dtype, sizes, templates, &mut patterns);
-                    plans.insert((length, *dtype, sizes), plan);
+                    plans.insert(key, plan);
                     if resolved {
                         continue;
                     }
