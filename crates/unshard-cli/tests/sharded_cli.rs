@@ -225,10 +225,9 @@ fn copy_of_w8_dcp() -> (tempfile::TempDir, PathBuf) {
 }
 
 /// One chunk archive, in the middle of a rank file, laid out unlike the others of
-/// its structure but holding the same tensor (its records renamed): the merge,
-/// which planned it from the first archive of its structure, finds it when reading
-/// it, reads the checkpoint again checking every archive, says so, and writes the
-/// same bytes as transformers.
+/// its structure but holding the same tensor (its records renamed): the merge
+/// parses it in full instead of taking it from the template of its structure, and
+/// writes the same bytes as transformers.
 #[test]
 fn an_archive_unlike_the_others_of_its_structure_merges_bit_exactly() {
     let (tmp, dcp) = copy_of_w8_dcp();
@@ -268,14 +267,8 @@ fn an_archive_unlike_the_others_of_its_structure_merges_bit_exactly() {
         .arg(&out)
         .output()
         .unwrap();
-    // The summary, notes included, goes to stderr.
     let said = String::from_utf8_lossy(&r.stderr);
     assert!(r.status.success(), "{said}");
-    assert!(
-        said.contains("__3_0.distcp")
-            && said.contains("read again with every chunk archive checked"),
-        "{said}"
-    );
     let expected = fixtures().join("expected/llama_policy_into_llama-bf16/model.safetensors");
     assert_eq!(
         std::fs::read(out.join("model.safetensors")).unwrap(),

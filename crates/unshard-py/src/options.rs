@@ -51,7 +51,6 @@ impl MergeRequest {
         let open = OpenOptions {
             key: k.key,
             tag: k.tag,
-            ..OpenOptions::default()
         };
         Ok(MergeRequest {
             opts: MergeOptions {
@@ -135,11 +134,7 @@ pub fn inspect(
     stats: bool,
     cancel: &Cancel,
 ) -> Result<String, Error> {
-    let open = OpenOptions {
-        key,
-        tag,
-        ..OpenOptions::default()
-    };
+    let open = OpenOptions { key, tag };
     let report = unshard::inspect(&InspectOptions {
         path: PathBuf::from(path),
         open,
@@ -206,7 +201,6 @@ pub fn kind_of(e: &Error) -> &'static str {
     match e {
         Error::Io { .. }
         | Error::Corrupt { .. }
-        | Error::Replan { .. }
         | Error::Pickle { .. }
         | Error::Unsupported { .. }
         | Error::UnknownFormat { .. }

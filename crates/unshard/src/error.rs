@@ -31,20 +31,6 @@ pub enum Error {
         source: std::io::Error,
     },
 
-    /// Bytes read while writing are not what the plan took them to be: a record the
-    /// reader planned from another of its structure, without reading it at open,
-    /// differs from that one (see [`crate::source::bytes::Framed`]). Opened again
-    /// with every record checked up front, the input is read as it is; `merge` does
-    /// that by itself, so only a caller that opened with
-    /// [`crate::source::OpenOptions::check_on_read`] sees this.
-    #[error("{}: {msg}", path.display())]
-    Replan {
-        /// The file.
-        path: PathBuf,
-        /// Which record differs.
-        msg: String,
-    },
-
     /// A file's bytes do not form what they claim to be (truncated, corrupt, inconsistent).
     #[error("{}: {msg}", path.display())]
     Corrupt {
@@ -405,10 +391,6 @@ impl Error {
             }
             Error::NonFinite { .. } => Some(
                 "the output was not written; the run may have diverged. Without `fail_on_nonfinite` it is written anyway"
-                    .into(),
-            ),
-            Error::Replan { .. } => Some(
-                "open the checkpoint without `check_on_read`: every record is then checked as it is opened"
                     .into(),
             ),
             Error::Pickle { .. } | Error::Corrupt { .. } => Some(

@@ -12,7 +12,7 @@ use crate::lora;
 use crate::manifest::{FileEntry, Manifest, MANIFEST};
 use crate::plan::{Origin, Plan};
 use crate::prepare::{Prepared, Sources};
-use crate::source::{self, OpenOptions};
+use crate::source;
 use crate::verify::{self, VerifyReport};
 use crate::write::{self, Progress, Sink, StagingDir, WriteOptions, WriteSummary};
 use crate::DType;
@@ -160,59 +160,20 @@ pub(crate) const NO_FUSE_NEEDS_A_DIRECTORY: &str =
 /// Runs a merge into the [`Sink`] that `open_sink` makes once the plan is ready
 /// (`opts.output` is then only used in messages). What the sink wrote is
 /// committed only when everything succeeded, verification included.
-///
-/// The checkpoint is opened with [`OpenOptions::check_on_read`]: the small chunk
-/// archives of a DCP checkpoint are checked as they are read, not all at open. If
-/// one differs from the archive it was planned from, what was written is dropped
-/// and the merge runs again with every archive checked at open.
 pub fn merge_into(
     opts: &MergeOptions,
     progress: &dyn Progress,
     open_sink: &dyn Fn() -> Result<Box<dyn Sink>>,
 ) -> Result<MergeOutcome> {
     let started = Instant::now();
-    match merge_once(opts, progress, open_sink, true) {
-        Err(Error::Replan { path, msg }) => {
-            progress.stage(&format!(
-                "{}: {msg}; reading the checkpoint again, checking every record as it is opened",
-                path.display()
-            ));
-            let mut outcome = merge_once(opts, progress, open_sink, false)?;
-            outcome.elapsed = started.elapsed();
-            outcome.checkpoint_notes.push(format!(
-                "{}: {msg}, so the checkpoint was read again with every chunk archive checked as it was opened",
-                path.display()
-            ));
-            Ok(outcome)
-        }
-        other => other,
-    }
-}
-
-/// [`merge_into`], opening the checkpoint with `check_on_read` as given (tests
-/// compare the two).
-pub(crate) fn merge_once(
-    opts: &MergeOptions,
-    progress: &dyn Progress,
-    open_sink: &dyn Fn() -> Result<Box<dyn Sink>>,
-    check_on_read: bool,
-) -> Result<MergeOutcome> {
-    let started = Instant::now();
     // A checkpoint of thousands of ranks takes seconds to open: say what is going on.
     progress.stage(&format!("reading {}", opts.checkpoint.display()));
-    let open = OpenOptions {
-        check_on_read,
-        ..opts.open.clone()
-    };
     let Prepared {
         checkpoint: ckpt,
         base,
         mut plan,
         adapter,
-    } = prepare(Sources {
-        open: &open,
-        ..Sources::from(opts)
-    })?;
+    } = prepare(Sources::from(opts))?;
     let wopts = WriteOptions {
         extra_files: base
             .as_ref()
@@ -243,9 +204,6 @@ pub(crate) fn merge_once(
         };
         lora::export::write_adapter_dir(&dir.join("adapter"), a.resolved(), &ckpt.files)?;
     }
-    // What the merge left unread (tensors the plan dropped) is checked too: nothing
-    // in the checkpoint goes unchecked, as if it had been checked at open.
-    ckpt.check_unread()?;
     if opts.fail_on_nonfinite {
         verify::check_finite(&plan, &summary.stats)?;
     }

@@ -36,7 +36,6 @@ pub fn run(args: InspectArgs) -> anyhow::Result<Status> {
         open: OpenOptions {
             key: args.key.key,
             tag: args.key.tag,
-            ..OpenOptions::default()
         },
         stats: args.stats,
         cancel: crate::signals::token(),

@@ -107,7 +107,6 @@ pub fn run(args: MergeArgs) -> anyhow::Result<Status> {
         open: OpenOptions {
             key: args.plan.key.key.clone(),
             tag: args.plan.key.tag.clone(),
-            ..OpenOptions::default()
         },
         plan: args.plan.plan_options()?,
         force: args.force,

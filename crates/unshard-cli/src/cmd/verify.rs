@@ -48,7 +48,6 @@ pub fn run(args: VerifyArgs) -> anyhow::Result<Status> {
         open: OpenOptions {
             key: args.plan.key.key.clone(),
             tag: args.plan.key.tag.clone(),
-            ..OpenOptions::default()
         },
         plan: args.plan.plan_options()?,
         adapter: args.plan.adapter.options(),

@@ -64,15 +64,6 @@ pub struct OpenOptions {
     pub key: Option<String>,
     /// The DeepSpeed tag folder to read instead of the one `latest` names (`--tag`).
     pub tag: Option<String>,
-    /// Check the small chunk archives of a DCP checkpoint as they are read rather
-    /// than all at open: those of one structure are planned from the first one,
-    /// parsed at open, and each is checked against it when a read first touches it
-    /// (see [`crate::source::bytes::Framed`]), so that each is read once instead of
-    /// twice. A read that finds one unlike its model fails with
-    /// [`crate::Error::Replan`]; call [`crate::source::Checkpoint::check_unread`]
-    /// before trusting what was read. [`crate::merge()`] opens this way, and
-    /// opens again without it on `Replan`. Off by default.
-    pub check_on_read: bool,
 }
 
 /// Opens any supported input and describes its tensors.

@@ -218,15 +218,6 @@ pub struct Checkpoint {
 }
 
 impl Checkpoint {
-    /// Checks what its files check as they are read (see
-    /// [`OpenOptions::check_on_read`]) for the bytes nothing has read yet: after a
-    /// merge's writes, the records of the tensors it left out.
-    pub fn check_unread(&self) -> crate::Result<()> {
-        self.files
-            .iter()
-            .try_for_each(|f| f.source().check_unread())
-    }
-
     /// Bytes of all tensors.
     pub fn total_bytes(&self) -> u64 {
         self.tensors.iter().map(TensorSource::nbytes).sum()

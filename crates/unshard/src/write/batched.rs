@@ -110,19 +110,9 @@ impl<'a> Batch<'a> {
         let Batch { mut ops, mut stats } = self;
         ops.sort_unstable_by_key(|o| (o.blob as *const Blob as usize, o.src));
         for file in ops.chunk_by(|a, b| std::ptr::eq(a.blob, b.blob)) {
-            // Runs leave room to be widened at both ends to what the source checks
-            // with them (a chunk archive around a tensor: `ByteSource::extent`);
-            // the records between two requests of a run are inside it already.
-            let cap = scratch.len() as u64;
             let ranges: Vec<(u64, u64)> = file.iter().map(|o| (o.src, o.len)).collect();
-            for mut run in coalesce(&ranges, GAP, cap - cap / 4) {
+            for run in coalesce(&ranges, GAP, scratch.len() as u64) {
                 let blob = file[0].blob;
-                let (start, _) = blob.extent(run.start, 1);
-                let (last, len) = blob.extent(run.end - 1, 1);
-                let end = last + len;
-                if end - start <= cap {
-                    (run.start, run.end) = (start, end);
-                }
                 let buf = &mut scratch[..(run.end - run.start) as usize];
                 blob.read_at(run.start, buf)?;
                 for o in run.members.iter().map(|&m| &file[m]) {

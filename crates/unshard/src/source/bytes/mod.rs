@@ -17,7 +17,6 @@ use std::sync::Arc;
 use crate::{Error, Result};
 
 mod coalesce;
-mod framed;
 mod local;
 mod memory;
 mod pooled;
@@ -25,7 +24,6 @@ mod pooled;
 mod tests;
 
 pub use coalesce::{coalesce, read_runs, Run};
-pub use framed::{same, Frame, Framed, Pattern};
 pub(crate) use local::advise_will_need;
 pub use local::LocalFile;
 pub use memory::MemBytes;
@@ -110,21 +108,6 @@ pub trait ByteSource: Send + Sync + fmt::Debug {
     /// All the bytes, when the source already holds them in memory (no copy needed).
     fn as_bytes(&self) -> Option<&[u8]> {
         None
-    }
-
-    /// The range `(offset, len)` a read of the `len` bytes at `offset` should cover
-    /// to be served by that one read: a [`Framed`] source checks the records around
-    /// the bytes it serves, from the read's own buffer when they are inside it. The
-    /// default is the range itself.
-    fn extent(&self, offset: u64, len: u64) -> (u64, u64) {
-        (offset, len)
-    }
-
-    /// Checks whatever the source checks as it serves bytes (a [`Framed`] source: its
-    /// records) for the bytes no read has touched yet, so that nothing it holds goes
-    /// unchecked. The default has nothing to check.
-    fn check_unread(&self) -> Result<()> {
-        Ok(())
     }
 }
 
@@ -257,11 +240,6 @@ impl Blob {
     /// A hint that a byte range will not be read again (see [`ByteSource::release`]).
     pub fn release(&self, offset: u64, len: u64) {
         self.source.release(offset, len);
-    }
-
-    /// The range a read of `len` bytes at `offset` should cover (see [`ByteSource::extent`]).
-    pub fn extent(&self, offset: u64, len: u64) -> (u64, u64) {
-        self.source.extent(offset, len)
     }
 
     /// [`Blob::release`] of the whole source.

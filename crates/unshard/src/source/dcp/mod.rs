@@ -95,8 +95,6 @@ struct Opened {
     pool: Option<Arc<FilePool>>,
     template_hits: u64,
     scan_reads: usize,
-    /// Archives planned to be checked when read.
-    on_read: usize,
     /// How many tensors each thread that built resolved tensors was given.
     built_parts: Vec<usize>,
 }
@@ -125,13 +123,7 @@ fn open_tuned(dir: &Path, opts: &OpenOptions, tuning: &Tuning) -> Result<(Checkp
     }
     let selection = select(dir, &md, key)?;
     let pooled = md.file_count() > max_open && !super::fs::is_url(dir);
-    let mut reader = Reader::new(
-        dir,
-        ends,
-        pooled.then_some(max_open),
-        tuning.templates,
-        opts.check_on_read,
-    );
+    let mut reader = Reader::new(dir, ends, pooled.then_some(max_open), tuning.templates);
     let chosen: Vec<(String, &Entry)> = selection
         .tensors
         .iter()
@@ -157,7 +149,6 @@ fn open_tuned(dir: &Path, opts: &OpenOptions, tuning: &Tuning) -> Result<(Checkp
         pool: reader.pool.clone(),
         template_hits: reader.templates.as_ref().map_or(0, |t| t.hits),
         scan_reads: reader.scan_reads,
-        on_read: reader.on_read,
         built_parts: std::mem::take(&mut reader.built_parts),
     };
     let checkpoint = Checkpoint {
@@ -510,13 +501,7 @@ mod tests {
             build_threads,
             ..Tuning::default()
         };
-        for opts in [
-            OpenOptions::default(),
-            OpenOptions {
-                check_on_read: true,
-                ..OpenOptions::default()
-            },
-        ] {
+        for opts in [OpenOptions::default()] {
             let (one, o) = open_tuned(&dir, &opts, &threads(1)).unwrap();
             let (two, t) = open_tuned(&dir, &opts, &threads(2)).unwrap();
             assert_eq!(o.built_parts, vec![one.tensors.len()]);
@@ -580,36 +565,6 @@ mod tests {
         (dir, range)
     }
 
-    /// Checked on read, the small archives of eight ranks are planned from the
-    /// first of their structure without a read each, and give the pieces and the
-    /// bytes that scanning them gives; every archive is checked once read.
-    #[test]
-    fn archives_checked_on_read_give_what_scanning_gives() {
-        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/sharded/llama_w8_dcp");
-        let scan = OpenOptions::default();
-        let on_read = OpenOptions {
-            check_on_read: true,
-            ..OpenOptions::default()
-        };
-        let t = Tuning::default();
-        let (scanned, s) = open_tuned(&dir, &scan, &t).unwrap();
-        let (planned, p) = open_tuned(&dir, &on_read, &t).unwrap();
-        assert_eq!(s.on_read, 0);
-        let chunks: usize = scanned.tensors.iter().map(|t| t.pieces.len()).sum();
-        assert!(p.on_read > chunks / 2, "{} of {chunks}", p.on_read);
-        // Only the archives the scan still had to take were scanned.
-        assert_eq!(p.template_hits, 0);
-        assert_eq!(scanned.tensors.len(), planned.tensors.len());
-        for (a, b) in scanned.tensors.iter().zip(&planned.tensors) {
-            assert_eq!(a.name, b.name);
-            assert_eq!(a.pieces, b.pieces, "{}", a.name);
-            let (x, _) = read_tensor(&scanned.files, a, a.dtype).unwrap();
-            let (y, _) = read_tensor(&planned.files, b, b.dtype).unwrap();
-            assert_eq!(x, y, "{}", a.name);
-        }
-        planned.check_unread().unwrap();
-    }
-
     /// Tensors whose chunks the scan left (an archive whose pickle calls a function
     /// the scan does not take, parsed when its tensor is built) are built in order
     /// on the reader's thread, between those built on threads, and give what
@@ -658,82 +613,9 @@ mod tests {
         assert_eq!(e.to_string(), e2.to_string());
     }
 
-    /// One archive unlike the others of its structure (a pickle byte changed, or
-    /// its records renamed): the open checked on read does not see it, but any
-    /// read of its tensor fails naming the file, as does the check of what was
-    /// not read; scanned, the renamed archive is parsed and reads as before.
-    #[test]
-    fn an_archive_unlike_its_template_fails_the_read_that_touches_it() {
-        let on_read = OpenOptions {
-            check_on_read: true,
-            ..OpenOptions::default()
-        };
-        let renamed = |a: &mut [u8]| {
-            let at: Vec<usize> = a
-                .windows(8)
-                .enumerate()
-                .filter(|(_, w)| *w == b"archive/")
-                .map(|(i, _)| i)
-                .collect();
-            assert!(at.len() >= 8, "{}", at.len());
-            for i in at {
-                a[i + 6] = b'X';
-            }
-        };
-        let pickle_byte = |a: &mut [u8]| {
-            let p = a.windows(2).position(|w| w == b"\x80\x02").unwrap();
-            a[p + 12] ^= 0x20;
-        };
-        for (k, change) in [&renamed as &dyn Fn(&mut [u8]), &pickle_byte]
-            .into_iter()
-            .enumerate()
-        {
-            let tmp = tempfile::tempdir().unwrap();
-            let (dir, range) = w8_with_one_archive_changed(tmp.path(), change);
-            let (c, p) = open_tuned(&dir, &on_read, &Tuning::default()).unwrap();
-            assert!(p.on_read > 0);
-            let rank = c
-                .files
-                .iter()
-                .position(|f| f.path.ends_with("__3_0.distcp"))
-                .unwrap();
-            let (hit, clean): (Vec<_>, Vec<_>) = c.tensors.iter().partition(|t| {
-                t.pieces.iter().any(|p| {
-                    p.file == rank
-                        && (range.start as u64..range.end as u64).contains(&p.byte_offset)
-                })
-            });
-            assert_eq!(hit.len(), 1, "change {k}");
-            let e = read_tensor(&c.files, hit[0], hit[0].dtype).unwrap_err();
-            assert!(matches!(e, Error::Replan { .. }), "change {k}: {e}");
-            assert!(e.to_string().contains("__3_0.distcp"), "{e}");
-            for t in clean {
-                read_tensor(&c.files, t, t.dtype).unwrap();
-            }
-            let (c, _) = open_tuned(&dir, &on_read, &Tuning::default()).unwrap();
-            assert!(matches!(c.check_unread(), Err(Error::Replan { .. })));
-            if k == 0 {
-                let scanned = open(&dir, &OpenOptions::default()).unwrap();
-                let t = scanned
-                    .tensors
-                    .iter()
-                    .find(|t| t.name == hit[0].name)
-                    .unwrap();
-                let (x, _) = read_tensor(&scanned.files, t, t.dtype).unwrap();
-                let orig = Path::new(env!("CARGO_MANIFEST_DIR"))
-                    .join("../../fixtures/sharded/llama_w8_dcp");
-                let orig = open(&orig, &OpenOptions::default()).unwrap();
-                let o = orig.tensors.iter().find(|t| t.name == hit[0].name).unwrap();
-                assert_eq!(x, read_tensor(&orig.files, o, o.dtype).unwrap().0);
-            }
-        }
-    }
-
     /// A chunk archive whose tensor has another shape than `.metadata` gives its
     /// chunk (rows 8 of 64 written as 4 of 64, the dtype unchanged) is refused when
-    /// its tensor is built, the error naming both shapes. Checked on read, the read
-    /// of it fails first, as unlike its template (a merge then reads the checkpoint
-    /// again, scanning, and meets the first error).
+    /// its tensor is built, the error naming both shapes.
     #[test]
     fn a_chunk_archive_of_another_shape_than_the_metadata_says_is_refused() {
         let half = |a: &mut [u8]| {
@@ -743,29 +625,18 @@ mod tests {
                 .expect("the size tuple (8, 64) of the chunk's pickle");
             a[at + 3] = 4;
         };
-        for check_on_read in [false, true] {
-            let tmp = tempfile::tempdir().unwrap();
-            let (dir, _) = w8_with_one_archive_changed(tmp.path(), half);
-            let opts = OpenOptions {
-                check_on_read,
-                ..OpenOptions::default()
-            };
-            let e = match open_tuned(&dir, &opts, &Tuning::default()) {
-                Err(e) => e,
-                Ok((c, _)) => c
-                    .tensors
-                    .iter()
-                    .find_map(|t| read_tensor(&c.files, t, t.dtype).err())
-                    .or_else(|| c.check_unread().err())
-                    .expect("the archive of another shape is refused"),
-            };
-            let m = e.to_string();
-            assert!(m.contains("__3_0.distcp"), "{m}");
-            if check_on_read {
-                assert!(matches!(e, Error::Replan { .. }), "{m}");
-            } else {
-                assert!(m.contains("[4, 64]") && m.contains("[8, 64]"), "{m}");
-            }
-        }
+        let tmp = tempfile::tempdir().unwrap();
+        let (dir, _) = w8_with_one_archive_changed(tmp.path(), half);
+        let e = match open_tuned(&dir, &OpenOptions::default(), &Tuning::default()) {
+            Err(e) => e,
+            Ok((c, _)) => c
+                .tensors
+                .iter()
+                .find_map(|t| read_tensor(&c.files, t, t.dtype).err())
+                .expect("the archive of another shape is refused"),
+        };
+        let m = e.to_string();
+        assert!(m.contains("__3_0.distcp"), "{m}");
+        assert!(m.contains("[4, 64]") && m.contains("[8, 64]"), "{m}");
     }
 }

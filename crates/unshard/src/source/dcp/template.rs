@@ -16,11 +16,54 @@
 //! CRC of the records it reads (the pickle and the byte order), which are compared
 //! here byte for byte with CRC fields included, and never reads the free bytes.
 
-use super::super::bytes::Pattern;
 use super::super::zip::{Archive, ZipIndex};
 use super::super::Piece;
 use super::batch::Ends;
 use crate::{DType, Result};
+
+/// What every archive of one template's structure holds: the template's ends but
+/// for ranges free to differ (the tensor's bytes, the serialization id, their CRCs).
+#[derive(Clone, Debug, PartialEq, Eq)]
+struct Pattern {
+    /// Bytes `0..head.len()` of the archive.
+    head: Vec<u8>,
+    /// Where `tail` starts in the archive (the archive's length when the head holds it all).
+    tail_at: u64,
+    /// Bytes `tail_at..` of the archive. Bytes between the head and the tail are free.
+    tail: Vec<u8>,
+    /// Archive byte ranges free to differ, sorted by start.
+    free: Vec<(u64, u64)>,
+}
+
+impl Pattern {
+    /// Whether an archive whose first `head.len()` bytes are `head` and whose bytes from
+    /// `tail_at` on are `tail` matches the pattern.
+    fn matches_ends(&self, head: &[u8], tail_at: u64, tail: &[u8]) -> bool {
+        tail_at == self.tail_at
+            && same(0, head, &self.head, &self.free)
+            && same(tail_at, tail, &self.tail, &self.free)
+    }
+}
+
+/// Whether `bytes` (archive bytes from `at`) equal `want` outside the `free` ranges.
+fn same(at: u64, bytes: &[u8], want: &[u8], free: &[(u64, u64)]) -> bool {
+    if bytes.len() != want.len() {
+        return false;
+    }
+    let end = at + bytes.len() as u64;
+    let mut pos = at;
+    for &(s, e) in free.iter().chain(std::iter::once(&(end, end))) {
+        let (s, e) = (s.clamp(at, end), e.clamp(at, end));
+        if s > pos {
+            let (i, j) = ((pos - at) as usize, (s - at) as usize);
+            if bytes[i..j] != want[i..j] {
+                return false;
+            }
+        }
+        pos = pos.max(e);
+    }
+    true
+}
 
 /// Templates kept at once (keys are few: one per chunk shape and length).
 const MAX_TEMPLATES: usize = 256;
@@ -102,26 +145,6 @@ impl Templates {
             rel_offset: t.rel_offset,
             strides: &t.strides,
             big_endian: t.big_endian,
-        })
-    }
-
-    /// The pattern of the archives of `len` bytes holding a `dtype` tensor of
-    /// `sizes`, and where it puts their tensor, if their template is known.
-    pub(super) fn pattern(
-        &self,
-        len: u64,
-        dtype: DType,
-        sizes: &[u64],
-    ) -> Option<(&Pattern, Layout<'_>)> {
-        self.find(len, dtype, sizes).map(|t| {
-            (
-                &t.pattern,
-                Layout {
-                    rel_offset: t.rel_offset,
-                    strides: &t.strides,
-                    big_endian: t.big_endian,
-                },
-            )
         })
     }
 

@@ -12,9 +12,9 @@
 //! leaves (compressed, unusual, broken) are read and parsed one by one as before,
 //! their ends asked for a thousand ahead, and report what is wrong with them.
 //!
-//! By job: this file opens and locates; `scan` and `on_read` resolve archives
-//! before the tensors are built; `build` builds them, those of resolved archives on
-//! two threads.
+//! By job: this file opens and locates; `scan` resolves archives before the
+//! tensors are built; `build` builds them, those of resolved archives on two
+//! threads.
 
 use std::collections::HashMap;
 use std::io::Read;
@@ -29,7 +29,6 @@ use super::metadata::{Chunk, Chunks, Entry, EntryKind, Item, Metadata};
 
 mod build;
 pub(super) use build::BUILD_THREADS;
-mod on_read;
 mod scan;
 
 use super::template::Templates;
@@ -77,11 +76,6 @@ pub(super) struct Reader<'a> {
     layouts: Vec<(Vec<u64>, bool)>,
     /// Reads the scan made (for tests).
     pub(super) scan_reads: usize,
-    /// Whether small archives are planned from their template and checked when read
-    /// (see [`on_read`]) rather than scanned.
-    check_on_read: bool,
-    /// How many archives were planned so.
-    pub(super) on_read: usize,
 }
 
 /// Where the tensor of a chunk archive resolved by [`Reader::scan`] is.
@@ -118,7 +112,6 @@ impl<'a> Reader<'a> {
         ends: u64,
         max_open: Option<usize>,
         templates: bool,
-        check_on_read: bool,
     ) -> Reader<'a> {
         Reader {
             templates: templates.then(Templates::default),
@@ -138,8 +131,6 @@ impl<'a> Reader<'a> {
             built_parts: Vec::new(),
             layouts: Vec::new(),
             scan_reads: 0,
-            check_on_read,
-            on_read: 0,
         }
     }
 
@@ -194,16 +185,9 @@ impl<'a> Reader<'a> {
             self.firsts.push((first, all_plain));
         }
         if self.ends > 0 {
-            if let Some(mut templates) = self.templates.take() {
-                let mut rest;
-                let scanned = if self.check_on_read {
-                    rest = self.plan_on_read(tensors, &jobs, &mut templates);
-                    &mut rest
-                } else {
-                    &mut jobs
-                };
-                scanned.sort_unstable_by_key(|j| (j.0, j.1));
-                self.templates = Some(self.scan_jobs(tensors, scanned, templates));
+            if let Some(templates) = self.templates.take() {
+                jobs.sort_unstable_by_key(|j| (j.0, j.1));
+                self.templates = Some(self.scan_jobs(tensors, &jobs, templates));
             }
         }
         let left: Vec<(FileId, u64, u64)> = {
