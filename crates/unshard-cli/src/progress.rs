@@ -15,7 +15,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use indicatif::{ProgressBar, ProgressStyle};
-use unshard::report::human_bytes;
+use unshard::text::human_bytes;
 use unshard::write::Progress;
 
 /// Seconds between plain progress lines; the first comes after one interval, so a

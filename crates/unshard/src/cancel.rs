@@ -4,13 +4,13 @@
 //!
 //! The engine checks the token before each block, verify and diff before each
 //! window, and the computed-tensor pass before each tensor. An operation that sees
-//! it returns [`Error::Interrupted`](crate::Error::Interrupted) after removing what
+//! it returns [`Error::Interrupted`](crate::error::Error::Interrupted) after removing what
 //! it wrote.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
-use crate::{Error, Result};
+use crate::error::{Error, Result};
 
 /// A cancellation token. Clones share one flag: keep one, pass one in the options,
 /// and call [`Cancel::cancel`] from anywhere (another thread, a signal handler).

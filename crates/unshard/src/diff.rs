@@ -13,13 +13,15 @@ use rayon::prelude::*;
 use serde::Serialize;
 
 use crate::cancel::Cancel;
-use crate::json::{display_path, format_id};
+use crate::dtype::DType;
+use crate::error::Result;
 use crate::options::DiffOptions;
 use crate::plan::{natural_cmp, strip_wrappers};
+use crate::source::format_id;
 use crate::source::{Checkpoint, Format, TensorSource};
 use crate::stats::{decode_f64, CHUNK_ELEMS, WINDOW_ELEMS};
+use crate::text::display_path;
 use crate::write::{read_tensor_range, windows, Progress};
-use crate::{DType, Result};
 
 /// How the values of two same-shaped tensors differ.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Serialize)]
@@ -192,7 +194,7 @@ pub fn diff(opts: &DiffOptions, progress: &dyn Progress) -> Result<DiffReport> {
         .chain(&b.unsafe_calls)
         .cloned()
         .collect();
-    crate::scan::apply_policy(opts.unsafe_pickles, &calls)?;
+    crate::source::audit::apply_policy(opts.unsafe_pickles, &calls)?;
     compare(&a, &b, progress, &opts.cancel)
 }
 

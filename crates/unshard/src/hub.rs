@@ -9,7 +9,7 @@
 
 use std::path::{Path, PathBuf};
 
-use crate::{Error, Result};
+use crate::error::{Error, Result};
 
 /// The cache directory `huggingface_hub` uses, from the environment.
 pub fn cache_dir() -> Option<PathBuf> {

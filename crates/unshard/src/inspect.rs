@@ -6,12 +6,14 @@ use std::path::PathBuf;
 
 use serde::Serialize;
 
-use crate::json::{display_path, format_id};
+use crate::dtype::DType;
+use crate::error::Result;
 use crate::options::InspectOptions;
-use crate::scan::UnsafeCall;
+use crate::source::audit::UnsafeCall;
+use crate::source::format_id;
 use crate::source::{self, Checkpoint, Format};
 use crate::stats::{checkpoint_stats, TensorStats};
-use crate::{DType, Result};
+use crate::text::display_path;
 
 /// What an input holds.
 #[derive(Clone, Debug, Serialize)]

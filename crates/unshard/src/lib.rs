@@ -47,9 +47,13 @@
 #[doc(hidden)]
 pub mod arch;
 #[doc(hidden)]
+pub mod bytes;
+#[doc(hidden)]
 pub mod cancel;
 #[doc(hidden)]
 pub mod diff;
+#[doc(hidden)]
+pub mod digest;
 #[doc(hidden)]
 pub mod dtype;
 #[doc(hidden)]
@@ -58,8 +62,6 @@ pub mod error;
 pub mod hub;
 #[doc(hidden)]
 pub mod inspect;
-#[doc(hidden)]
-pub mod json;
 #[doc(hidden)]
 pub mod lora;
 
@@ -76,16 +78,15 @@ pub mod plan;
 #[doc(hidden)]
 pub mod prepare;
 #[doc(hidden)]
-#[cfg(feature = "remote")]
-pub mod remote;
-#[doc(hidden)]
-pub mod report;
+pub mod read;
 #[doc(hidden)]
 pub mod scan;
 #[doc(hidden)]
 pub mod source;
 #[doc(hidden)]
 pub mod stats;
+#[doc(hidden)]
+pub mod text;
 #[doc(hidden)]
 pub mod verify;
 #[doc(hidden)]

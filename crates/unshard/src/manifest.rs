@@ -18,16 +18,16 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
+use crate::bytes::fs;
+use crate::digest::hex;
+use crate::digest::{Expected, ExpectedDigest};
+use crate::dtype::DType;
+use crate::error::{Error, Result};
 use crate::options::{MergeOptions, VerifyOptions};
 use crate::plan::DtypeChoice;
-use crate::source::fs;
-use crate::verify::{Expected, ExpectedDigest};
-use crate::write::digest::hex;
 use crate::write::{FileDigest, WINDOW_BYTES};
-use crate::{DType, Error, Result};
 
-/// The manifest's file name, at the top of the output directory.
-pub const MANIFEST: &str = "unshard.json";
+pub use crate::source::hf_dir::MANIFEST;
 
 /// The checksum algorithm, as recorded.
 const ALGORITHM: &str = "blake3";

@@ -8,6 +8,8 @@ pub use crate::prepare::{prepare, Base};
 
 use serde::Serialize;
 
+use crate::dtype::DType;
+use crate::error::{Error, Result};
 use crate::lora;
 use crate::manifest::{FileEntry, Manifest, MANIFEST};
 use crate::plan::{Origin, Plan};
@@ -15,8 +17,6 @@ use crate::prepare::{Prepared, Sources};
 use crate::source;
 use crate::verify::{self, VerifyReport};
 use crate::write::{self, Progress, Sink, StagingDir, WriteOptions, WriteSummary};
-use crate::DType;
-use crate::{Error, Result};
 
 /// What a merge did.
 #[derive(Clone, Debug, Serialize)]
@@ -123,11 +123,11 @@ pub fn merge(opts: &MergeOptions, progress: &dyn Progress) -> Result<MergeOutcom
     Ok(outcome)
 }
 
-/// A merge into object storage (see [`crate::remote::sink`]): the output prefix is
-/// checked before anything is read, and written by a [`crate::remote::sink::BucketSink`].
+/// A merge into object storage (see [`crate::write::bucket`]): the output prefix is
+/// checked before anything is read, and written by a [`crate::write::bucket::BucketSink`].
 #[cfg(feature = "remote")]
 fn merge_to_bucket(opts: &MergeOptions, progress: &dyn Progress) -> Result<MergeOutcome> {
-    use crate::remote::sink::{check_output, BucketSink};
+    use crate::write::bucket::{check_output, BucketSink};
     if opts.verify {
         // Refused before any work: the output has no local copy to read back.
         return Err(Error::Usage(
@@ -215,7 +215,7 @@ pub fn merge_into(
         };
         verify::drop_cached(dir, &plan);
         // The writer's block checksums, compared with the one read of the output.
-        let expected = verify::checksums::written(&summary.files, &summary.digests);
+        let expected = crate::digest::written(&summary.files, &summary.digests);
         let report = verify::verify_dir(
             dir,
             &plan,

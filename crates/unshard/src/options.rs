@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 use crate::cancel::Cancel;
 use crate::lora::AdapterOptions;
 use crate::plan::PlanOptions;
-use crate::scan::UnsafeCall;
+pub use crate::source::audit::UnsafePolicy;
 use crate::source::OpenOptions;
 
 /// Everything a merge takes.
@@ -64,7 +64,7 @@ pub struct VerifyOptions {
     pub unsafe_pickles: UnsafePolicy,
     /// What the files should hash to (from `unshard.json`: see
     /// [`Manifest::fill`](crate::manifest::Manifest::fill)); empty: not checked.
-    pub checksums: Vec<crate::verify::Expected>,
+    pub checksums: Vec<crate::digest::Expected>,
     /// Stops the check at its next window.
     pub cancel: Cancel,
 }
@@ -84,20 +84,6 @@ impl VerifyOptions {
             cancel: merge.cancel.clone(),
         }
     }
-}
-
-/// What an operation that reads a checkpoint does about pickles that would run code
-/// under `torch.load` (unshard runs none of it, but such a file is compromised).
-/// By default their tensors are read and nothing is said: a front end sets
-/// `report` to tell the user.
-#[derive(Clone, Copy, Debug, Default)]
-pub struct UnsafePolicy {
-    /// Refuse, writing nothing ([`Error::Unsafe`](crate::Error::Unsafe)).
-    pub refuse: bool,
-    /// Told what the pickles read would run, as soon as the inputs are opened
-    /// (before any refusal), so that the user hears of it even if the operation
-    /// then fails.
-    pub report: Option<fn(&[UnsafeCall])>,
 }
 
 /// What `inspect` takes.

@@ -9,12 +9,14 @@ use std::path::Path;
 use std::sync::Arc;
 
 use crate::cancel::Cancel;
+use crate::error::{Error, Result};
+use crate::hub;
 use crate::lora::{self, AdapterOptions, LoraFuse};
 use crate::options::{MergeOptions, UnsafePolicy, VerifyOptions};
-use crate::plan::{self, BaseView, Origin, Plan, PlanOptions};
+pub use crate::plan::Inputs;
+use crate::plan::{self, BaseView, Plan, PlanOptions};
 use crate::source::hf_dir::HfDir;
-use crate::source::{self, Blob, Checkpoint, OpenOptions};
-use crate::{hub, Error, Result};
+use crate::source::{self, Checkpoint, OpenOptions};
 
 /// The opened inputs and the plan, ready to write or to verify against.
 pub struct Prepared {
@@ -41,41 +43,6 @@ impl Prepared {
             base: base.and_then(|b| b.weights.as_ref()),
             extra: &[],
         }
-    }
-}
-
-/// The inputs a plan's tensors point into, by [`Origin`].
-#[derive(Clone, Copy)]
-pub struct Inputs<'a> {
-    /// The checkpoint.
-    pub checkpoint: &'a Checkpoint,
-    /// The base's weights.
-    pub base: Option<&'a Checkpoint>,
-    /// Further inputs (an adapter...): `Origin::Input(i)` is `extra[i]`.
-    pub extra: &'a [&'a Checkpoint],
-}
-
-impl<'a> Inputs<'a> {
-    /// The input a tensor comes from, if it was opened.
-    pub fn get(&self, origin: Origin) -> Option<&'a Checkpoint> {
-        match origin {
-            Origin::Checkpoint => Some(self.checkpoint),
-            Origin::Base => self.base,
-            Origin::Input(i) => self.extra.get(i).copied(),
-        }
-    }
-
-    /// The files of the input a tensor comes from (none if it was not opened:
-    /// reading a piece then names the missing file).
-    pub fn files(&self, origin: Origin) -> &'a [Arc<Blob>] {
-        self.get(origin).map_or(&[], |c| &c.files)
-    }
-
-    /// Every opened input.
-    pub fn all(&self) -> impl Iterator<Item = &'a Checkpoint> {
-        std::iter::once(self.checkpoint)
-            .chain(self.base)
-            .chain(self.extra.iter().copied())
     }
 }
 
@@ -287,5 +254,5 @@ fn check_unsafe(policy: UnsafePolicy, ckpt: &Checkpoint, base: Option<&Base>) ->
     if let Some(w) = base.and_then(|b| b.weights.as_ref()) {
         calls.extend(w.unsafe_calls.iter().cloned());
     }
-    crate::scan::apply_policy(policy, &calls)
+    crate::source::audit::apply_policy(policy, &calls)
 }

@@ -11,9 +11,10 @@ use std::sync::Arc;
 use rayon::prelude::*;
 
 use crate::cancel::Cancel;
+use crate::dtype::DType;
+use crate::error::Result;
+use crate::read::{read_tensor_range, windows};
 use crate::source::{Blob, Checkpoint, TensorSource};
-use crate::write::{read_tensor_range, windows};
-use crate::{DType, Result};
 
 /// Elements read from an input per unit of work.
 pub(crate) const WINDOW_ELEMS: u64 = 1 << 20;

@@ -7,8 +7,8 @@ use std::path::PathBuf;
 use unshard::merge::{self, MergeOptions, MergeOutcome};
 use unshard::parts::Part;
 use unshard::plan::Origin;
-use unshard::report::{human_bytes, list_some};
 use unshard::source::OpenOptions;
+use unshard::text::{human_bytes, list_some};
 
 use crate::args::PlanArgs;
 use crate::exit::{Status, UsageError};

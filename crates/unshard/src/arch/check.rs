@@ -10,8 +10,8 @@ use std::collections::{BTreeSet, HashMap};
 
 use super::eval::{Expected, ExpectedTensor};
 use super::table::Entry;
-use crate::report::list_some;
-use crate::Error;
+use crate::error::Error;
+use crate::text::list_some;
 
 /// The hint of every placeholder error.
 pub const PLACEHOLDER_HINT: &str = "placeholders of a partitioned checkpoint (DeepSpeed ZeRO-3 saves empty tensors in each rank's model states): pass the folder that holds all ranks";

@@ -390,6 +390,7 @@ pub fn byteswap(buf: &mut [u8], elem_size: usize) {
     }
 }
 
+pub mod fuse;
 mod kernels;
 
 #[cfg(test)]

@@ -20,7 +20,7 @@ use regex::Regex;
 use serde_json::{Map, Value};
 
 use super::{adapter_error, remedy_error, AdapterRemedy};
-use crate::{Error, Result};
+use crate::error::{Error, Result};
 
 /// The file name peft writes.
 pub const CONFIG_FILE: &str = "adapter_config.json";
@@ -130,7 +130,7 @@ impl AdapterConfig {
     /// Reads and checks `path` (an `adapter_config.json`).
     pub fn read(path: &Path) -> Result<AdapterConfig> {
         // Local or in object storage; the reason is the system's (or the store's).
-        let text = match crate::source::fs::read(path) {
+        let text = match crate::bytes::fs::read(path) {
             Ok(b) => String::from_utf8(b).map_err(|e| e.to_string()),
             Err(Error::Io { source, .. }) => Err(source.to_string()),
             Err(e) => Err(e.to_string()),
@@ -374,7 +374,7 @@ fn full_regex(path: &Path, field: &str, s: &str) -> Result<Regex> {
     })
 }
 
-fn bad_field(path: &Path, field: &str, want: &str) -> crate::Error {
+fn bad_field(path: &Path, field: &str, want: &str) -> crate::error::Error {
     adapter_error(
         path,
         format!("field '{field}' must be {want}"),

@@ -6,9 +6,10 @@ use std::sync::Arc;
 
 use super::math::{self, Factors};
 use super::resolve::Fuse;
+use crate::dtype::DType;
+use crate::error::Result;
+use crate::read::read_tensor;
 use crate::source::{Blob, TensorSource};
-use crate::write::read_tensor;
-use crate::{DType, Result};
 
 /// Reads a tensor as float32 values.
 pub fn read_f32(files: &[Arc<Blob>], t: &TensorSource) -> Result<Vec<f32>> {

@@ -16,9 +16,9 @@ use serde_json::{Map, Value};
 
 use super::config::CONFIG_FILE;
 use super::resolve::Resolved;
+use crate::error::{Error, Result};
+use crate::read::read_tensor;
 use crate::source::{Blob, TensorSource};
-use crate::write::read_tensor;
-use crate::{Error, Result};
 
 /// The weight file written.
 pub const WEIGHTS_FILE: &str = "adapter_model.safetensors";

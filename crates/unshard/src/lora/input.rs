@@ -8,9 +8,9 @@ use super::locate;
 use super::names;
 use super::resolve::{resolve, Resolved};
 use super::{AdapterOption, AdapterRemedy};
+use crate::error::Result;
 use crate::plan::strip_wrappers;
 use crate::source::{self, Checkpoint, OpenOptions};
-use crate::Result;
 
 /// `--adapter`, `--adapter-config` and `--no-fuse`.
 #[derive(Clone, Debug, Default)]

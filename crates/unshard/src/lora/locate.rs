@@ -11,8 +11,8 @@ use std::path::{Path, PathBuf};
 
 use super::config::CONFIG_FILE;
 use super::{adapter_error, remedy_error, AdapterOption, AdapterRemedy};
-use crate::source::fs;
-use crate::Result;
+use crate::bytes::fs;
+use crate::error::Result;
 
 /// The weight files peft writes, in the order it prefers them.
 const WEIGHT_FILES: &[&str] = &["adapter_model.safetensors", "adapter_model.bin"];

@@ -12,8 +12,8 @@ use std::collections::HashSet;
 
 use super::resolve::Resolved;
 use super::AdapterRemedy;
+use crate::error::{Error, Result};
 use crate::plan::{Candidate, Content, Expr, MapInputs, Mapping, Origin};
-use crate::{Error, Result};
 
 /// See the module documentation.
 #[derive(Debug)]

@@ -21,7 +21,7 @@
 
 use std::path::Path;
 
-use crate::Error;
+use crate::error::Error;
 
 pub mod config;
 pub mod eval;
@@ -29,12 +29,14 @@ pub mod export;
 pub mod input;
 pub mod locate;
 pub mod mapping;
-pub mod math;
+/// The fuse kernel, which the engine shares with this module: `dtype::fuse`.
+pub use crate::dtype::fuse as math;
 pub mod names;
 pub mod reference;
 pub mod report;
 pub mod resolve;
 
+pub use crate::error::{AdapterOption, AdapterRemedy};
 pub use config::AdapterConfig;
 pub use input::{AdapterInput, AdapterOptions};
 pub use mapping::LoraFuse;
@@ -54,90 +56,5 @@ pub(crate) fn remedy_error(
     Error::Adapter {
         msg: format!("{}: {msg}", path.display()),
         remedy,
-    }
-}
-
-/// An adapter option, as [`AdapterRemedy`] names it.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum AdapterOption {
-    /// [`AdapterOptions::name`].
-    Name,
-    /// [`AdapterOptions::config`].
-    Config,
-    /// [`AdapterOptions::no_fuse`].
-    NoFuse,
-}
-
-impl AdapterOption {
-    /// How the library's messages name the option; a front end may replace these
-    /// words with its own (the command line with its flag).
-    pub fn words(self) -> &'static str {
-        match self {
-            AdapterOption::Name => "the adapter `name` option",
-            AdapterOption::Config => "the adapter `config` option",
-            AdapterOption::NoFuse => "the adapter `no_fuse` option",
-        }
-    }
-}
-
-/// What to change when an adapter cannot be fused as the options stand: the remedy
-/// of an [`Error::Adapter`], which a front end words in its own terms.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-#[non_exhaustive]
-pub enum AdapterRemedy {
-    /// The adapter asked for is not there: name one of those the message lists.
-    PickListed,
-    /// Several adapters are saved together: name one.
-    NameOne,
-    /// The adapter config could not be read: give the one peft wrote.
-    ConfigUnreadable,
-    /// The adapter config given is not there (the message names `Config`).
-    ConfigAbsent,
-    /// No adapter config was found beside the weights: give the one the run used.
-    ConfigNotFound,
-    /// The adapter's weights do not fit the base's.
-    CheckBase,
-    /// There is no base model to fuse into.
-    NoBase,
-    /// The base model lacks a weight the adapter changes.
-    BaseLacksWeight,
-    /// An adapter option was set for an input that holds no adapter (the message
-    /// names the option).
-    NotAnAdapter(AdapterOption),
-}
-
-impl AdapterRemedy {
-    /// The hint, in terms of the library's options.
-    pub fn hint(self) -> &'static str {
-        match self {
-            AdapterRemedy::PickListed => "set the adapter `name` option to one of those names",
-            AdapterRemedy::NameOne => "choose one with the adapter `name` option",
-            AdapterRemedy::ConfigUnreadable => {
-                "give the adapter_config.json peft wrote for this adapter as the adapter `config` option"
-            }
-            AdapterRemedy::ConfigAbsent => {
-                "give the adapter_config.json the adapter was trained with (or its directory)"
-            }
-            AdapterRemedy::ConfigNotFound => {
-                "give the adapter config the run used as the adapter `config` option (never guess lora_alpha)"
-            }
-            AdapterRemedy::CheckBase => "check that the base is the model the adapter was trained on",
-            AdapterRemedy::NoBase => "give the model the adapter was trained on as the `base`",
-            AdapterRemedy::BaseLacksWeight => {
-                "give the base model the adapter was trained on as the `base`"
-            }
-            AdapterRemedy::NotAnAdapter(_) => {
-                "give a peft adapter directory or a checkpoint of a peft-wrapped model, or unset the option"
-            }
-        }
-    }
-
-    /// The option the error's message names, if any.
-    pub fn option_in_message(self) -> Option<AdapterOption> {
-        match self {
-            AdapterRemedy::ConfigAbsent => Some(AdapterOption::Config),
-            AdapterRemedy::NotAnAdapter(o) => Some(o),
-            _ => None,
-        }
     }
 }

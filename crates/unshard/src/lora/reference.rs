@@ -13,7 +13,7 @@
 //! nearly cancel. A wrong scale, a missing transpose or a norm on the wrong axis
 //! is off by many units.
 
-use crate::DType;
+use crate::dtype::DType;
 
 use super::math::Layout;
 

@@ -5,9 +5,9 @@
 
 use super::eval::read_f32;
 use super::mapping::LoraFuse;
+use crate::error::Result;
 use crate::plan::Report;
 use crate::source::Checkpoint;
-use crate::Result;
 
 /// Adds the adapter's notes and warnings to a plan's report.
 pub fn add(fuse: &LoraFuse, ckpt: &Checkpoint, report: &mut Report) -> Result<()> {

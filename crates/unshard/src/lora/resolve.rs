@@ -15,9 +15,9 @@ use super::config::AdapterConfig;
 use super::math::Layout;
 use super::names::{self, Adapted, PeftName};
 use super::{adapter_error, remedy_error, AdapterRemedy};
+use crate::error::Result;
 use crate::plan::strip_wrappers;
 use crate::source::{Checkpoint, TensorSource};
-use crate::Result;
 
 /// One adapted weight: how its content is computed.
 #[derive(Clone, Debug)]
@@ -49,7 +49,7 @@ impl Fuse {
     /// sees shapes only, so a weight that fits one orientation alone takes it, and
     /// a square one follows the config.
     pub fn layout_for(&self, shape: &[u64]) -> Result<Layout> {
-        let bad = |why: String| crate::Error::Adapter {
+        let bad = |why: String| crate::error::Error::Adapter {
             msg: format!(
                 "adapter weights of '{}' do not fit '{}' {shape:?}: {why}",
                 self.module, self.target

@@ -1,6 +1,6 @@
 //! Which part writes which shard, and which part this process is.
 
-use crate::{Error, Result};
+use crate::error::{Error, Result};
 
 /// One part of a merge split `count` ways; `index` counts from 0, as `RANK` and
 /// `SLURM_PROCID` do.

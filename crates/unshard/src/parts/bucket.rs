@@ -33,10 +33,10 @@ use std::path::{Path, PathBuf};
 use object_store::{ObjectStoreExt, PutMode, PutOptions, PutPayload};
 
 use super::Part;
+use crate::bytes::remote::store::{self, block_on, io_error, Location};
+use crate::error::{Error, Result};
 use crate::manifest::FileEntry;
-use crate::remote::sink::BucketSink;
-use crate::remote::store::{self, block_on, io_error, Location};
-use crate::{Error, Result};
+use crate::write::bucket::BucketSink;
 
 /// The bookkeeping folder under the output prefix.
 const DIR: &str = ".unshard-parts";

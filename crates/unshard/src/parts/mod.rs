@@ -46,13 +46,13 @@ use std::path::{Path, PathBuf};
 
 pub use assign::{assign, Part};
 
+use crate::error::{Error, Result};
 use crate::manifest::{FileEntry, Manifest, MANIFEST};
 use crate::merge::MergeOptions;
 use crate::plan::Plan;
 use crate::prepare::{prepare, Prepared};
 use crate::source::{fs, Checkpoint};
 use crate::write::{self, Progress, WriteOptions};
-use crate::{Error, Result};
 use sink::PartDir;
 
 /// What one part did.

@@ -6,8 +6,8 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 
 use super::Part;
+use crate::error::{Error, Result};
 use crate::write::{sync_dir, write_file, OutFile, ShardFile, Sink};
-use crate::{Error, Result};
 
 const PREFIX: &str = "unshard-parts-";
 const COMMIT: &str = "commit";
@@ -207,8 +207,8 @@ impl Sink for PartDir {
         if dst.exists() {
             return Ok(false);
         }
-        if crate::source::fs::is_url(from) {
-            write_file(&dst, &crate::source::fs::read(from)?)?;
+        if crate::bytes::fs::is_url(from) {
+            write_file(&dst, &crate::bytes::fs::read(from)?)?;
         } else {
             std::fs::copy(from, &dst).map_err(|e| Error::io("copy", from, e))?;
             File::open(&dst)

@@ -7,7 +7,8 @@ use std::collections::HashMap;
 use serde_json::{Map, Value};
 
 use super::{BaseView, DtypeChoice, PlannedTensor, Report};
-use crate::{DType, Error, Result};
+use crate::dtype::DType;
+use crate::error::{Error, Result};
 
 /// Sets each floating tensor's output dtype; a cast the kernels cannot do is an
 /// error naming the tensor.

@@ -26,9 +26,10 @@
 //!    fixture generator), and that verify catches a wrong one
 //!    (`crates/unshard/tests/computed.rs`).
 
-use crate::lora::math::Layout;
+use crate::dtype::fuse::Layout;
+use crate::dtype::DType;
+use crate::error::{Error, Result};
 use crate::source::TensorSource;
-use crate::{DType, Error, Result};
 
 use super::Origin;
 
@@ -88,7 +89,7 @@ pub enum Expr {
     /// computes it: `base + scale * (b @ a)` (the update transposed for
     /// `fan_in_fan_out` and embeddings, see [`Layout`]), then, with a DoRA
     /// `magnitude`, each output channel rescaled to `magnitude / ||row||`
-    /// (`crate::lora::math`).
+    /// (`crate::dtype::fuse`).
     Fuse {
         /// The weight fused into, `[rows, cols]` as stored.
         base: Box<Expr>,

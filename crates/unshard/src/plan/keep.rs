@@ -116,10 +116,10 @@ pub(crate) fn drop_tied_head(
 #[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
+    use crate::dtype::DType;
     use crate::plan::mapping::candidates;
     use crate::plan::testing::{checkpoint, f32s, sharing, tensor};
     use crate::source::Checkpoint;
-    use crate::DType;
 
     #[test]
     fn recognises_nonpersistent_buffers() {

@@ -15,8 +15,8 @@ use std::collections::{HashMap, HashSet};
 use super::mapping::Candidate;
 use super::{BaseView, PlannedTensor, Report};
 use crate::arch::{self, Expected};
+use crate::error::{Error, Result};
 use crate::source::TensorSource;
-use crate::{Error, Result};
 
 /// The config's expected layout when it is the only reference (no base weights);
 /// warns when the architecture is not in the table.
@@ -144,7 +144,7 @@ mod tests {
     fn run(
         tensors: Vec<(String, Vec<u64>)>,
         config: &Map<String, Value>,
-    ) -> crate::Result<super::super::Plan> {
+    ) -> crate::error::Result<super::super::Plan> {
         let named: Vec<(&str, &[u64])> = tensors
             .iter()
             .map(|(n, s)| (n.as_str(), s.as_slice()))

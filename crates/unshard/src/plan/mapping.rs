@@ -26,8 +26,9 @@
 use std::fmt;
 
 use super::{Content, Expr, Origin};
+use crate::dtype::DType;
+use crate::error::Result;
 use crate::source::{Checkpoint, StorageId, TensorSource};
-use crate::{DType, Result};
 
 /// A tensor the output may hold, before the planning policies.
 #[derive(Clone, Debug)]
@@ -112,7 +113,7 @@ pub(crate) fn check(cands: &[Candidate]) -> Result<()> {
         if let Content::Computed(e) = &c.content {
             let shape = e.shape(&c.name)?;
             if shape != c.shape {
-                return Err(crate::Error::plan(
+                return Err(crate::error::Error::plan(
                     format!(
                         "computed tensor '{}': its expression gives shape {shape:?}, not {:?}",
                         c.name, c.shape

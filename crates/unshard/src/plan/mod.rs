@@ -31,11 +31,13 @@ use std::sync::Arc;
 use regex::Regex;
 use serde_json::{Map, Value};
 
+use crate::dtype::DType;
+use crate::error::Result;
 use crate::source::{Checkpoint, TensorSource};
-use crate::{DType, Result};
 
 pub mod cast;
 pub mod content;
+mod inputs;
 pub mod keep;
 pub mod layout;
 pub mod mapping;
@@ -44,6 +46,7 @@ pub mod overlay;
 pub mod shard;
 
 pub use content::{Content, Expr, Leaf};
+pub use inputs::Inputs;
 pub use mapping::{Candidate, MapInputs, Mapping};
 
 pub use cast::config_dtype_of;
@@ -323,8 +326,8 @@ pub fn plan(
 pub(crate) mod testing {
     use std::path::PathBuf;
 
+    use crate::dtype::DType;
     use crate::source::{Checkpoint, Format, StorageId, TensorSource};
-    use crate::DType;
 
     /// A described tensor with no pieces.
     pub fn tensor(name: &str, dtype: DType, shape: &[u64]) -> TensorSource {

@@ -7,7 +7,7 @@ use std::collections::{HashMap, HashSet};
 use regex::Regex;
 
 use super::{Candidate, Report};
-use crate::{Error, Result};
+use crate::error::{Error, Result};
 
 /// Wrapper components that FSDP, activation checkpointing and torch.compile insert.
 const WRAPPER_PARTS: &[&str] = &[

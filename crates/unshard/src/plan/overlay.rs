@@ -7,8 +7,8 @@ use std::collections::{HashMap, HashSet};
 
 use super::{Candidate, Origin, PlannedTensor, Report};
 use crate::error::ShapeDiff;
+use crate::error::{Error, Result};
 use crate::source::{Checkpoint, TensorSource};
-use crate::{Error, Result};
 
 /// The tensors to write, before dtype policy: the kept checkpoint tensors under
 /// their output names, then the base tensors they do not replace.
@@ -126,9 +126,9 @@ fn closest<'a>(name: &str, base: impl Iterator<Item = &'a str>) -> Option<String
 #[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
+    use crate::error::Error;
     use crate::plan::mapping::candidates;
     use crate::plan::testing::{checkpoint, f32s};
-    use crate::Error;
 
     fn run(
         ckpt: &Checkpoint,

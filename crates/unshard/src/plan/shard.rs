@@ -136,9 +136,9 @@ pub(crate) fn total_parameters(
 #[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
+    use crate::dtype::DType;
     use crate::plan::testing::tensor;
     use crate::plan::{Candidate, Origin};
-    use crate::DType;
 
     fn planned(name: &str, dtype: DType, n: u64) -> PlannedTensor {
         PlannedTensor::from_candidate(Candidate::copy(

@@ -7,7 +7,15 @@ use std::sync::Arc;
 use super::{
     dcp, deepspeed, fs, hf_dir, hints, legacy, safetensors, sharded, torch, Blob, Checkpoint,
 };
-use crate::{Error, Result};
+use crate::error::{Error, Result};
+
+/// Serializes an input format as its stable id (`torch-zip`, `dcp`...).
+pub(crate) fn format_id<S: serde::Serializer>(
+    f: &Format,
+    s: S,
+) -> std::result::Result<S::Ok, S::Error> {
+    s.serialize_str(f.id())
+}
 
 /// The kinds of input unshard reads.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -239,10 +247,7 @@ fn open_dir(path: &Path, opts: &OpenOptions) -> Result<Checkpoint> {
         found: if names.is_empty() {
             "an empty directory".into()
         } else {
-            format!(
-                "a directory holding {}",
-                crate::report::list_some(&names, 8)
-            )
+            format!("a directory holding {}", crate::text::list_some(&names, 8))
         },
     })
 }

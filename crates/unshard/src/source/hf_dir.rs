@@ -9,7 +9,11 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use super::{fs, legacy, safetensors, torch, Checkpoint, Format, TensorSource};
-use crate::{Error, Result};
+use crate::error::{Error, Result};
+
+/// The file name of a merge's manifest (`unshard.json`), at the top of the output
+/// directory: never taken for a base's extra file.
+pub const MANIFEST: &str = "unshard.json";
 
 /// Files larger than this are never copied into an output directory as "extras".
 pub const MAX_EXTRA_FILE: u64 = 256 * 1024 * 1024;
@@ -96,7 +100,7 @@ impl HfDir {
             let p = entry.path;
             let name = entry.name;
             // A base that an earlier merge wrote: its manifest describes that merge.
-            if name == "config.json" || name == crate::manifest::MANIFEST || name.starts_with('.') {
+            if name == "config.json" || name == MANIFEST || name.starts_with('.') {
                 continue;
             }
             if entry.is_dir {
@@ -184,13 +188,13 @@ impl HfDir {
 
     /// The dtype the config declares, and the key it uses (`dtype` in transformers
     /// >= 4.56, `torch_dtype` before).
-    pub fn config_dtype(&self) -> Option<(&'static str, crate::DType)> {
+    pub fn config_dtype(&self) -> Option<(&'static str, crate::dtype::DType)> {
         let cfg = self.config.as_ref()?;
         for key in ["dtype", "torch_dtype"] {
             if let Some(d) = cfg
                 .get(key)
                 .and_then(|v| v.as_str())
-                .and_then(crate::DType::from_torch_name)
+                .and_then(crate::dtype::DType::from_torch_name)
             {
                 return Some((key, d));
             }

@@ -9,7 +9,7 @@
 
 use std::path::{Path, PathBuf};
 
-use crate::Error;
+use crate::error::Error;
 
 /// The error for an input that is a part of (or the parent of) what should be
 /// passed, or `None` when the path is none of those near misses.
@@ -59,7 +59,7 @@ pub fn wrong_input(path: &Path) -> Option<Error> {
         return Some(wrong(
             format!(
                 "a training run's output folder, holding {}",
-                crate::report::list_some(&listed, 8)
+                crate::text::list_some(&listed, 8)
             ),
             format!(
                 "pass one checkpoint folder; the latest is {}",

@@ -17,7 +17,7 @@ use unshard_pickle::{ErrorKind, Limits, Pickle, Value};
 
 use super::torch::{dict_get, seq_of, storage_table, str_of, StorageLoc, Storages, TorchPayload};
 use super::Blob;
-use crate::{Error, Result};
+use crate::error::{Error, Result};
 
 /// The first read of the pickles; most files' pickles fit in it.
 const FIRST_READ: u64 = 64 << 10;
@@ -134,7 +134,7 @@ fn read_legacy_with(blob: &Blob, first: u64) -> Result<TorchPayload> {
         .into_iter()
         .zip(&entries)
     {
-        unsafe_calls.extend(crate::scan::audit_pickle(path, entry, p).0);
+        unsafe_calls.extend(crate::source::audit::audit_pickle(path, entry, p).0);
     }
     match magic.get(magic.root()) {
         Value::BigInt(b) if b[..] == MAGIC => {}

@@ -38,13 +38,13 @@
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use crate::{DType, Error, Result};
+use crate::dtype::DType;
+use crate::error::{Error, Result};
 
-pub mod bytes;
+pub mod audit;
 pub mod dcp;
 pub mod deepspeed;
 pub mod detect;
-pub mod fs;
 pub mod hf_dir;
 pub mod hints;
 pub mod legacy;
@@ -55,7 +55,8 @@ pub(crate) mod test_input;
 pub mod torch;
 pub mod zip;
 
-pub use bytes::{Blob, ByteSource, LocalFile, MemBytes};
+pub use crate::bytes::{fs, Blob, ByteSource, LocalFile, MemBytes};
+pub(crate) use detect::format_id;
 pub use detect::{open, open_blob, Format, OpenOptions};
 
 /// Index of a [`Blob`] in [`Checkpoint::files`].
@@ -214,7 +215,7 @@ pub struct Checkpoint {
     pub notes: Vec<String>,
     /// What the pickles read would run under `torch.load` (see [`crate::scan`]):
     /// unshard runs none of it, but the file is compromised and the user is told.
-    pub unsafe_calls: Vec<crate::scan::UnsafeCall>,
+    pub unsafe_calls: Vec<crate::source::audit::UnsafeCall>,
 }
 
 impl Checkpoint {

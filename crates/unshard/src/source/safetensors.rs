@@ -10,7 +10,8 @@
 use std::path::Path;
 
 use super::{contiguous_strides, Blob, FileId, Piece, StorageId, TensorSource};
-use crate::{DType, Error, Result};
+use crate::dtype::DType;
+use crate::error::{Error, Result};
 
 /// The reference reader's cap on the header size.
 pub const MAX_HEADER: u64 = 100_000_000;

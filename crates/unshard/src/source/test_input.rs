@@ -5,7 +5,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use super::{contiguous_strides, Blob, Checkpoint, Format, Piece, TensorSource};
-use crate::DType;
+use crate::dtype::DType;
 
 /// The file being built, and the tensors added to it.
 #[derive(Default)]

@@ -20,11 +20,11 @@ use super::gather::{gather, GatherBufs};
 use super::reference::{self, Reference};
 use super::structure::{read_output, Located, Written};
 use crate::cancel::Cancel;
+use crate::digest::{block, FileDigest};
+use crate::error::Result;
 use crate::plan::{Content, Plan};
 use crate::prepare::Inputs;
-use crate::write::digest::{block, FileDigest};
 use crate::write::{Progress, WINDOW_BYTES};
-use crate::Result;
 
 /// What the pass found: per check, the differences or why its bytes could not be
 /// read; per shard, the digests of what was read (`None` where a read failed or
@@ -269,7 +269,7 @@ pub(crate) fn check_blocks(
 struct BlockFound {
     shard: usize,
     block: u64,
-    digest: Option<crate::write::digest::Sha>,
+    digest: Option<crate::digest::Sha>,
     diffs: Vec<(usize, Diffs)>,
     unreadable: Vec<(usize, String)>,
 }

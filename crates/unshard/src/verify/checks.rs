@@ -11,11 +11,11 @@ use super::compare::same_values;
 use crate::cancel::Cancel;
 use crate::dtype::{self, ConvertStats};
 use crate::error::NonFiniteTensor;
+use crate::error::{Error, Result};
 use crate::plan::{Origin, Plan, PlannedTensor};
 use crate::prepare::Inputs;
 use crate::source::TensorSource;
 use crate::write::{read_tensor_range, windows, WINDOW_BYTES};
-use crate::{Error, Result};
 
 /// Whether every checkpoint tensor equals the base's after conversion to the output
 /// dtype, i.e. the merge would write the base again (an adapter-only export, a
@@ -152,10 +152,10 @@ pub fn drop_cached(dir: &Path, plan: &Plan) {
 #[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
+    use crate::dtype::DType;
     use crate::plan::{Content, Expr};
     use crate::source::test_input::MemInput as Input;
     use crate::verify::tests::plan;
-    use crate::DType;
 
     fn planned(source: TensorSource, origin: Origin) -> PlannedTensor {
         PlannedTensor {

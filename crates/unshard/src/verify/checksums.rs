@@ -10,44 +10,9 @@ use std::collections::HashMap;
 use std::path::Path;
 
 use super::report::{problem, Problem};
-use crate::source::fs;
-use crate::write::digest::{hex, FileDigest, Sha};
-use crate::write::WINDOW_BYTES;
-use crate::Result;
-
-/// What a file of the output should hash to.
-#[derive(Clone, Debug)]
-pub struct Expected {
-    /// The file, relative to the output directory.
-    pub name: String,
-    /// Its size in bytes.
-    pub size: u64,
-    /// What is known of its content.
-    pub digest: ExpectedDigest,
-}
-
-/// The checksums a file is held to.
-#[derive(Clone, Debug)]
-pub enum ExpectedDigest {
-    /// Each block's digest as the writer hashed it (`None`: not hashed).
-    Written(Vec<Option<Sha>>),
-    /// The file checksum recorded in `unshard.json`
-    /// ([`FileDigest::tree`](crate::write::FileDigest::tree)).
-    Recorded(Sha),
-}
-
-/// The expectations of a merge just written.
-pub fn written(names: &[String], digests: &[FileDigest]) -> Vec<Expected> {
-    names
-        .iter()
-        .zip(digests)
-        .map(|(n, d)| Expected {
-            name: n.clone(),
-            size: d.size,
-            digest: ExpectedDigest::Written(d.blocks.clone()),
-        })
-        .collect()
-}
+use crate::bytes::fs;
+use crate::digest::{hex, Expected, ExpectedDigest, FileDigest, WINDOW_BYTES};
+use crate::error::Result;
 
 /// Compares the files of `dir` with `expected`: shards by the digests of the
 /// content pass's read (`read`, by file name), other files by reading them.

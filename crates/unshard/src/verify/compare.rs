@@ -2,8 +2,8 @@
 //! class (any NaN equals any NaN), because tools disagree on NaN payloads.
 
 use super::report::FirstDiff;
+use crate::dtype::DType;
 use crate::stats::element_f64;
-use crate::DType;
 
 /// Differences found in one window or one tensor.
 #[derive(Clone, Copy, Debug, Default)]

@@ -14,7 +14,7 @@
 //! ten payload bits of a float32 NaN, as F16C writes). Verify compares NaN by class
 //! anyway; the kernel tests hold this module to the exact NaN bits too.
 
-use crate::DType;
+use crate::dtype::DType;
 
 /// A binary floating-point format: stored mantissa bits, exponent field bits,
 /// bias, and whether the all-ones exponent means inf/NaN (IEEE) or only its

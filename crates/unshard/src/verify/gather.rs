@@ -7,9 +7,10 @@ use std::path::Path;
 use std::sync::Arc;
 
 use crate::dtype;
+use crate::dtype::DType;
+use crate::error::{Error, Result};
 use crate::source::{Blob, TensorSource};
 use crate::write::WINDOW_BYTES;
-use crate::{DType, Error, Result};
 
 /// A piece seen with at least one dimension, so that a 0-d tensor is a single row
 /// of one column.

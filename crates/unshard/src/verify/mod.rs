@@ -43,11 +43,12 @@ use std::collections::{HashMap, HashSet};
 use std::path::Path;
 
 use crate::cancel::Cancel;
+use crate::dtype::DType;
+use crate::error::{Error, Result};
 use crate::options::VerifyOptions;
 use crate::plan::{Origin, Plan};
 use crate::prepare::{prepare, Inputs};
 use crate::write::{FileDigest, Progress};
-use crate::{DType, Error, Result};
 
 mod blocks;
 pub mod checks;
@@ -59,8 +60,8 @@ mod reference;
 pub mod report;
 mod structure;
 
+pub use crate::digest::{Expected, ExpectedDigest};
 pub use checks::{check_finite, drop_cached, nonfinite_tensors, unchanged_from_base};
-pub use checksums::{Expected, ExpectedDigest};
 pub use report::{unravel, FirstDiff, Mismatch, Problem, VerifyReport};
 
 use report::problem;
@@ -69,7 +70,7 @@ use structure::{check_config, Located, Written};
 /// Re-derives the plan from `opts` (checkpoint, base, dtype, renames...) and checks
 /// the directory `opts.dir` against it.
 pub fn verify(opts: &VerifyOptions, progress: &dyn Progress) -> Result<VerifyReport> {
-    if !crate::source::fs::is_dir(&opts.dir) {
+    if !crate::bytes::fs::is_dir(&opts.dir) {
         return Err(Error::Usage(format!(
             "{} is not a directory; pass the model directory a merge wrote",
             opts.dir.display()

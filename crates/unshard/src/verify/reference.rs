@@ -8,9 +8,10 @@
 //! Memory: every leaf of the tensor in float32, and the tensor twice (float32 and
 //! its output dtype).
 
+use crate::dtype::DType;
+use crate::error::{Error, Result};
 use crate::plan::Expr;
 use crate::prepare::Inputs;
-use crate::{DType, Error, Result};
 
 use super::gather::{gather, GatherBufs};
 
@@ -218,7 +219,7 @@ fn locate<'e>(n: &Node<'e>, idx: &mut [u64]) -> (usize, &'e [u64]) {
 #[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
-    use crate::lora::math::Layout;
+    use crate::dtype::fuse::Layout;
     use crate::plan::Origin;
     use crate::source::test_input::MemInput;
     use crate::source::Checkpoint;

@@ -8,8 +8,9 @@ use std::path::PathBuf;
 
 use serde::Serialize;
 
-use crate::report::human_bytes;
-use crate::{DType, Error};
+use crate::dtype::DType;
+use crate::error::Error;
+use crate::text::human_bytes;
 
 /// A structural finding: something about the files, not the values.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]

@@ -10,10 +10,11 @@ use std::path::Path;
 use serde::de::{Deserialize, Deserializer, IgnoredAny, MapAccess, Visitor};
 
 use super::report::{problem, Problem};
+use crate::dtype::DType;
+use crate::error::{Error, Result};
 use crate::plan::Plan;
-use crate::report::list_some;
 use crate::source::{fs, safetensors, Blob};
-use crate::{DType, Error, Result};
+use crate::text::list_some;
 
 const INDEX: &str = "model.safetensors.index.json";
 

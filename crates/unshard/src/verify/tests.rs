@@ -547,7 +547,7 @@ fn computed_tensors_are_compared_with_their_reference() {
         b: Box::new(leaf(&mut input, "b", &[1.0, 2.0, 3.0, 4.0], &[2, 2])),
         magnitude: None,
         scale: 0.5,
-        layout: crate::lora::math::Layout::Linear,
+        layout: crate::dtype::fuse::Layout::Linear,
     };
     let computed = |name: &str, shape: &[u64], e: Expr| PlannedTensor {
         name: name.into(),

@@ -7,8 +7,8 @@ use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 
-use super::engine::CHUNK_BYTES;
-use crate::{Error, Result};
+use crate::error::{Error, Result};
+use crate::read::pieces::CHUNK_BYTES;
 
 /// Alignment of direct I/O: of file offsets, lengths and buffer addresses.
 pub(crate) const DIRECT_ALIGN: usize = 4096;

@@ -9,10 +9,11 @@
 
 use std::sync::Arc;
 
-use super::engine::{piece_span, Block, Overlap};
-use super::geometry::PieceRuns;
+use super::engine::{Block, Overlap};
 use super::Inputs;
 use crate::plan::Plan;
+use crate::read::geometry::PieceRuns;
+use crate::read::pieces::piece_span;
 use crate::source::Blob;
 
 /// An input file and the `(offset, len)` ranges a block reads from it.

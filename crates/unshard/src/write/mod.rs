@@ -29,32 +29,27 @@ use std::path::PathBuf;
 
 use crate::cancel::Cancel;
 use crate::dtype::ConvertStats;
+use crate::error::{Error, Result};
 use crate::plan::Plan;
-use crate::{Error, Result};
 
-mod batched;
+#[cfg(feature = "remote")]
+pub mod bucket;
 mod computed;
-pub mod digest;
 mod direct;
 mod engine;
 mod fetch;
-mod geometry;
-pub mod read;
 pub mod sink;
 mod staging;
 
-pub use crate::prepare::Inputs;
-pub use digest::FileDigest;
+pub use crate::digest::{FileDigest, WINDOW_BYTES};
+pub use crate::plan::Inputs;
+pub use crate::read::{read_tensor, read_tensor_range, windows};
 pub(crate) use direct::OutFile;
-pub use read::{read_tensor, read_tensor_range, windows};
 pub use sink::{ShardFile, Sink, StagingDir};
 pub use staging::check_output;
 pub(crate) use staging::{sync_dir, write_file};
 
 use engine::write_blocks;
-
-/// Output bytes assembled per unit of work (a multiple of the direct I/O alignment).
-pub const WINDOW_BYTES: u64 = 8 << 20;
 
 /// Receives progress in output bytes.
 pub trait Progress: Sync {
@@ -182,7 +177,7 @@ pub fn write_into(
             let digest = match sink.staged_dir() {
                 Some(dir) => FileDigest::of_file(&dir.join(&name))?,
                 // Extra files are small (`MAX_EXTRA_FILE`).
-                None => FileDigest::of_bytes(&crate::source::fs::read(src)?),
+                None => FileDigest::of_bytes(&crate::bytes::fs::read(src)?),
             };
             names.push(name);
             digests.push(digest);

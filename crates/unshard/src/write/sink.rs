@@ -17,7 +17,7 @@ use std::path::{Path, PathBuf};
 
 use super::direct::OutFile;
 use super::staging::{commit, create_staging, write_file, Staging};
-use crate::Result;
+use crate::error::Result;
 
 /// An output being written.
 pub trait Sink: Send + Sync {
@@ -100,15 +100,15 @@ impl Sink for StagingDir {
         if dst.exists() {
             return Ok(false);
         }
-        if crate::source::fs::is_url(from) {
+        if crate::bytes::fs::is_url(from) {
             // A base in object storage: extra files are small (`MAX_EXTRA_FILE`).
-            write_file(&dst, &crate::source::fs::read(from)?)?;
+            write_file(&dst, &crate::bytes::fs::read(from)?)?;
         } else {
-            std::fs::copy(from, &dst).map_err(|e| crate::Error::io("copy", from, e))?;
+            std::fs::copy(from, &dst).map_err(|e| crate::error::Error::io("copy", from, e))?;
         }
         File::open(&dst)
             .and_then(|f| f.sync_all())
-            .map_err(|e| crate::Error::io("flush", &dst, e))?;
+            .map_err(|e| crate::error::Error::io("flush", &dst, e))?;
         Ok(true)
     }
 

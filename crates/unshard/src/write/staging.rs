@@ -8,7 +8,7 @@ use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
 use super::WriteOptions;
-use crate::{Error, Result};
+use crate::error::{Error, Result};
 
 /// A staging directory that removes itself unless committed.
 pub struct Staging {

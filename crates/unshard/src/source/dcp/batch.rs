@@ -10,9 +10,9 @@
 //! read front to back in a few large reads, and a file of large archives in one
 //! read per gap between two of them (the end of one and the start of the next).
 
-use crate::source::bytes::{coalesce, GAP};
+use crate::bytes::{coalesce, GAP};
+use crate::error::Result;
 use crate::source::Blob;
-use crate::Result;
 
 /// The longest read made to serve several archives: the one buffer the scan holds.
 pub(super) const WINDOW: u64 = 4 << 20;

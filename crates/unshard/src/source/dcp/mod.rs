@@ -24,10 +24,10 @@ use std::collections::{HashMap, HashSet};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use super::bytes::FilePool;
 use super::torch;
 use super::{Checkpoint, Extra, Format, OpenOptions};
-use crate::{Error, Result};
+use crate::bytes::FilePool;
+use crate::error::{Error, Result};
 
 mod batch;
 mod chunks;
@@ -49,7 +49,7 @@ const OPTIMIZER_KEYS: &[&str] = &[
 
 /// Whether a directory is a DCP checkpoint.
 pub fn is_dcp_dir(path: &Path) -> bool {
-    super::fs::is_file(&path.join(".metadata"))
+    crate::bytes::fs::is_file(&path.join(".metadata"))
 }
 
 /// Opens a DCP directory and describes the model tensors in it.
@@ -77,7 +77,7 @@ impl Default for Tuning {
     fn default() -> Self {
         Tuning {
             ends: chunks::ENDS,
-            max_open: super::bytes::open_file_budget(),
+            max_open: crate::bytes::open_file_budget(),
             templates: true,
             readahead: true,
             build_threads: std::thread::available_parallelism()
@@ -122,7 +122,7 @@ fn open_tuned(dir: &Path, opts: &OpenOptions, tuning: &Tuning) -> Result<(Checkp
         md = parse_metadata(&meta_path, Keep::All)?;
     }
     let selection = select(dir, &md, key)?;
-    let pooled = md.file_count() > max_open && !super::fs::is_url(dir);
+    let pooled = md.file_count() > max_open && !crate::bytes::fs::is_url(dir);
     let mut reader = Reader::new(dir, ends, pooled.then_some(max_open), tuning.templates);
     let chosen: Vec<(String, &Entry)> = selection
         .tensors
@@ -171,7 +171,7 @@ fn open_tuned(dir: &Path, opts: &OpenOptions, tuning: &Tuning) -> Result<(Checkp
 pub fn find_model_subdir(dir: &Path) -> Result<Option<(PathBuf, Vec<String>)>> {
     let mut models = Vec::new();
     let mut optimizers = Vec::new();
-    for entry in super::fs::list(dir)? {
+    for entry in crate::bytes::fs::list(dir)? {
         let p = entry.path;
         if !entry.is_dir || !is_dcp_dir(&p) {
             continue;
@@ -360,7 +360,7 @@ fn model_group<'g>(dir: &Path, groups: &[Option<&'g str>]) -> Result<Option<&'g 
 #[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
-    use crate::write::read_tensor;
+    use crate::read::read_tensor;
 
     /// Every chunk archive of a real DCP directory gives the same tensors, byte for
     /// byte, whether it is read whole up front, read record by record from the file,

@@ -49,7 +49,7 @@ impl Readahead {
     /// budget of a [`SHARE`] of the available memory. `None` for a remote directory,
     /// when the available memory is unknown, or when there is nothing to read.
     pub(super) fn start(dir: &Path) -> Option<Readahead> {
-        if crate::source::fs::is_url(dir) {
+        if crate::bytes::fs::is_url(dir) {
             return None;
         }
         let budget = available_memory()? / SHARE;
@@ -91,7 +91,7 @@ impl Drop for Readahead {
 /// Reads the files of `dir` ahead (see [`plan`] and [`run`]); returns the bytes
 /// asked for.
 fn read_ahead(dir: &Path, budget: u64, stop: &AtomicBool) -> u64 {
-    let Ok(entries) = crate::source::fs::list(dir) else {
+    let Ok(entries) = crate::bytes::fs::list(dir) else {
         return 0;
     };
     let files: Vec<(PathBuf, u64)> = entries
@@ -152,7 +152,7 @@ impl Disk for Kernel {
     }
 
     fn will_need(&mut self, file: &File, offset: u64, len: u64) {
-        crate::source::bytes::advise_will_need(file, offset, len);
+        crate::bytes::advise_will_need(file, offset, len);
     }
 
     fn wait(&mut self, file: &File, offset: u64) {

@@ -19,7 +19,8 @@
 use super::super::zip::{Archive, ZipIndex};
 use super::super::Piece;
 use super::batch::Ends;
-use crate::{DType, Result};
+use crate::dtype::DType;
+use crate::error::Result;
 
 /// What every archive of one template's structure holds: the template's ends but
 /// for ranges free to differ (the tensor's bytes, the serialization id, their CRCs).

@@ -18,13 +18,13 @@ use std::sync::Arc;
 
 use unshard_pickle::{NodeId, Pickle, Value};
 
-use super::super::bytes::{FilePool, PooledFile};
 use super::super::torch::{
     self, dict_get, dict_of, dims_of, int_of, seq_of, str_of, Leaf, PayloadTemplate,
     TemplateReader, TensorRef, TorchPayload,
 };
 use super::super::{Blob, Piece};
-use crate::{Error, Result};
+use crate::bytes::{FilePool, PooledFile};
+use crate::error::{Error, Result};
 
 /// A parsed `torch.save` file of the tag folder.
 pub struct Parsed {

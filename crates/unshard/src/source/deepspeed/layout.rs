@@ -11,9 +11,9 @@ use super::partitions::{
     frozen, zero12_params, zero3_params, Ctx, FrozenFile, RankOptim, ZERO3_KEY,
 };
 use super::{names, Found};
-use crate::source::bytes::{open_file_budget, FilePool};
+use crate::bytes::{open_file_budget, FilePool};
+use crate::error::{Error, Result};
 use crate::source::{check_coverage, Checkpoint, Extra, Format, TensorSource};
-use crate::{Error, Result};
 
 pub fn open(found: &Found) -> Result<Checkpoint> {
     open_with(found, open_file_budget()).map(|(c, _, _)| c)
@@ -33,7 +33,7 @@ pub(super) fn open_with(
             path: dir.to_path_buf(),
             what: format!(
                 "a DeepSpeed checkpoint with tensor or pipeline parallelism ({})",
-                crate::report::list_some(&n.model_parallel, 3)
+                crate::text::list_some(&n.model_parallel, 3)
             ),
             hint: Some("only data-parallel ZeRO checkpoints (mp_rank_00 files) are read".into()),
         });
@@ -328,7 +328,7 @@ pub(super) fn open_with(
     if !from_module.is_empty() {
         notes.push(format!(
             "frozen parameter(s) recorded only in the 16-bit module, read from there: {}",
-            crate::report::list_some(&from_module, 4)
+            crate::text::list_some(&from_module, 4)
         ));
     }
     if !zero3 {
@@ -357,7 +357,7 @@ pub(super) fn open_with(
     if !skipped.is_empty() {
         notes.push(format!(
             "skipped (not weights): {}",
-            crate::report::list_some(&skipped, 10)
+            crate::text::list_some(&skipped, 10)
         ));
     }
     let mut extras = Vec::new();
@@ -400,9 +400,9 @@ mod tests {
     use std::path::PathBuf;
 
     use super::*;
+    use crate::dtype::DType;
+    use crate::read::read_tensor;
     use crate::source::OpenOptions;
-    use crate::write::read_tensor;
-    use crate::DType;
 
     fn found(case: &str) -> Found {
         let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))

@@ -29,7 +29,7 @@ use std::path::{Path, PathBuf};
 use regex::Regex;
 
 use super::{Checkpoint, OpenOptions};
-use crate::{Error, Result};
+use crate::error::{Error, Result};
 
 pub use files::{is_model_states, is_optim_states};
 

@@ -9,8 +9,8 @@ use unshard_pickle::NodeId;
 
 use super::files::{Flat, ModelStates, OptimStates, Parsed};
 use super::runs;
+use crate::error::{Error, Result};
 use crate::source::{StorageId, TensorSource};
-use crate::{Error, Result};
 
 /// What the layouts need to know about the checkpoint.
 pub(super) struct Ctx<'a> {
@@ -93,7 +93,7 @@ fn numel(shape: &[u64]) -> u64 {
 
 fn new_tensor(
     name: &str,
-    dtype: crate::DType,
+    dtype: crate::dtype::DType,
     shape: &[u64],
     file: usize,
     layout: String,

@@ -11,7 +11,7 @@ use super::super::torch::{self, class_of, field_of, int_of, seq_of, Leaf, Subcla
 use super::super::{Piece, TensorSource};
 use super::{check_ranks_present, Held, Local, RankFile, RankSet};
 use crate::dtype::DType;
-use crate::{Error, Result};
+use crate::error::{Error, Result};
 
 /// How a DTensor is laid out over one mesh dimension.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -31,7 +31,7 @@ use unshard_pickle::NodeId;
 use super::torch::{self, Found, Leaf, TensorRef, TorchPayload};
 use super::{check_coverage, legacy, Blob, Checkpoint, Format, OpenOptions, Piece, TensorSource};
 use crate::dtype::DType;
-use crate::{Error, Result};
+use crate::error::{Error, Result};
 
 mod dtensor;
 mod ranks;
@@ -165,7 +165,7 @@ struct RankOut {
     held: Vec<Held>,
     /// The rank's distinct mesh coordinates.
     coords: Vec<Vec<u64>>,
-    unsafe_calls: Vec<crate::scan::UnsafeCall>,
+    unsafe_calls: Vec<crate::source::audit::UnsafeCall>,
 }
 
 /// What the threads reading ranks 1.. fill in, rank by rank.
@@ -175,7 +175,7 @@ struct Collected {
     held: Vec<Vec<Held>>,
     files: Vec<Option<Arc<Blob>>>,
     coords: Vec<Vec<Vec<u64>>>,
-    unsafe_calls: Vec<Vec<crate::scan::UnsafeCall>>,
+    unsafe_calls: Vec<Vec<crate::source::audit::UnsafeCall>>,
     /// The error of the lowest rank that failed.
     error: Option<(usize, Error)>,
     /// What was taken from rank 0's file instead of read again.
@@ -223,7 +223,7 @@ fn open_counted(set: &RankSet, opts: &OpenOptions) -> Result<(Checkpoint, Reused
         ));
     };
     let path0 = set.dir.join(name0);
-    let blob0 = Arc::new(crate::source::fs::open(&path0)?);
+    let blob0 = Arc::new(crate::bytes::fs::open(&path0)?);
     let (mut payload, template) = read_first_payload(&path0, &blob0)?;
     let mut unsafe0 = std::mem::take(&mut payload.unsafe_calls);
     let found = torch::find_tensors(&payload.pickle, &path0, opts.key.as_deref())?;
@@ -445,7 +445,7 @@ fn read_rank(
 ) -> Result<RankOut> {
     let set = first.set;
     let path = set.dir.join(&set.ranks[r].1);
-    let blob = Arc::new(crate::source::fs::open(&path)?);
+    let blob = Arc::new(crate::bytes::fs::open(&path)?);
     let (mut payload, from_template) = match reader.as_deref_mut() {
         Some(t) if torch::is_zip(&blob.head(64)?) => {
             let hits = t.hits;
@@ -724,7 +724,7 @@ fn refuse_flat_params(set: &RankSet, first: &Found) -> Result<()> {
         path: set.dir.clone(),
         what: format!(
             "an FSDP1 LOCAL_STATE_DICT of flat parameters ({})",
-            crate::report::list_some(&flat.iter().map(|s| s.to_string()).collect::<Vec<_>>(), 3)
+            crate::text::list_some(&flat.iter().map(|s| s.to_string()).collect::<Vec<_>>(), 3)
         ),
         hint: Some(
             "each flat parameter is all of a wrapped module's parameters flattened, concatenated and padded into one 1-D buffer; \

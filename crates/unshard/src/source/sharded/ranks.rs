@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 
 use regex::Regex;
 
-use crate::{Error, Result};
+use crate::error::{Error, Result};
 
 /// Rank numbers above this are not believed (a name like `rank_99999999999.pt`).
 pub(super) const MAX_RANKS: usize = 1 << 20;
@@ -62,7 +62,7 @@ pub fn find_rank_files(dir: &Path) -> Result<Option<RankSet>> {
         return Ok(None);
     };
     let mut groups: Vec<(NamePattern, Vec<(usize, String)>)> = Vec::new();
-    for entry in crate::source::fs::list(dir)? {
+    for entry in crate::bytes::fs::list(dir)? {
         let name = entry.name;
         let Some(c) = re.captures(&name) else {
             continue;

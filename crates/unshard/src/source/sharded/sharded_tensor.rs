@@ -10,7 +10,7 @@ use super::super::torch::{self, dims_of, field_of, int_of, seq_of, Leaf};
 use super::super::{Piece, TensorSource};
 use super::{check_ranks_present, Held, Local, RankFile, RankSet};
 use crate::dtype::DType;
-use crate::{Error, Result};
+use crate::error::{Error, Result};
 
 /// What rank 0's file says of a ShardedTensor: its global dtype and shape.
 pub(super) struct StHead {

@@ -10,8 +10,8 @@ use unshard_pickle::{NodeId, Pickle, Value};
 use super::rebuild::{is_tensor_like, leaf, subclass_local, Leaf};
 use super::values::{describe, dict_get, dict_of, str_of};
 use super::TorchPayload;
+use crate::error::{Error, Result};
 use crate::source::{Extra, FileId, TensorSource};
-use crate::{Error, Result};
 
 /// How deep value walks may go before the structure is called hostile. Real state
 /// dicts are 2-4 levels deep; a cycle or a bomb hits this quickly.

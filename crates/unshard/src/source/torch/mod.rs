@@ -24,8 +24,8 @@ use unshard_pickle::{NodeId, Pickle, Value};
 use super::zip::{Archive, ZipEntry, ZipIndex, METHOD_STORED};
 use super::{check_view, legacy, Blob, FileId, Piece, StorageId, TensorSource};
 use crate::dtype::DType;
-use crate::scan::UnsafeCall;
-use crate::{Error, Result};
+use crate::error::{Error, Result};
+use crate::source::audit::UnsafeCall;
 
 mod find;
 mod rebuild;
@@ -326,7 +326,7 @@ fn payload(
             } else {
                 pkl_name
             };
-            crate::scan::audit_pickle(path, &entry, &pickle).0
+            crate::source::audit::audit_pickle(path, &entry, &pickle).0
         }
     };
     TorchPayload {

@@ -7,7 +7,7 @@ use unshard_pickle::{NodeId, Pickle, Value};
 use super::values::{
     call_of, dict_get, dict_of, dims_of, dtype_of, global_of, int_of, seq_of, str_of,
 };
-use crate::DType;
+use crate::dtype::DType;
 
 /// A tensor as torch rebuilds it: a strided view of a storage.
 #[derive(Clone, Debug, PartialEq, Eq)]

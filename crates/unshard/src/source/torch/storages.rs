@@ -200,7 +200,7 @@ mod tests {
         let blob1 = Blob::owned(rank_file(1).0, rank1);
         let got = reader.read(&blob1).map(|p| p.storages);
         let full = read_zip_file(&blob1).map(|p| p.storages);
-        let show = |r: &crate::Result<super::Storages>| match r {
+        let show = |r: &crate::error::Result<super::Storages>| match r {
             Ok(s) => {
                 let mut v: Vec<_> = s
                     .keys

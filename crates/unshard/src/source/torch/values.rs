@@ -3,7 +3,7 @@
 
 use unshard_pickle::{NodeId, Pickle, Value};
 
-use crate::DType;
+use crate::dtype::DType;
 
 /// Accessors over pickle values that fail softly.
 pub(crate) fn str_of(p: &Pickle, id: NodeId) -> Option<&str> {

@@ -1,8 +1,8 @@
 //! An archive as a byte range of a blob, with the parts already read held in memory.
 
 use super::{bad, Fail};
+use crate::error::{Error, Result};
 use crate::source::Blob;
-use crate::{Error, Result};
 
 /// An archive occupying `len` bytes at `base` of a blob, with the parts of it
 /// already read (its ends, for a DCP chunk) held so that parsing reads them once.

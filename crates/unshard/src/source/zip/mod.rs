@@ -19,7 +19,7 @@ use std::fmt;
 use std::path::PathBuf;
 
 use super::Blob;
-use crate::{Error, Result};
+use crate::error::{Error, Result};
 
 mod archive;
 #[cfg(test)]

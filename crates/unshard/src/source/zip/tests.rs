@@ -71,7 +71,7 @@ impl crate::source::ByteSource for Counting {
     fn len(&self) -> u64 {
         self.0.len()
     }
-    fn read_at(&self, offset: u64, buf: &mut [u8]) -> crate::Result<()> {
+    fn read_at(&self, offset: u64, buf: &mut [u8]) -> crate::error::Result<()> {
         self.1.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         self.2
             .fetch_add(buf.len(), std::sync::atomic::Ordering::Relaxed);

@@ -8,7 +8,7 @@
 //! row-local: a leaf's rows are a range of its elements (read and widened by the
 //! copy path's reader and kernels), a concatenation, permutation or narrowing takes
 //! rows of its inputs, and a LoRA fuse adds the update of just those rows
-//! (`lora::math::fuse_rows`, which gives each element exactly what fusing the whole
+//! (`dtype::fuse::fuse_rows`, which gives each element exactly what fusing the whole
 //! tensor gives). The one exception, DoRA over a transposed layout (Conv1D,
 //! embeddings), rescales columns by norms over every row: those are computed once
 //! per tensor, streaming its rows a batch at a time, and kept (one float per column)
@@ -34,13 +34,14 @@ use std::rc::Rc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 
+use crate::dtype::fuse::{self as math, Factors};
+use crate::dtype::DType;
 use crate::dtype::{self, ConvertStats};
-use crate::lora::math::{self, Factors};
+use crate::error::{Error, Result};
+use crate::plan::Inputs;
 use crate::plan::{Expr, PlannedTensor};
-use crate::prepare::Inputs;
-use crate::{DType, Error, Result};
 
-use super::read::{read_tensor_range, windows};
+use crate::read::{read_tensor_range, windows};
 use buffers::{bytes_mut, from_le, le_bytes, rows_of, Buf};
 
 mod buffers;

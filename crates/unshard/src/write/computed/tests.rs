@@ -3,7 +3,9 @@
 use std::path::Path;
 
 use crate::cancel::Cancel;
-use crate::lora::math::{self, Factors, Layout};
+use crate::dtype;
+use crate::dtype::fuse::{self as math, Factors, Layout};
+use crate::dtype::DType;
 use crate::options::MergeOptions;
 use crate::plan::{Candidate, Expr, Origin, Plan, PlannedTensor, ShardPlan};
 use crate::prepare::{prepare, Inputs};
@@ -11,7 +13,6 @@ use crate::source::test_input::MemInput;
 use crate::write::direct::OutFile;
 use crate::write::engine::write_blocks;
 use crate::write::{NoProgress, ShardFile, WINDOW_BYTES};
-use crate::{dtype, DType};
 
 /// Writes `plan` with blocks of `block` bytes; the shards' bytes.
 fn write(plan: &Plan, inputs: Inputs<'_>, block: u64) -> Vec<Vec<u8>> {

@@ -21,7 +21,8 @@ use super::super::super::zip::Archive;
 use super::super::super::{check_coverage, FileId, Piece, TensorSource};
 use super::super::metadata::{Chunks, Entry, EntryKind, Metadata};
 use super::{plain, Reader, Resolved};
-use crate::{DType, Error, Result};
+use crate::dtype::DType;
+use crate::error::{Error, Result};
 
 /// Threads that build the resolved tensors at most: the work is a few hundred
 /// milliseconds at the largest, split once.

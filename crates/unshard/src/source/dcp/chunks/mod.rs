@@ -21,18 +21,18 @@ use std::io::Read;
 use std::path::Path;
 use std::sync::Arc;
 
-use super::super::bytes::{FilePool, PooledFile};
 use super::super::torch;
 use super::super::zip::Archive;
 use super::super::{Blob, FileId};
 use super::metadata::{Chunk, Chunks, Entry, EntryKind, Item, Metadata};
+use crate::bytes::{FilePool, PooledFile};
 
 mod build;
 pub(super) use build::BUILD_THREADS;
 mod scan;
 
 use super::template::Templates;
-use crate::{Error, Result};
+use crate::error::{Error, Result};
 
 /// The transform DCP's `ZStandard` extension records on each item it compressed.
 const ZSTD: &str = "stream.zstd/1";
@@ -55,7 +55,7 @@ pub(super) struct Reader<'a> {
     /// Bytes read at each end of a chunk archive before parsing it (see [`ENDS`]).
     ends: u64,
     /// What the chunk archives' pickles would run under `torch.load`.
-    pub(super) unsafe_calls: Vec<crate::scan::UnsafeCall>,
+    pub(super) unsafe_calls: Vec<crate::source::audit::UnsafeCall>,
     /// When the checkpoint has more files than may be open at once: the pool that
     /// opens them on demand.
     pub(super) pool: Option<Arc<FilePool>>,
@@ -269,7 +269,7 @@ impl<'a> Reader<'a> {
         let path = self.dir.join(name);
         let blob = match &self.pool {
             Some(pool) => Blob::new(Arc::new(PooledFile::open(&path, pool)?)),
-            None => crate::source::fs::open(&path)?,
+            None => crate::bytes::fs::open(&path)?,
         };
         let id = self.files.len();
         self.files.push(Arc::new(blob));

@@ -183,7 +183,7 @@ pub(super) fn learn_from(
     templates: &mut Templates,
     a: &mut Archive<'_>,
     ends: u64,
-    dtype: crate::DType,
+    dtype: crate::dtype::DType,
     sizes: &[u64],
     file: FileId,
 ) -> Option<Piece> {

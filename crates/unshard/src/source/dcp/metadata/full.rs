@@ -11,7 +11,8 @@ use super::super::super::torch::{
     self, class_of, dict_of, dims_of, dtype_of, field_of, int_of, seq_of, str_of,
 };
 use super::{Builder, Chunks, Entry, EntryKind, Keep, Metadata};
-use crate::{DType, Error, Result};
+use crate::dtype::DType;
+use crate::error::{Error, Result};
 
 /// A chunk as the tree gives it.
 struct Chunk {
@@ -138,7 +139,7 @@ pub(super) fn parse(path: &Path, raw: &[u8], keep: Keep<'_>) -> Result<Metadata>
             .unwrap_or_else(|| vec![fqn.clone()]);
         entries.push(Entry { fqn, path, kind });
     }
-    let (unsafe_calls, _) = crate::scan::audit_pickle(path, ".metadata", &p);
+    let (unsafe_calls, _) = crate::source::audit::audit_pickle(path, ".metadata", &p);
     let mut md = b.md;
     md.entries = entries;
     md.unsafe_calls = unsafe_calls;

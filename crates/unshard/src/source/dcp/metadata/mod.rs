@@ -18,7 +18,8 @@
 use std::collections::HashMap;
 use std::path::Path;
 
-use crate::{DType, Result};
+use crate::dtype::DType;
+use crate::error::Result;
 
 mod full;
 mod stream;
@@ -138,7 +139,7 @@ pub(super) struct Metadata {
     /// The transform lists of items, each once; the first is the empty list.
     transforms: Vec<Vec<String>>,
     /// What the `.metadata` pickle would run under `torch.load`.
-    pub(super) unsafe_calls: Vec<crate::scan::UnsafeCall>,
+    pub(super) unsafe_calls: Vec<crate::source::audit::UnsafeCall>,
 }
 
 impl Item {
@@ -258,7 +259,7 @@ impl Builder {
 /// Parses the `.metadata` file at `path`: in one streaming pass when it holds only
 /// what DCP writes, else (or when the stream gives up) with the full pickle reader.
 pub(super) fn parse_metadata(path: &Path, keep: Keep<'_>) -> Result<Metadata> {
-    let blob = crate::source::fs::open(path)?;
+    let blob = crate::bytes::fs::open(path)?;
     if let Some(md) = stream::read(&blob, keep)? {
         return Ok(md);
     }

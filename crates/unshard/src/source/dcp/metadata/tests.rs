@@ -72,7 +72,7 @@ fn resolved(md: &Metadata) -> Vec<Resolved> {
 }
 
 fn both(path: &Path, keep: Keep<'_>) -> (Option<Metadata>, Metadata) {
-    let blob = crate::source::fs::open(path).unwrap();
+    let blob = crate::bytes::fs::open(path).unwrap();
     let streamed = stream::read(&blob, keep).unwrap();
     let raw = std::fs::read(path).unwrap();
     (streamed, full::parse(path, &raw, keep).unwrap())
@@ -109,7 +109,7 @@ fn streaming_reads_what_torch_writes_as_the_full_reader_does() {
 #[test]
 fn a_pickle_read_in_two_halves_reads_as_in_one() {
     let path = fixtures().join("sharded/wide_metadata_batches/.metadata");
-    let blob = crate::source::fs::open(&path).unwrap();
+    let blob = crate::bytes::fs::open(&path).unwrap();
     let model = Keep::Model {
         key: None,
         optimizer_keys: &["optim", "optimizer"],
@@ -232,7 +232,7 @@ fn a_pickle_with_other_calls_is_left_to_the_full_reader() {
     std::fs::create_dir_all(&dir).unwrap();
     let path = dir.join(".metadata");
     std::fs::write(&path, &evil).unwrap();
-    let blob = crate::source::fs::open(&path).unwrap();
+    let blob = crate::bytes::fs::open(&path).unwrap();
     assert!(stream::read(&blob, Keep::All).unwrap().is_none());
     let md = parse_metadata(&path, Keep::All).unwrap();
     std::fs::remove_dir_all(&dir).unwrap();
@@ -244,7 +244,7 @@ fn a_pickle_with_other_calls_is_left_to_the_full_reader() {
         md.unsafe_calls
     );
     // The same bytes without the call are streamed.
-    let blob = crate::source::fs::open(&good).unwrap();
+    let blob = crate::bytes::fs::open(&good).unwrap();
     assert!(stream::read(&blob, Keep::All).unwrap().is_some());
 }
 

@@ -13,7 +13,7 @@ use std::collections::HashMap;
 
 use super::super::{Builder, Chunks, Entry, EntryKind, Item, Keep, Metadata};
 use super::{Class, GiveUp, OrStop, R, V};
-use crate::DType;
+use crate::dtype::DType;
 
 /// A `MetadataIndex`: an entry's fqn and, for a chunk, its offsets.
 #[derive(Clone, Debug)]

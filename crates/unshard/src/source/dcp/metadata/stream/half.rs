@@ -340,7 +340,7 @@ mod tests {
     fn fixture() -> Blob {
         let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
             .join("../../fixtures/sharded/wide_metadata_batches/.metadata");
-        crate::source::fs::open(&path).unwrap()
+        crate::bytes::fs::open(&path).unwrap()
     }
 
     /// Reads the fixture with the second half `half` handed to the first at `cut`.

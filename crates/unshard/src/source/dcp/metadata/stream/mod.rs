@@ -13,8 +13,9 @@
 
 use std::collections::HashMap;
 
+use crate::dtype::DType;
+use crate::error::Error;
 use crate::source::Blob;
-use crate::{DType, Error};
 
 use super::{Keep, Metadata};
 
@@ -54,7 +55,7 @@ impl<T> OrStop<T> for Option<T> {
 /// what DCP writes (the caller reads it with the full reader). A file of more than
 /// [`half::MIN_BYTES`] is read in two halves on two threads when the machine has two
 /// cores.
-pub(super) fn read(blob: &Blob, keep: Keep<'_>) -> crate::Result<Option<Metadata>> {
+pub(super) fn read(blob: &Blob, keep: Keep<'_>) -> crate::error::Result<Option<Metadata>> {
     read_cut(blob, keep, half::cut_at(blob.len())).map(|r| r.map(|(md, _)| md))
 }
 
@@ -64,7 +65,7 @@ pub(super) fn read_cut(
     blob: &Blob,
     keep: Keep<'_>,
     cut_at: Option<prepass::CutAt>,
-) -> crate::Result<Option<(Metadata, bool)>> {
+) -> crate::error::Result<Option<(Metadata, bool)>> {
     let run = || -> R<(Metadata, bool)> {
         let pass = prepass::pre_pass(blob, cut_at)?;
         let Some(cut) = &pass.cut else {

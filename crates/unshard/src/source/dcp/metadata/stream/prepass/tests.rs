@@ -77,7 +77,7 @@ fn the_pre_pass_split_at_any_frame_finds_what_one_walk_finds() {
     metadata_files(&fixtures(), &mut files);
     assert!(files.len() >= 10, "{files:?}");
     for path in files {
-        let blob = crate::source::fs::open(&path).unwrap();
+        let blob = crate::bytes::fs::open(&path).unwrap();
         let met = split_everywhere_agrees(&blob, &cuts(blob.len()), &path.display().to_string());
         if path.ends_with("wide_metadata_batches/.metadata") {
             let frames = frames::starts(&blob).count();
@@ -247,7 +247,7 @@ fn pre_pass_times_on_one_thread_and_two() {
     let Some(path) = std::env::var_os("UNSHARD_PREPASS_FILE") else {
         return;
     };
-    let blob = crate::source::fs::open(Path::new(&path)).unwrap();
+    let blob = crate::bytes::fs::open(Path::new(&path)).unwrap();
     let from = tail::split_at(&blob);
     let cut_at = Some(CutAt::Balanced);
     for _ in 0..5 {
@@ -307,7 +307,7 @@ fn a_tail_inside_an_opcode_is_not_taken() {
     }
     // The same in what torch writes, a byte or a few after each frame's start.
     let path = fixtures().join("sharded/wide_metadata_batches/.metadata");
-    let b = crate::source::fs::open(&path).unwrap();
+    let b = crate::bytes::fs::open(&path).unwrap();
     let one = found(pre_pass_split(&b, Some(CutAt::Balanced), None).map(|(p, _)| p));
     for from in frames::starts(&b).skip(1) {
         for from in [from + 1, from + 9, from + 12] {

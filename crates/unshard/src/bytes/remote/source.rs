@@ -37,8 +37,8 @@ use std::sync::{Arc, Condvar, Mutex};
 use object_store::ObjectStoreExt;
 
 use super::store::{self, io_error, Location};
-use crate::source::bytes::{coalesce, short_read, spans, ByteSource, Run};
-use crate::{Error, Result};
+use crate::bytes::{coalesce, short_read, spans, ByteSource, Run};
+use crate::error::{Error, Result};
 
 /// Workers the engine runs when an input is an object (see the module docs).
 pub const READERS: usize = 32;

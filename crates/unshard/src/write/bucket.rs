@@ -38,9 +38,9 @@ use object_store::multipart::{MultipartStore, PartId};
 use object_store::path::Path as Key;
 use object_store::{ObjectStoreExt, PutPayload};
 
-use super::store::{self, block_on, io_error, Location};
-use crate::write::{ShardFile, Sink, WINDOW_BYTES};
-use crate::{Error, Result};
+use super::{ShardFile, Sink, WINDOW_BYTES};
+use crate::bytes::remote::store::{self, block_on, io_error, Location};
+use crate::error::{Error, Result};
 
 /// The manifest's name under the output prefix.
 pub const MANIFEST: &str = ".unshard-run.json";
@@ -251,7 +251,7 @@ impl Sink for BucketSink {
         if lock(&self.small).iter().any(|(n, _)| n == name) {
             return Ok(false);
         }
-        let bytes = crate::source::fs::read(from)?;
+        let bytes = crate::bytes::fs::read(from)?;
         self.write_file(name, &bytes)?;
         Ok(true)
     }

@@ -25,7 +25,7 @@
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
-use crate::{Error, Result};
+use crate::error::{Error, Result};
 
 /// One INI file: section name to keys (sub-keys as `parent.key`), keys lowercase.
 type Sections = BTreeMap<String, BTreeMap<String, String>>;

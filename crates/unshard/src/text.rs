@@ -1,4 +1,5 @@
-//! Small formatting helpers shared by reports and errors.
+//! Small formatting helpers shared by reports and errors: lists cut short, byte
+//! counts, paths as they display.
 
 /// Lists up to `max` items, then says how many more there are.
 pub fn list_some<S: std::fmt::Display>(items: &[S], max: usize) -> String {
@@ -24,4 +25,12 @@ pub fn human_bytes(n: u64) -> String {
     } else {
         format!("{v:.1} {}", UNITS[u])
     }
+}
+
+/// Serializes a path as it displays (lossy for names that are not UTF-8).
+pub(crate) fn display_path<S: serde::Serializer>(
+    p: &std::path::Path,
+    s: S,
+) -> std::result::Result<S::Ok, S::Error> {
+    s.serialize_str(&p.display().to_string())
 }

@@ -121,7 +121,7 @@ impl<'a> PieceRuns<'a> {
 #[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
-    use crate::DType;
+    use crate::dtype::DType;
 
     pub(crate) fn piece(shape: &[u64], strides: &[u64], off: &[u64]) -> Piece {
         Piece {

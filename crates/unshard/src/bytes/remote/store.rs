@@ -21,7 +21,7 @@ use object_store::multipart::MultipartStore;
 use object_store::path::Path as Key;
 use object_store::{ClientConfigKey, ObjectStore, ObjectStoreExt, ObjectStoreScheme, RetryConfig};
 
-use crate::{Error, Result};
+use crate::error::{Error, Result};
 
 /// An object (or a prefix) in a store.
 #[derive(Clone)]

@@ -18,7 +18,7 @@ use std::sync::{Arc, Mutex};
 
 use super::local::advise_will_need;
 use super::{short_read, ByteSource};
-use crate::{Error, Result};
+use crate::error::{Error, Result};
 
 /// The descriptors open for a set of [`PooledFile`]s.
 #[derive(Debug)]

@@ -3,7 +3,7 @@
 use std::path::{Path, PathBuf};
 
 use super::{short_read, ByteSource};
-use crate::Result;
+use crate::error::Result;
 
 /// A [`ByteSource`] over a buffer in memory.
 pub struct MemBytes {

@@ -8,7 +8,7 @@
 //! model (many requests in flight) reuse [`coalesce`] with their own gap and run size.
 
 use super::{short_read, ByteSource};
-use crate::Result;
+use crate::error::Result;
 
 /// One read serving several requested ranges.
 #[derive(Clone, Debug, PartialEq, Eq)]

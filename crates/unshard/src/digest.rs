@@ -23,8 +23,12 @@ use blake3::hazmat::{
     Mode,
 };
 
-use super::WINDOW_BYTES;
-use crate::{Error, Result};
+use crate::error::{Error, Result};
+
+/// Output bytes assembled per unit of work (a multiple of the direct I/O
+/// alignment): the writer hashes each such block of a file, a complete subtree of
+/// the file's BLAKE3 tree.
+pub const WINDOW_BYTES: u64 = 8 << 20;
 
 /// A 32-byte digest: a block's chaining value, or a file's BLAKE3 hash.
 pub type Sha = [u8; 32];
@@ -162,6 +166,40 @@ fn subtree(cvs: &[Sha], len: u64, window: u64) -> Sha {
 }
 
 const _: () = assert!(WINDOW_BYTES.is_power_of_two() && WINDOW_BYTES >= blake3::CHUNK_LEN as u64);
+
+/// What a file of the output should hash to.
+#[derive(Clone, Debug)]
+pub struct Expected {
+    /// The file, relative to the output directory.
+    pub name: String,
+    /// Its size in bytes.
+    pub size: u64,
+    /// What is known of its content.
+    pub digest: ExpectedDigest,
+}
+
+/// The checksums a file is held to.
+#[derive(Clone, Debug)]
+pub enum ExpectedDigest {
+    /// Each block's digest as the writer hashed it (`None`: not hashed).
+    Written(Vec<Option<Sha>>),
+    /// The file checksum recorded in `unshard.json`
+    /// ([`FileDigest::tree`]).
+    Recorded(Sha),
+}
+
+/// The expectations of a merge just written.
+pub fn written(names: &[String], digests: &[FileDigest]) -> Vec<Expected> {
+    names
+        .iter()
+        .zip(digests)
+        .map(|(n, d)| Expected {
+            name: n.clone(),
+            size: d.size,
+            digest: ExpectedDigest::Written(d.blocks.clone()),
+        })
+        .collect()
+}
 
 #[cfg(test)]
 #[allow(clippy::unwrap_used)]

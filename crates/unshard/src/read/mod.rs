@@ -1,13 +1,25 @@
-//! The read API: a tensor's values in memory, converted to a dtype, whole or a
-//! window of elements at a time. `verify`, `diff` and `stats` read through it, and
-//! [`windows`] is how they all cut a tensor into windows.
+//! Tensor reading: a tensor's elements from the pieces the readers described,
+//! converted to a dtype. Below the engine, which fills output blocks with
+//! [`pieces::fill_bytes`] and [`batched::Batch`]; above the readers. The read API
+//! proper is [`read_tensor`] and [`read_tensor_range`] (values in memory, whole or a
+//! window at a time, for `verify`, `diff`, `stats` and the LoRA report), and
+//! [`windows`], how every streaming pass cuts a tensor.
+//!
+//! By job: `pieces` (a window of one tensor from its pieces), `geometry` (a piece's
+//! runs of elements inside its tensor), `batched` (the small pieces of a block read
+//! together, file by file).
 
 use std::sync::Arc;
 
-use super::engine::{fill_window, Copied};
+pub(crate) mod batched;
+pub(crate) mod geometry;
+pub(crate) mod pieces;
+
 use crate::dtype::ConvertStats;
+use crate::dtype::DType;
+use crate::error::Result;
 use crate::source::{Blob, TensorSource};
-use crate::{DType, Result};
+use pieces::{fill_window, Copied};
 
 thread_local! {
     /// Scratch for [`read_tensor`] and [`read_tensor_range`], which `verify` and `diff`

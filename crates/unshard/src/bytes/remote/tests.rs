@@ -10,11 +10,11 @@ use object_store::{ObjectStoreExt, PutPayload};
 
 use super::source::fetched;
 use super::store;
+use crate::dtype::DType;
 use crate::merge::merge;
 use crate::options::MergeOptions;
 use crate::plan::{DtypeChoice, PlanOptions};
 use crate::write::NoProgress;
-use crate::DType;
 
 /// A safetensors file of `n` float32 tensors of `elems` elements each, as the
 /// format specifies it (little-endian 8-byte header length, JSON header, data).

@@ -15,12 +15,13 @@
 
 use std::sync::Arc;
 
-use super::engine::{convert_run, Copied};
 use super::geometry::PieceRuns;
+use super::pieces::{convert_run, Copied};
+use crate::bytes::{coalesce, GAP};
 use crate::dtype::ConvertStats;
-use crate::source::bytes::{coalesce, GAP};
+use crate::dtype::DType;
+use crate::error::Result;
 use crate::source::Blob;
-use crate::{DType, Result};
 
 /// The longest run of a piece taken into a batch: longer ones are read straight
 /// into the output, where one read per run costs little.
@@ -134,7 +135,7 @@ impl<'a> Batch<'a> {
 #[cfg(test)]
 #[allow(clippy::unwrap_used)]
 mod tests {
-    use super::super::engine::fill_window;
+    use super::super::pieces::fill_window;
     use super::*;
     use crate::source::{contiguous_strides, Piece, TensorSource};
     use std::path::PathBuf;

@@ -14,12 +14,15 @@ use std::fmt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use crate::{Error, Result};
+use crate::error::{Error, Result};
 
 mod coalesce;
+pub mod fs;
 mod local;
 mod memory;
 mod pooled;
+#[cfg(feature = "remote")]
+pub mod remote;
 #[cfg(test)]
 mod tests;
 
@@ -147,7 +150,7 @@ pub fn short_read(name: &Path, offset: u64, len: u64) -> Error {
 }
 
 /// One input as readers and the engine hold it: a [`ByteSource`] and the path that
-/// names it in messages. Cheap to share (`Arc<Blob>` in [`Checkpoint::files`](super::Checkpoint::files)).
+/// names it in messages. Cheap to share (`Arc<Blob>` in `Checkpoint::files`).
 pub struct Blob {
     /// The path (or URL) error messages name.
     pub path: PathBuf,

@@ -8,7 +8,7 @@ use std::io;
 use std::path::{Path, PathBuf};
 
 use super::Blob;
-use crate::{Error, Result};
+use crate::error::{Error, Result};
 
 /// One entry of a directory listing.
 #[derive(Clone, Debug)]
@@ -115,9 +115,9 @@ mod remote {
     use std::sync::Arc;
 
     use super::Entry;
-    use crate::remote::{locate, store, ObjectSource};
-    use crate::source::Blob;
-    use crate::Result;
+    use crate::bytes::remote::{locate, store, ObjectSource};
+    use crate::bytes::Blob;
+    use crate::error::Result;
 
     /// The size of `path` from its parent's listing, when that was already made.
     fn listed_size(path: &Path) -> Option<Option<u64>> {
@@ -181,8 +181,8 @@ mod remote {
     use std::path::Path;
 
     use super::Entry;
-    use crate::source::Blob;
-    use crate::{Error, Result};
+    use crate::bytes::Blob;
+    use crate::error::{Error, Result};
 
     fn unsupported(path: &Path) -> Error {
         Error::Unsupported {

@@ -17,7 +17,7 @@ use std::sync::OnceLock;
 use super::{
     coalesce, gather, read_runs, read_strided_by_spans, short_read, spans, ByteSource, GAP, MAX_RUN,
 };
-use crate::{Error, Result};
+use crate::error::{Error, Result};
 
 /// A [`ByteSource`] over a file on a local file system.
 #[derive(Debug)]
