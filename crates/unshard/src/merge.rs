@@ -187,7 +187,7 @@ pub fn merge_into(
         return Err(Error::Usage(NO_FUSE_NEEDS_A_DIRECTORY.into()));
     }
     let inputs = Prepared::inputs_of(&ckpt, base.as_ref());
-    // With an adapter, lora::report says whether the fuse changes anything.
+    // With an adapter, lora::summary says whether the fuse changes anything.
     let unchanged = match adapter {
         Some(_) => None,
         None => verify::unchanged_from_base(&plan, inputs, &opts.cancel)?,

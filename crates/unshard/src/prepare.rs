@@ -229,7 +229,7 @@ pub fn prepare<'a>(opts: impl Into<Sources<'a>>) -> Result<Prepared> {
     }
     let mut plan = plan::plan(&ckpt, view, &[], &plan_opts)?;
     if let Some(a) = &adapter {
-        lora::report::add(a, &ckpt, &mut plan.report)?;
+        lora::summary::add(a, &ckpt, &mut plan.report)?;
     }
     if let Some(b) = &base {
         if b.dir.config.is_some() && !b.has_tokenizer() {

@@ -32,8 +32,8 @@ pub use local::LocalFile;
 pub use memory::MemBytes;
 pub use pooled::{open_file_budget, FilePool, PooledFile};
 
-/// Random-access bytes of one input: a local file, bytes in memory, or (later) an
-/// object in a bucket.
+/// Random-access bytes of one input: a local file, bytes in memory, or an object in
+/// a bucket (`remote`).
 ///
 /// Reads are positioned and take `&self`, so one source serves many threads at once.
 /// A read that would end past [`len`](ByteSource::len) is an error naming the source

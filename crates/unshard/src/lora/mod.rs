@@ -33,7 +33,7 @@ pub mod mapping;
 pub use crate::dtype::fuse as math;
 pub mod names;
 pub mod reference;
-pub mod report;
+pub mod summary;
 pub mod resolve;
 
 pub use crate::error::{AdapterOption, AdapterRemedy};

@@ -38,7 +38,7 @@
 mod assign;
 #[cfg(feature = "remote")]
 mod bucket;
-mod sink;
+mod shared_dir;
 
 use std::collections::hash_map::DefaultHasher;
 use std::hash::{Hash, Hasher};
@@ -53,7 +53,7 @@ use crate::plan::Plan;
 use crate::prepare::{prepare, Prepared};
 use crate::source::{fs, Checkpoint};
 use crate::write::{self, Progress, WriteOptions};
-use sink::PartDir;
+use shared_dir::PartDir;
 
 /// What one part did.
 #[derive(Debug)]
@@ -186,7 +186,7 @@ pub fn merge_part(opts: &MergeOptions, part: Part, progress: &dyn Progress) -> R
         let entries = FileEntry::of_written(&written.files, &written.digests);
         let path = dir.path().join(format!(
             "{}{}-of-{}.json",
-            sink::CHECKSUMS,
+            shared_dir::CHECKSUMS,
             part.index,
             part.count
         ));
@@ -230,7 +230,7 @@ fn shard_checksums(dir: &Path) -> Result<Vec<FileEntry>> {
         .map_err(|e| Error::io("list", dir, e))?
         .flatten()
     {
-        if !e.file_name().to_string_lossy().starts_with(sink::CHECKSUMS) {
+        if !e.file_name().to_string_lossy().starts_with(shared_dir::CHECKSUMS) {
             continue;
         }
         let bytes = std::fs::read(e.path()).map_err(|err| Error::io("read", e.path(), err))?;
@@ -317,5 +317,5 @@ pub fn plan_hash(
 
 /// The staging directory of a split merge into `out` with plan hash `hash`.
 pub fn staging_dir(out: &Path, hash: &str) -> PathBuf {
-    sink::staging_dir(out, hash)
+    shared_dir::staging_dir(out, hash)
 }

@@ -12,9 +12,9 @@
 //! leaves (compressed, unusual, broken) are read and parsed one by one as before,
 //! their ends asked for a thousand ahead, and report what is wrong with them.
 //!
-//! By job: this file opens and locates; `scan` resolves archives before the
-//! tensors are built; `build` builds them, those of resolved archives on two
-//! threads.
+//! By job: this file opens and locates; `resolve` resolves archives before the
+//! tensors are built; `tensors` builds the tensors, those of resolved archives on
+//! two threads.
 
 use std::collections::HashMap;
 use std::io::Read;
@@ -27,9 +27,9 @@ use super::super::{Blob, FileId};
 use super::metadata::{Chunk, Chunks, Entry, EntryKind, Item, Metadata};
 use crate::bytes::{FilePool, PooledFile};
 
-mod build;
-pub(super) use build::BUILD_THREADS;
-mod scan;
+mod resolve;
+mod tensors;
+pub(super) use tensors::BUILD_THREADS;
 
 use super::template::Templates;
 use crate::error::{Error, Result};
