@@ -26,7 +26,9 @@ OUT/hf_reference/              torch's consolidate_safetensors_files of hf_shard
 The model is built on the meta device and materialised per rank (to_empty), so each
 process holds only its shards (about 1.1 GB fp32 at 4 ranks). Values: seeded normal
 noise per (tensor, rank); norms around 1. --small shrinks the model (hidden 256,
-2 layers, vocab 1000) for a quick check of the pipeline.
+2 layers, vocab 1000) for a quick check of the pipeline. The full size at 4 ranks
+on 2 CPU cores: about 2.5 minutes, 4.8 GB peak RSS in the largest process, 4.1 GB
+of DCP and 2.1 GB of bf16 shards.
 """
 
 import argparse
