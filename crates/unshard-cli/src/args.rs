@@ -5,9 +5,7 @@
 use std::path::PathBuf;
 
 use clap::ValueEnum;
-use unshard::lora::AdapterOptions;
-use unshard::merge;
-use unshard::plan::{DtypeChoice, PlanOptions};
+use unshard::{AdapterOptions, DtypeChoice, PlanOptions};
 use unshard::{DType, Error, RenameError};
 
 /// `--key`: where the state dict sits inside a pickle.
@@ -132,11 +130,13 @@ impl PlanArgs {
     /// The library's plan options; a malformed size or rename is a usage error.
     pub fn plan_options(&self) -> Result<PlanOptions, Error> {
         let size = &self.max_shard_size;
-        let max_shard_size = merge::parse_size(size).filter(|&s| s > 0).ok_or_else(|| {
-            Error::Usage(format!(
-                "--max-shard-size '{size}' is not a size (examples: 5GB, 500MB, 2GiB)"
-            ))
-        })?;
+        let max_shard_size = unshard::parse_size(size)
+            .filter(|&s| s > 0)
+            .ok_or_else(|| {
+                Error::Usage(format!(
+                    "--max-shard-size '{size}' is not a size (examples: 5GB, 500MB, 2GiB)"
+                ))
+            })?;
         let mut renames = Vec::new();
         for r in &self.rename {
             renames.push(unshard::parse_rename(r).map_err(|e| match e {

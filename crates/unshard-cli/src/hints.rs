@@ -2,8 +2,8 @@
 //! command line's speak of its flags. This maps the typed errors whose remedy is a
 //! flag to the flag's words; any other error keeps the library's hint.
 
-use unshard::lora::{AdapterOption, AdapterRemedy};
 use unshard::Error;
+use unshard::{AdapterOption, AdapterRemedy};
 
 /// The hint for `e` in terms of this command's flags, when it has one.
 pub fn for_flags(e: &Error) -> Option<String> {

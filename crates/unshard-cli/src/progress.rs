@@ -15,8 +15,9 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use indicatif::{ProgressBar, ProgressStyle};
-use unshard::text::human_bytes;
-use unshard::write::Progress;
+use unshard::Progress;
+
+use crate::text::human_bytes;
 
 /// Seconds between plain progress lines; the first comes after one interval, so a
 /// short run prints none.

@@ -119,7 +119,7 @@ fn watch(set: libc::sigset_t) {
 /// Whether a staging directory of this process sits beside the output: the
 /// library names it `.<output name>.unshard-tmp-<pid>` while writing, and
 /// `.<output name>.unshard-tmp-old-<pid>` for a replaced output during the final
-/// rename (`unshard::write::create_staging`, `commit`). When the directory
+/// rename (the library's staging directory and its commit). When the directory
 /// cannot be listed, assume there is one: the writer's own check is always safe,
 /// only slower.
 fn staging_exists() -> bool {
@@ -128,7 +128,7 @@ fn staging_exists() -> bool {
     };
     // An output in object storage has no staging directory: the writer undoes its
     // uploads itself once it sees the cancellation, so never exit under it.
-    if unshard::source::fs::is_url(out) {
+    if unshard::is_url(out) {
         return true;
     }
     let name = out

@@ -77,6 +77,6 @@ pub fn after_error(paths: &[&Path]) {
         return;
     }
     for path in paths.iter().filter(|p| p.is_file()) {
-        warn(&unshard::scan::scan_file(path).unsafe_calls);
+        warn(&unshard::scan_file(path).unsafe_calls);
     }
 }

@@ -38,71 +38,44 @@
 //! # Ok::<(), unshard::Error>(())
 //! ```
 //!
-//! How the library is organised (readers, mapping, plan, engine, sink) and where
-//! new formats, transforms and stores plug in is in `docs/architecture.md`. The
-//! modules below the facade are public for the command line, the tests and the
-//! fuzz targets, and are not a stable API.
+//! How the library is organised (layers that import only downward: readers,
+//! mapping, plan, engine, sink) and where new formats, transforms and stores plug
+//! in is in `docs/architecture.md`. The modules behind this page are private to
+//! the crate; the `internals` feature makes them public, hidden from the docs, for
+//! the crate's own integration tests and fuzz targets only: they are no API.
 #![deny(missing_docs)]
 
-#[doc(hidden)]
-pub mod arch;
-#[doc(hidden)]
-pub mod bytes;
-#[doc(hidden)]
-pub mod cancel;
-#[doc(hidden)]
-pub mod diff;
-#[doc(hidden)]
-pub mod digest;
-#[doc(hidden)]
-pub mod dtype;
-#[doc(hidden)]
-pub mod error;
-#[doc(hidden)]
-pub mod hub;
-#[doc(hidden)]
-pub mod inspect;
-#[doc(hidden)]
-pub mod lora;
+/// Declares the library's modules: crate-private, or public (hidden from the docs)
+/// under the `internals` feature.
+macro_rules! modules {
+    ($($name:ident),* $(,)?) => {$(
+        #[cfg(feature = "internals")]
+        #[doc(hidden)]
+        pub mod $name;
+        #[cfg(not(feature = "internals"))]
+        mod $name;
+    )*};
+}
 
-/// `unshard.json`: what a merge did, in its output.
-pub mod manifest;
-#[doc(hidden)]
-pub mod merge;
-#[doc(hidden)]
-pub mod options;
-#[doc(hidden)]
-pub mod parts;
-#[doc(hidden)]
-pub mod plan;
-#[doc(hidden)]
-pub mod prepare;
-#[doc(hidden)]
-pub mod read;
-#[doc(hidden)]
-pub mod scan;
-#[doc(hidden)]
-pub mod source;
-#[doc(hidden)]
-pub mod stats;
-#[doc(hidden)]
-pub mod text;
-#[doc(hidden)]
-pub mod verify;
-#[doc(hidden)]
-pub mod write;
+modules!(
+    arch, bytes, cancel, diff, digest, dtype, error, hub, inspect, lora, manifest, merge, options,
+    parts, plan, prepare, read, scan, source, stats, text, verify, write,
+);
 
 pub use cancel::Cancel;
 pub use diff::{diff, DiffReport, DiffSide, TensorDiff, ValueDiff};
 pub use dtype::DType;
+pub use error::{AdapterOption, AdapterRemedy};
 pub use error::{Error, Result};
 pub use inspect::{inspect, InspectReport, InspectedTensor, NonTensor};
 pub use lora::input::AdapterOptions;
+pub use manifest::{Manifest, MANIFEST};
 pub use merge::{merge, merge_into, parse_size, MergeOutcome};
 pub use options::{DiffOptions, InspectOptions, MergeOptions, UnsafePolicy, VerifyOptions};
-pub use plan::{parse_rename, DtypeChoice, PlanOptions, RenameError};
-pub use scan::{scan_paths, FileScan, UnsafeCall};
-pub use source::OpenOptions;
+pub use parts::{merge_part, Part};
+pub use plan::{parse_rename, DtypeChoice, Origin, PlanOptions, RenameError};
+pub use scan::{scan_file, scan_paths, FileScan, UnsafeCall};
+pub use source::{fs::is_url, OpenOptions};
 pub use stats::TensorStats;
 pub use verify::{verify, FirstDiff, Mismatch, Problem, VerifyReport};
 pub use write::{NoProgress, Progress, ShardFile, Sink, StagingDir};

@@ -4,7 +4,9 @@ use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 pub use crate::options::MergeOptions;
-pub use crate::prepare::{prepare, Base};
+pub use crate::prepare::prepare;
+#[cfg(feature = "internals")]
+pub use crate::prepare::Base;
 
 use serde::Serialize;
 

@@ -238,6 +238,7 @@ pub fn checkpoint_stats(ckpt: &Checkpoint, cancel: &Cancel) -> Result<Vec<Tensor
 }
 
 /// Statistics of one tensor, read window by window.
+#[cfg_attr(not(feature = "internals"), allow(dead_code))] // for the tests and fuzz targets
 pub fn tensor_stats(files: &[Arc<Blob>], t: &TensorSource) -> Result<TensorStats> {
     let (mut buf, mut vals) = (Vec::new(), Vec::new());
     let mut acc = Moments::default();

@@ -3,7 +3,7 @@
 use std::io::Write;
 use std::path::PathBuf;
 
-use unshard::text::list_some;
+use crate::text::list_some;
 use unshard::{DiffOptions, DiffReport, DiffSide, TensorDiff, ValueDiff};
 
 use crate::args::JsonArg;

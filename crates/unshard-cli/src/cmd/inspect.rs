@@ -3,7 +3,7 @@
 use std::io::Write;
 use std::path::PathBuf;
 
-use unshard::text::human_bytes;
+use crate::text::human_bytes;
 use unshard::{InspectOptions, InspectReport, OpenOptions};
 
 use crate::args::{JsonArg, KeyArg};

@@ -4,11 +4,9 @@
 use std::io::Write;
 use std::path::PathBuf;
 
-use unshard::merge::{self, MergeOptions, MergeOutcome};
-use unshard::parts::Part;
-use unshard::plan::Origin;
-use unshard::source::OpenOptions;
-use unshard::text::{human_bytes, list_some};
+use unshard::{MergeOptions, MergeOutcome, OpenOptions, Origin, Part};
+
+use crate::text::{human_bytes, list_some};
 
 use crate::args::PlanArgs;
 use crate::exit::{Status, UsageError};
@@ -125,7 +123,7 @@ pub fn run(args: MergeArgs) -> anyhow::Result<Status> {
             "auto" => Part::from_env(|k| std::env::var(k).ok())?,
             p => Part::parse(p)?,
         };
-        let o = unshard::parts::merge_part(&opts, part, &progress)?;
+        let o = unshard::merge_part(&opts, part, &progress)?;
         if !args.quiet {
             let mut err = std::io::stderr().lock();
             let p = format!("part {}/{}", part.index, part.count);
@@ -159,7 +157,7 @@ pub fn run(args: MergeArgs) -> anyhow::Result<Status> {
         }
         return Ok(Status::Success);
     }
-    let outcome = merge::merge(&opts, &progress).inspect_err(|_| {
+    let outcome = unshard::merge(&opts, &progress).inspect_err(|_| {
         let base = opts.base.as_deref().into_iter();
         let paths: Vec<&std::path::Path> = base.chain([opts.checkpoint.as_path()]).collect();
         unsafe_report::after_error(&paths);

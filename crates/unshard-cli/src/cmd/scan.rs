@@ -7,7 +7,7 @@
 use std::io::Write;
 use std::path::PathBuf;
 
-use unshard::scan::{self, FileScan};
+use unshard::FileScan;
 
 use crate::args::JsonArg;
 use crate::exit::Status;
@@ -25,7 +25,7 @@ pub struct ScanArgs {
 }
 
 pub fn run(args: ScanArgs) -> anyhow::Result<Status> {
-    let files = scan::scan_paths(&args.paths);
+    let files = unshard::scan_paths(&args.paths);
     let mut out = std::io::stdout().lock();
     if args.json.json {
         serde_json::to_writer_pretty(&mut out, &to_json(&files))?;

@@ -4,7 +4,7 @@
 use std::io::Write;
 use std::path::PathBuf;
 
-use unshard::manifest::{Manifest, MANIFEST};
+use unshard::{Manifest, MANIFEST};
 use unshard::{OpenOptions, VerifyOptions};
 
 use crate::args::{JsonArg, PlanArgs};

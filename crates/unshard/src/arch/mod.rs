@@ -12,5 +12,9 @@ pub mod check;
 pub mod eval;
 pub mod table;
 
-pub use check::{check, placeholders, PLACEHOLDER_HINT};
-pub use eval::{expected, family_for, Expected, ExpectedTensor, Unknown};
+pub use check::{check, placeholders};
+#[cfg(feature = "internals")]
+pub use check::PLACEHOLDER_HINT;
+pub use eval::{expected, Expected};
+#[cfg(feature = "internals")]
+pub use eval::{family_for, ExpectedTensor, Unknown};

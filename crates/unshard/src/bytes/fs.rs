@@ -50,6 +50,7 @@ pub fn is_file(path: &Path) -> bool {
 }
 
 /// Whether `path` exists: a file, a directory, an object or a non-empty prefix.
+#[cfg_attr(not(feature = "internals"), allow(dead_code))] // for the tests and fuzz targets
 pub fn exists(path: &Path) -> bool {
     is_file(path) || is_dir(path)
 }

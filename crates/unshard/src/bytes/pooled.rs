@@ -47,11 +47,13 @@ impl FilePool {
     }
 
     /// How many times a file of the pool has been opened.
+    #[cfg_attr(not(feature = "internals"), allow(dead_code))] // for the tests and fuzz targets
     pub fn opens(&self) -> u64 {
         self.lock().opens
     }
 
     /// How many files are open now.
+    #[cfg_attr(not(feature = "internals"), allow(dead_code))] // for the tests and fuzz targets
     pub fn open_now(&self) -> usize {
         self.lock().files.len()
     }

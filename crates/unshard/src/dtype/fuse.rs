@@ -52,6 +52,7 @@ impl Layout {
 }
 
 /// Elements of the update computed at a time.
+#[cfg_attr(not(feature = "internals"), allow(dead_code))] // for the tests and fuzz targets
 pub const BLOCK_ELEMS: usize = 1 << 20;
 
 /// One adapted weight's factors.
@@ -74,6 +75,7 @@ pub struct Factors<'a> {
 /// Fuses the factors into `w` (`[rows, cols]`, row-major) in place. The caller has
 /// checked the shapes (see [`Layout::factor_shapes`]); a mismatch here is a bug and
 /// only fails the debug assertions.
+#[cfg_attr(not(feature = "internals"), allow(dead_code))] // for the tests and fuzz targets
 pub fn fuse(w: &mut [f32], rows: usize, cols: usize, f: &Factors<'_>) {
     debug_assert_eq!(w.len(), rows * cols);
     if rows == 0 || cols == 0 {
@@ -253,6 +255,7 @@ fn product_tile(
 /// `W' = m / ||W|| * W` per output channel, `W` already holding `W + delta`. The norm
 /// is summed in float64 and rounded once to float32 (torch's float32 reduction gives
 /// the correctly rounded value or one next to it).
+#[cfg_attr(not(feature = "internals"), allow(dead_code))] // for the tests and fuzz targets
 fn apply_dora(w: &mut [f32], rows: usize, cols: usize, layout: Layout, m: &[f32]) {
     if layout.transposed() {
         // Output channels are columns.

@@ -71,6 +71,7 @@ impl ModuleSelector {
 #[derive(Clone, Debug)]
 pub struct Pattern {
     /// The key as written in the config.
+    #[cfg_attr(not(feature = "internals"), allow(dead_code))] // for the tests and fuzz targets
     pub key: String,
     re: Regex,
     /// The rank or alpha it gives.
@@ -103,6 +104,7 @@ pub struct AdapterConfig {
     /// Modules excluded even when `target_modules` selects them.
     pub exclude_modules: Option<ModuleSelector>,
     /// Modules trained in full; the adapter's copy replaces the base's.
+    #[cfg_attr(not(feature = "internals"), allow(dead_code))] // for the tests and fuzz targets
     pub modules_to_save: Vec<String>,
     /// `modules_to_save` as peft matches them: `(^|.*\.)NAME($|\..*)`, NAME a regex.
     saved_modules: Vec<Regex>,

@@ -22,6 +22,7 @@ pub fn read_f32(files: &[Arc<Blob>], t: &TensorSource) -> Result<Vec<f32>> {
 
 /// The fused weight in float32: `w` (in `w_files`) with `fuse`'s factors (in
 /// `adapter_files`).
+#[cfg_attr(not(feature = "internals"), allow(dead_code))] // for the tests and fuzz targets
 pub fn fused_f32(
     fuse: &Fuse,
     w_files: &[Arc<Blob>],

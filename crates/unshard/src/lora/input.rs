@@ -32,6 +32,7 @@ pub struct AdapterInput {
     /// Its tensors and fuses under base names.
     pub resolved: Resolved,
     /// Whether the input was an adapter directory (else a training checkpoint).
+    #[cfg_attr(not(feature = "internals"), allow(dead_code))] // for the tests and fuzz targets
     pub from_dir: bool,
 }
 

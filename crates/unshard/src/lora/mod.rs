@@ -37,9 +37,13 @@ pub mod summary;
 pub mod resolve;
 
 pub use crate::error::{AdapterOption, AdapterRemedy};
+#[cfg(feature = "internals")]
 pub use config::AdapterConfig;
-pub use input::{AdapterInput, AdapterOptions};
+pub use input::AdapterOptions;
+#[cfg(feature = "internals")]
+pub use input::AdapterInput;
 pub use mapping::LoraFuse;
+#[cfg(feature = "internals")]
 pub use resolve::{resolve, Fuse, Resolved};
 
 /// An error about an adapter input, naming the file; the hint is `remedy`'s.

@@ -40,6 +40,7 @@ impl Expected {
     }
 
     /// Whether `found` (a value of `dtype`) is an acceptable fused value of element `i`.
+    #[cfg_attr(not(feature = "internals"), allow(dead_code))] // for the tests and fuzz targets
     pub fn allows(&self, i: usize, found: f64, dtype: DType) -> bool {
         within_tolerance(
             found,
@@ -155,6 +156,7 @@ pub fn ulp(dtype: DType, x: f64) -> f64 {
 
 /// Whether `found` (a value of `dtype`) is within one ulp of `expected`, plus
 /// `roundoffs` float32 unit roundoffs, at `magnitude`.
+#[cfg_attr(not(feature = "internals"), allow(dead_code))] // for the tests and fuzz targets
 pub fn within_tolerance(
     found: f64,
     expected: f64,

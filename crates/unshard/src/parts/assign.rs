@@ -6,7 +6,9 @@ use crate::error::{Error, Result};
 /// `SLURM_PROCID` do.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Part {
+    /// This part, from 0.
     pub index: usize,
+    /// How many parts the merge is split into.
     pub count: usize,
 }
 

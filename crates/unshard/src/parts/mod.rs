@@ -316,6 +316,7 @@ pub fn plan_hash(
 }
 
 /// The staging directory of a split merge into `out` with plan hash `hash`.
+#[cfg_attr(not(feature = "internals"), allow(dead_code))] // for the tests and fuzz targets
 pub fn staging_dir(out: &Path, hash: &str) -> PathBuf {
     shared_dir::staging_dir(out, hash)
 }

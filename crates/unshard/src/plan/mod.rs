@@ -49,9 +49,12 @@ pub use content::{Content, Expr, Leaf};
 pub use inputs::Inputs;
 pub use mapping::{Candidate, MapInputs, Mapping};
 
+#[cfg(feature = "internals")]
 pub use cast::config_dtype_of;
+#[cfg(feature = "internals")]
 pub use keep::is_nonpersistent_buffer;
 pub use names::{natural_cmp, strip_wrappers};
+#[cfg(feature = "internals")]
 pub use shard::shard;
 
 /// The dtype the user asked for.

@@ -41,6 +41,7 @@ pub struct HfDir {
     /// Non-weight files to carry into an output directory (config.json excluded).
     pub extra_files: Vec<PathBuf>,
     /// Files left out, with the reason.
+    #[cfg_attr(not(feature = "internals"), allow(dead_code))] // for the tests and fuzz targets
     pub skipped: Vec<(PathBuf, String)>,
 }
 
@@ -188,6 +189,7 @@ impl HfDir {
 
     /// The dtype the config declares, and the key it uses (`dtype` in transformers
     /// >= 4.56, `torch_dtype` before).
+    #[cfg_attr(not(feature = "internals"), allow(dead_code))] // for the tests and fuzz targets
     pub fn config_dtype(&self) -> Option<(&'static str, crate::dtype::DType)> {
         let cfg = self.config.as_ref()?;
         for key in ["dtype", "torch_dtype"] {

@@ -55,9 +55,13 @@ pub(crate) mod test_input;
 pub mod torch;
 pub mod zip;
 
-pub use crate::bytes::{fs, Blob, ByteSource, LocalFile, MemBytes};
+pub use crate::bytes::{fs, Blob, ByteSource};
+#[cfg(feature = "internals")]
+pub use crate::bytes::{LocalFile, MemBytes};
 pub(crate) use detect::format_id;
-pub use detect::{open, open_blob, Format, OpenOptions};
+pub use detect::{open, Format, OpenOptions};
+#[cfg(feature = "internals")]
+pub use detect::open_blob;
 
 /// Index of a [`Blob`] in [`Checkpoint::files`].
 pub type FileId = usize;

@@ -40,6 +40,7 @@ pub struct Header {
 }
 
 /// Parses and validates the header of a safetensors file held whole in `data`.
+#[cfg_attr(not(feature = "internals"), allow(dead_code))] // for the tests and fuzz targets
 pub fn read_header(path: &Path, data: &[u8]) -> Result<Header> {
     parse_header(path, data, data.len() as u64)
 }

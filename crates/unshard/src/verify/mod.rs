@@ -60,9 +60,13 @@ mod reference;
 pub mod report;
 mod structure;
 
-pub use crate::digest::{Expected, ExpectedDigest};
+pub use crate::digest::Expected;
+#[cfg(feature = "internals")]
+pub use crate::digest::ExpectedDigest;
 pub use checks::{check_finite, drop_cached, nonfinite_tensors, unchanged_from_base};
-pub use report::{unravel, FirstDiff, Mismatch, Problem, VerifyReport};
+pub use report::{FirstDiff, Mismatch, Problem, VerifyReport};
+#[cfg(feature = "internals")]
+pub use report::unravel;
 
 use report::problem;
 use structure::{check_config, Located, Written};

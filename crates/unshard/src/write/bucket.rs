@@ -189,6 +189,7 @@ impl BucketSink {
     }
 
     /// The run id written in the manifest.
+    #[cfg_attr(not(feature = "internals"), allow(dead_code))] // for the tests and fuzz targets
     pub fn run_id(&self) -> &str {
         &self.run_id
     }

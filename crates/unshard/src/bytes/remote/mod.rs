@@ -21,4 +21,6 @@ pub mod store;
 mod tests;
 
 pub use source::ObjectSource;
-pub use store::{locate, Location};
+pub use store::locate;
+#[cfg(feature = "internals")]
+pub use store::Location;

@@ -87,6 +87,7 @@ fn count_get(range: &std::ops::Range<u64>) {
 
 /// Ranged GETs this process made for object contents so far, and the bytes they
 /// asked for (listings and small whole objects are not counted).
+#[cfg_attr(not(feature = "internals"), allow(dead_code))] // for the tests and fuzz targets
 pub fn fetched() -> (u64, u64) {
     (
         GETS.load(Ordering::Relaxed),

@@ -47,6 +47,7 @@ impl Storages {
     }
 
     /// Every storage's place, in no particular order.
+    #[cfg_attr(not(feature = "internals"), allow(dead_code))] // for the tests and fuzz targets
     pub fn values(&self) -> impl Iterator<Item = &StorageLoc> {
         self.locs.iter()
     }
@@ -57,6 +58,7 @@ impl Storages {
     }
 
     /// Whether there are none.
+    #[cfg_attr(not(feature = "internals"), allow(dead_code))] // for the tests and fuzz targets
     pub fn is_empty(&self) -> bool {
         self.locs.is_empty()
     }

@@ -61,6 +61,7 @@ impl<'a> Archive<'a> {
     }
 
     /// Whether it is empty.
+    #[cfg_attr(not(feature = "internals"), allow(dead_code))] // for the tests and fuzz targets
     pub fn is_empty(&self) -> bool {
         self.len == 0
     }

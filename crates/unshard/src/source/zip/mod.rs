@@ -85,6 +85,7 @@ pub struct ZipIndex {
 
 /// Why bytes are not a readable zip archive.
 #[derive(Clone, Debug, PartialEq, Eq)]
+#[cfg_attr(not(feature = "internals"), allow(dead_code))] // for the tests and fuzz targets
 pub struct ZipError(pub String);
 
 impl fmt::Display for ZipError {
@@ -164,6 +165,7 @@ impl Cursor {
 
 impl ZipIndex {
     /// Indexes an archive held in a slice (tests, fuzzing).
+    #[cfg_attr(not(feature = "internals"), allow(dead_code))] // for the tests and fuzz targets
     pub fn parse(data: &[u8]) -> std::result::Result<ZipIndex, ZipError> {
         let blob = Blob::owned(PathBuf::from("archive"), data.to_vec());
         let mut a = Archive::whole(&blob);
