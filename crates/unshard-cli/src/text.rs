@@ -52,21 +52,6 @@ pub fn write_escaped(
     w.write_all(escape_lines(&String::from_utf8_lossy(&buf)).as_bytes())
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn control_and_bidi_characters_are_escaped_and_the_rest_kept() {
-        assert!(matches!(escape("model.layers.0.weight"), Cow::Borrowed(_)));
-        assert_eq!(escape("a\x1b[31mb"), "a\\x1b[31mb");
-        assert_eq!(escape("x\ry\tz\u{7f}\u{9b}"), "x\\x0dy\\x09z\\x7f\\x9b");
-        assert_eq!(escape("abc\u{202e}def"), "abc\\u{202e}def");
-        assert_eq!(escape("größe.w"), "größe.w");
-        assert_eq!(escape_lines("a\x1b\n  b\x07"), "a\\x1b\n  b\\x07");
-    }
-}
-
 /// Lists up to `max` items, then says how many more there are.
 pub fn list_some<S: std::fmt::Display>(items: &[S], max: usize) -> String {
     let shown: Vec<String> = items.iter().take(max).map(ToString::to_string).collect();
@@ -90,5 +75,20 @@ pub fn human_bytes(n: u64) -> String {
         format!("{n} B")
     } else {
         format!("{v:.1} {}", UNITS[u])
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn control_and_bidi_characters_are_escaped_and_the_rest_kept() {
+        assert!(matches!(escape("model.layers.0.weight"), Cow::Borrowed(_)));
+        assert_eq!(escape("a\x1b[31mb"), "a\\x1b[31mb");
+        assert_eq!(escape("x\ry\tz\u{7f}\u{9b}"), "x\\x0dy\\x09z\\x7f\\x9b");
+        assert_eq!(escape("abc\u{202e}def"), "abc\\u{202e}def");
+        assert_eq!(escape("größe.w"), "größe.w");
+        assert_eq!(escape_lines("a\x1b\n  b\x07"), "a\\x1b\n  b\\x07");
     }
 }

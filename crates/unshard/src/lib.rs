@@ -11,8 +11,8 @@
 //! - [`verify()`]: whether a model directory holds exactly what a merge writes;
 //! - [`diff()`]: two inputs compared tensor by tensor;
 //! - [`scan_paths()`]: what the pickles in files would run under `torch.load`
-//!   (unshard runs none of it; reading operations report the same findings as
-//!   [`Checkpoint::unsafe_calls`](source::Checkpoint::unsafe_calls)).
+//!   (unshard runs none of it; reading operations report the same findings, as
+//!   [`UnsafeCall`]s, to the [`UnsafePolicy`] of their options).
 //!
 //! Every operation takes a [`Cancel`] token in its options (no process-global
 //! state: operations in one process run and stop separately), reports progress to

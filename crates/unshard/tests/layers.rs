@@ -325,7 +325,10 @@ fn every_top_level_module_is_in_a_layer() {
         .iter()
         .filter(|m| !declared.iter().any(|d| d == *m))
         .collect();
-    assert!(absent.is_empty(), "layers name modules lib.rs does not declare: {absent:?}");
+    assert!(
+        absent.is_empty(),
+        "layers name modules lib.rs does not declare: {absent:?}"
+    );
 }
 
 /// The check itself: an upward import, an import through the facade and a `super`
