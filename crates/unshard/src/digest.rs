@@ -184,7 +184,7 @@ pub enum ExpectedDigest {
     /// Each block's digest as the writer hashed it (`None`: not hashed).
     Written(Vec<Option<Sha>>),
     /// The file checksum recorded in `unshard.json`
-    /// ([`FileDigest::tree`]).
+    /// (the BLAKE3 of the whole file, as `b3sum` prints it).
     Recorded(Sha),
 }
 

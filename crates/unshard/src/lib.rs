@@ -64,9 +64,10 @@ modules!(
 
 pub use cancel::Cancel;
 pub use diff::{diff, DiffReport, DiffSide, TensorDiff, ValueDiff};
+pub use digest::{Expected, ExpectedDigest};
 pub use dtype::DType;
 pub use error::{AdapterOption, AdapterRemedy};
-pub use error::{Error, Result};
+pub use error::{Error, NonFiniteTensor, Result, ShapeDiff};
 pub use inspect::{inspect, InspectReport, InspectedTensor, NonTensor};
 pub use lora::input::AdapterOptions;
 pub use manifest::{Manifest, MANIFEST};
@@ -75,7 +76,7 @@ pub use options::{DiffOptions, InspectOptions, MergeOptions, UnsafePolicy, Verif
 pub use parts::{merge_part, Part};
 pub use plan::{parse_rename, DtypeChoice, Origin, PlanOptions, RenameError};
 pub use scan::{scan_file, scan_paths, FileScan, UnsafeCall};
-pub use source::{fs::is_url, OpenOptions};
+pub use source::{fs::is_url, Format, OpenOptions};
 pub use stats::TensorStats;
 pub use verify::{verify, FirstDiff, Mismatch, Problem, VerifyReport};
 pub use write::{NoProgress, Progress, ShardFile, Sink, StagingDir};
