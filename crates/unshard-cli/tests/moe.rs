@@ -179,13 +179,78 @@ fn verify_names_a_flipped_byte_in_an_unpacked_expert() {
 
 #[test]
 fn a_packed_checkpoint_onto_a_packed_base_is_kept_as_it_is() {
-    // The merged GPT-OSS directory is both: its files hold the packed names.
     let c = cases()
         .into_iter()
-        .find(|c| c.name == "gpt_oss_policy")
+        .find(|c| c.name == "qwen3_moe_policy")
         .unwrap();
     let tmp = tempfile::tempdir().unwrap();
+    // A base in the in-memory layout: the checkpoint written alone (no config, so
+    // no rules), with the model's config beside it.
+    let packed = tmp.path().join("packed");
+    let o = unshard(&["merge", &c.checkpoint, "--output", packed.to_str().unwrap()]);
+    assert!(o.status.success(), "{}", text(&o));
+    std::fs::remove_file(packed.join("unshard.json")).unwrap();
+    std::fs::copy(
+        fixtures().join(&c.base).join("config.json"),
+        packed.join("config.json"),
+    )
+    .unwrap();
     let out = tmp.path().join("out");
-    let said = assert_matches_transformers(&c, &out);
-    assert!(!said.contains("layout:"), "{said}");
+    let o = unshard(&[
+        "merge",
+        &c.checkpoint,
+        "--base",
+        packed.to_str().unwrap(),
+        "--output",
+        out.to_str().unwrap(),
+    ]);
+    let said = text(&o);
+    assert!(o.status.success(), "{said}");
+    assert!(
+        said.contains("layout: the base holds the in-memory (packed) names too"),
+        "{said}"
+    );
+    let file = std::fs::read(out.join("model.safetensors")).unwrap();
+    let header = String::from_utf8_lossy(&file[..4096.min(file.len())]).into_owned();
+    assert!(
+        header.contains("\"model.layers.0.mlp.experts.gate_up_proj\""),
+        "{header}"
+    );
+    assert!(!header.contains("experts.0.gate_proj"), "{header}");
+}
+
+#[test]
+fn a_packed_tensor_that_is_not_a_box_of_the_rule_is_refused_by_name() {
+    // gate_up_proj's rows must split into gate and up halves: 47 rows do not.
+    let tmp = tempfile::tempdir().unwrap();
+    let ckpt = tmp.path().join("odd.safetensors");
+    let t: Vec<f32> = vec![0.5; 2 * 47 * 4];
+    let bytes: Vec<u8> = t.iter().flat_map(|x| x.to_le_bytes()).collect();
+    let view =
+        safetensors::tensor::TensorView::new(safetensors::Dtype::F32, vec![2, 47, 4], &bytes)
+            .unwrap();
+    safetensors::serialize_to_file(
+        [("model.layers.0.mlp.experts.gate_up_proj", view)],
+        None,
+        &ckpt,
+    )
+    .unwrap();
+    let out = tmp.path().join("out");
+    let o = unshard(&[
+        "merge",
+        ckpt.to_str().unwrap(),
+        "--base",
+        "moe/qwen3_moe/base",
+        "--output",
+        out.to_str().unwrap(),
+    ]);
+    let said = text(&o);
+    assert_eq!(o.status.code(), Some(1), "{said}");
+    assert!(
+        said.contains("'model.layers.0.mlp.experts.gate_up_proj' [2, 47, 4]"),
+        "{said}"
+    );
+    assert!(said.contains("mlp.experts.gate_up_proj -> mlp.experts.*.gate_proj.weight + mlp.experts.*.up_proj.weight"), "{said}");
+    assert!(said.contains("does not split into 2 equal parts"), "{said}");
+    assert!(!out.exists());
 }

@@ -96,6 +96,8 @@ impl Mapping for ArchConversion {
         let before: HashSet<String> = candidates.iter().map(|c| c.name.clone()).collect();
         let mut out = Vec::with_capacity(candidates.len());
         let (mut packed, mut written, mut renamed) = (0, 0, 0);
+        // Expert tensors no rule rewrote: checked against the base below.
+        let mut unexplained = Vec::new();
         for c in candidates {
             let saved = self.rules.save(&c.name, &c.shape).map_err(|r| {
                 Error::plan(
@@ -107,7 +109,12 @@ impl Mapping for ArchConversion {
                 )
             })?;
             match saved {
-                Saved::Same => out.push(c),
+                Saved::Same => {
+                    if c.name.contains("expert") {
+                        unexplained.push(out.len());
+                    }
+                    out.push(c);
+                }
                 Saved::Renamed(n) => {
                     renamed += 1;
                     out.push(Candidate { name: n, ..c });
@@ -153,6 +160,9 @@ impl Mapping for ArchConversion {
                 }
             }
         }
+        if let Some(base) = inputs.base {
+            self.check_explained(&out, &unexplained, base)?;
+        }
         self.record(Applied::Unpacked {
             packed,
             written,
@@ -163,11 +173,73 @@ impl Mapping for ArchConversion {
 }
 
 impl ArchConversion {
+    /// An expert tensor of a packed checkpoint that no rule rewrote and the base
+    /// does not hold (compared from `layers.`, so that a prefix the plan aligns
+    /// later does not count) is an error naming it and the rule nearest to it.
+    fn check_explained(
+        &self,
+        out: &[Candidate],
+        unexplained: &[usize],
+        base: &crate::source::Checkpoint,
+    ) -> Result<()> {
+        if unexplained.is_empty() {
+            return Ok(());
+        }
+        let key = |n: &str| n.find("layers.").map_or(n, |i| &n[i..]).to_string();
+        let held: HashSet<String> = base.tensors.iter().map(|t| key(&t.name)).collect();
+        let Some(c) = unexplained
+            .iter()
+            .filter_map(|&i| out.get(i))
+            .find(|c| !held.contains(&key(&c.name)))
+        else {
+            return Ok(());
+        };
+        let nearest = self
+            .rules
+            .rules
+            .iter()
+            .filter(|r| !r.sources.is_empty())
+            .max_by_key(|r| {
+                r.sources
+                    .iter()
+                    .map(|s| common_run(&c.name, s))
+                    .max()
+                    .unwrap_or(0)
+            })
+            .map(|r| format!("; the nearest rule is {}", r.describe()))
+            .unwrap_or_default();
+        Err(Error::plan(
+            format!(
+                "checkpoint tensor '{}' {:?} is not in the base, and no rule of transformers' '{}' conversion (model_type {}) explains it{nearest}",
+                c.source_name, c.shape, self.rules.name, self.model_type
+            ),
+            Some("the checkpoint may be of another architecture or transformers version; rename it with --rename, or convert it with transformers".into()),
+        ))
+    }
+
     fn record(&self, a: Applied) {
         if let Ok(mut d) = self.done.lock() {
             *d = Some(a);
         }
     }
+}
+
+/// The length of the longest run of characters `a` and `b` share.
+fn common_run(a: &str, b: &str) -> usize {
+    let (a, b) = (a.as_bytes(), b.as_bytes());
+    let mut best = 0;
+    let mut prev = vec![0usize; b.len() + 1];
+    for &x in a {
+        let mut cur = vec![0usize; b.len() + 1];
+        for (j, &y) in b.iter().enumerate() {
+            if x == y {
+                cur[j + 1] = prev[j] + 1;
+                best = best.max(cur[j + 1]);
+            }
+        }
+        prev = cur;
+    }
+    best
 }
 
 /// The tensor that is `region` of `t`: each piece cut to the box (the pieces that
@@ -428,5 +500,64 @@ mod tests {
             "{e}"
         );
         assert!(e.contains("interleaves rows"), "{e}");
+    }
+
+    #[test]
+    fn an_expert_tensor_no_rule_explains_names_the_nearest_rule() {
+        let m = ArchConversion::for_config(Some(&cfg("qwen3_moe"))).unwrap();
+        let ck = checkpoint(
+            "c",
+            vec![
+                tensor(
+                    "model.layers.0.mlp.experts.down_proj",
+                    DType::F32,
+                    &[2, 4, 3],
+                ),
+                tensor(
+                    "model.layers.0.mlp.experts.gate_up_proj_bias",
+                    DType::F32,
+                    &[2, 6],
+                ),
+            ],
+        );
+        let base = checkpoint(
+            "b",
+            vec![
+                tensor(
+                    "model.layers.0.mlp.experts.0.down_proj.weight",
+                    DType::BF16,
+                    &[4, 3],
+                ),
+                tensor(
+                    "model.layers.0.mlp.experts.1.down_proj.weight",
+                    DType::BF16,
+                    &[4, 3],
+                ),
+            ],
+        );
+        let inputs = MapInputs {
+            base: Some(&base),
+            ..MapInputs::default()
+        };
+        let e = m
+            .map(crate::plan::mapping::candidates(&ck), inputs)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("'model.layers.0.mlp.experts.gate_up_proj_bias' [2, 6] is not in the base"),
+            "{e}"
+        );
+        assert!(
+            e.contains("nearest rule is rule 0 (mlp.experts.gate_up_proj ->"),
+            "{e}"
+        );
+        // Without the stray tensor the same checkpoint maps.
+        let ok = checkpoint("c", ck.tensors[..1].to_vec());
+        assert_eq!(
+            m.map(crate::plan::mapping::candidates(&ok), inputs)
+                .unwrap()
+                .len(),
+            2
+        );
     }
 }
