@@ -13,6 +13,7 @@ use crate::error::{Error, Result};
 use crate::hub;
 use crate::lora::{self, AdapterOptions, LoraFuse};
 use crate::options::{MergeOptions, UnsafePolicy, VerifyOptions};
+use crate::plan::conversion::ArchConversion;
 pub use crate::plan::Inputs;
 use crate::plan::{self, BaseView, Plan, PlanOptions};
 use crate::source::hf_dir::HfDir;
@@ -227,9 +228,18 @@ pub fn prepare<'a>(opts: impl Into<Sources<'a>>) -> Result<Prepared> {
     if let Some(a) = &adapter {
         plan_opts.mappings.insert(0, a.clone());
     }
+    // A checkpoint in transformers' in-memory layout (packed experts) is written in
+    // the layout of the base's files.
+    let conversion = ArchConversion::for_config(view.config).map(Arc::new);
+    if let Some(c) = &conversion {
+        plan_opts.mappings.push(c.clone());
+    }
     let mut plan = plan::plan(&ckpt, view, &[], &plan_opts)?;
     if let Some(a) = &adapter {
         lora::summary::add(a, &ckpt, &mut plan.report)?;
+    }
+    if let Some(c) = &conversion {
+        c.note(&mut plan.report);
     }
     if let Some(b) = &base {
         if b.dir.config.is_some() && !b.has_tokenizer() {

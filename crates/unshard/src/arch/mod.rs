@@ -9,6 +9,7 @@
 //! `check` compares a checkpoint with them.
 
 pub mod check;
+pub mod conversions;
 pub mod eval;
 pub mod table;
 

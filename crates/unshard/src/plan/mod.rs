@@ -37,6 +37,7 @@ use crate::source::{Checkpoint, TensorSource};
 
 pub mod cast;
 pub mod content;
+pub mod conversion;
 mod inputs;
 pub mod keep;
 pub mod layout;

@@ -1,0 +1,256 @@
+//! Mixture-of-experts checkpoints in transformers' in-memory layout, merged onto
+//! bases in the layout of transformers' files, against what transformers itself
+//! writes.
+//!
+//! `fixtures/moe/cases.json` (`fixtures/gen_moe.py`, transformers 5.25) lists per
+//! family a DPO-style `policy.pt` of `model.state_dict()` (packed expert tensors),
+//! FSDP2 DCP directories whose packed tensors are sharded on the expert dimension,
+//! and a DeepSpeed ZeRO-3 save; the expected directory is transformers' own
+//! `from_pretrained` -> `load_state_dict` -> `save_pretrained`. Every case must
+//! reproduce it file for file and byte for byte, and `unshard verify` must pass on
+//! it and name a flipped byte in an expert tensor.
+#![allow(clippy::unwrap_used)]
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+use common::{fixtures, model_names, names};
+
+fn unshard<S: AsRef<std::ffi::OsStr>>(args: &[S]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_unshard"))
+        .args(args)
+        .current_dir(fixtures())
+        .output()
+        .unwrap()
+}
+
+fn text(o: &Output) -> String {
+    format!(
+        "{}{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    )
+}
+
+struct Case {
+    name: String,
+    checkpoint: String,
+    base: String,
+    expected_dir: PathBuf,
+}
+
+fn cases() -> Vec<Case> {
+    let json: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(fixtures().join("moe/cases.json")).unwrap())
+            .unwrap();
+    json["cases"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| Case {
+            name: c["name"].as_str().unwrap().into(),
+            checkpoint: c["checkpoint"].as_str().unwrap().into(),
+            base: c["base"].as_str().unwrap().into(),
+            expected_dir: fixtures().join(c["expected_dir"].as_str().unwrap()),
+        })
+        .collect()
+}
+
+fn merge(c: &Case, out: &Path) -> Output {
+    unshard(&[
+        "merge",
+        &c.checkpoint,
+        "--base",
+        &c.base,
+        "--output",
+        out.to_str().unwrap(),
+    ])
+}
+
+/// The merge succeeds and writes exactly transformers' files.
+fn assert_matches_transformers(c: &Case, out: &Path) -> String {
+    let o = merge(c, out);
+    assert!(o.status.success(), "{}: {}", c.name, text(&o));
+    assert_eq!(
+        model_names(out),
+        names(&c.expected_dir),
+        "{}: files",
+        c.name
+    );
+    for f in names(&c.expected_dir) {
+        let a = std::fs::read(out.join(&f)).unwrap();
+        let b = std::fs::read(c.expected_dir.join(&f)).unwrap();
+        assert!(a == b, "{}: {f} differs from transformers' output", c.name);
+    }
+    text(&o)
+}
+
+fn verify(c: &Case, dir: &Path) -> Output {
+    unshard(&[
+        "verify",
+        dir.to_str().unwrap(),
+        "--against",
+        &c.checkpoint,
+        "--base",
+        &c.base,
+    ])
+}
+
+#[test]
+fn every_policy_and_dcp_case_matches_transformers_byte_for_byte() {
+    let cases: Vec<Case> = cases()
+        .into_iter()
+        .filter(|c| !c.name.contains("zero3"))
+        .collect();
+    // Nine families' policy.pt, two FSDP2 DCP directories.
+    assert_eq!(cases.len(), 11);
+    let tmp = tempfile::tempdir().unwrap();
+    for c in &cases {
+        let out = tmp.path().join(&c.name);
+        let said = assert_matches_transformers(c, &out);
+        // Every family but GPT-OSS (whose files hold the packed names) is unpacked,
+        // and says so.
+        if !c.name.starts_with("gpt_oss") {
+            assert!(
+                said.contains(
+                    "layout: the checkpoint holds transformers' in-memory (packed) names"
+                ),
+                "{}: {said}",
+                c.name
+            );
+        }
+        let o = verify(c, &out);
+        assert!(o.status.success(), "{}: verify: {}", c.name, text(&o));
+    }
+}
+
+#[test]
+fn the_deepspeed_zero3_case_matches_transformers_byte_for_byte() {
+    let c = cases()
+        .into_iter()
+        .find(|c| c.name.contains("zero3"))
+        .unwrap();
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("out");
+    assert_matches_transformers(&c, &out);
+    let o = verify(&c, &out);
+    assert!(o.status.success(), "verify: {}", text(&o));
+}
+
+/// The header length and the data offset of `tensor` in a safetensors file.
+fn data_offset(file: &Path, tensor: &str) -> usize {
+    let bytes = std::fs::read(file).unwrap();
+    let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let header: serde_json::Value = serde_json::from_slice(&bytes[8..8 + n]).unwrap();
+    8 + n + header[tensor]["data_offsets"][0].as_u64().unwrap() as usize
+}
+
+#[test]
+fn verify_names_a_flipped_byte_in_an_unpacked_expert() {
+    for name in ["qwen3_moe_policy", "mixtral_fsdp2_w2_dcp"] {
+        let c = cases().into_iter().find(|c| c.name == name).unwrap();
+        let tmp = tempfile::tempdir().unwrap();
+        let out = tmp.path().join("out");
+        let o = merge(&c, &out);
+        assert!(o.status.success(), "{}", text(&o));
+        // Expert 3's up projection (the second half of gate_up_proj[3]), element [1, 2].
+        let t = if name.starts_with("mixtral") {
+            "model.layers.1.block_sparse_moe.experts.3.w3.weight"
+        } else {
+            "model.layers.1.mlp.experts.3.up_proj.weight"
+        };
+        let file = out.join("model.safetensors");
+        let mut bytes = std::fs::read(&file).unwrap();
+        let cols = 16; // hidden size of the tiny configs
+        bytes[data_offset(&file, t) + (cols + 2) * 2 + 1] ^= 0x01;
+        std::fs::write(&file, bytes).unwrap();
+        let o = verify(&c, &out);
+        let said = text(&o);
+        assert_eq!(o.status.code(), Some(1), "{name}: {said}");
+        assert!(
+            said.contains(&format!("tensor '{t}': 1 of")),
+            "{name}: {said}"
+        );
+        assert!(said.contains("first at [1, 2]"), "{name}: {said}");
+    }
+}
+
+#[test]
+fn a_packed_checkpoint_onto_a_packed_base_is_kept_as_it_is() {
+    let c = cases()
+        .into_iter()
+        .find(|c| c.name == "qwen3_moe_policy")
+        .unwrap();
+    let tmp = tempfile::tempdir().unwrap();
+    // A base in the in-memory layout: the checkpoint written alone (no config, so
+    // no rules), with the model's config beside it.
+    let packed = tmp.path().join("packed");
+    let o = unshard(&["merge", &c.checkpoint, "--output", packed.to_str().unwrap()]);
+    assert!(o.status.success(), "{}", text(&o));
+    std::fs::remove_file(packed.join("unshard.json")).unwrap();
+    std::fs::copy(
+        fixtures().join(&c.base).join("config.json"),
+        packed.join("config.json"),
+    )
+    .unwrap();
+    let out = tmp.path().join("out");
+    let o = unshard(&[
+        "merge",
+        &c.checkpoint,
+        "--base",
+        packed.to_str().unwrap(),
+        "--output",
+        out.to_str().unwrap(),
+    ]);
+    let said = text(&o);
+    assert!(o.status.success(), "{said}");
+    assert!(
+        said.contains("layout: the base holds the in-memory (packed) names too"),
+        "{said}"
+    );
+    let file = std::fs::read(out.join("model.safetensors")).unwrap();
+    let header = String::from_utf8_lossy(&file[..4096.min(file.len())]).into_owned();
+    assert!(
+        header.contains("\"model.layers.0.mlp.experts.gate_up_proj\""),
+        "{header}"
+    );
+    assert!(!header.contains("experts.0.gate_proj"), "{header}");
+}
+
+#[test]
+fn a_packed_tensor_that_is_not_a_box_of_the_rule_is_refused_by_name() {
+    // gate_up_proj's rows must split into gate and up halves: 47 rows do not.
+    let tmp = tempfile::tempdir().unwrap();
+    let ckpt = tmp.path().join("odd.safetensors");
+    let t: Vec<f32> = vec![0.5; 2 * 47 * 4];
+    let bytes: Vec<u8> = t.iter().flat_map(|x| x.to_le_bytes()).collect();
+    let view =
+        safetensors::tensor::TensorView::new(safetensors::Dtype::F32, vec![2, 47, 4], &bytes)
+            .unwrap();
+    safetensors::serialize_to_file(
+        [("model.layers.0.mlp.experts.gate_up_proj", view)],
+        None,
+        &ckpt,
+    )
+    .unwrap();
+    let out = tmp.path().join("out");
+    let o = unshard(&[
+        "merge",
+        ckpt.to_str().unwrap(),
+        "--base",
+        "moe/qwen3_moe/base",
+        "--output",
+        out.to_str().unwrap(),
+    ]);
+    let said = text(&o);
+    assert_eq!(o.status.code(), Some(1), "{said}");
+    assert!(
+        said.contains("'model.layers.0.mlp.experts.gate_up_proj' [2, 47, 4]"),
+        "{said}"
+    );
+    assert!(said.contains("mlp.experts.gate_up_proj -> mlp.experts.*.gate_proj.weight + mlp.experts.*.up_proj.weight"), "{said}");
+    assert!(said.contains("does not split into 2 equal parts"), "{said}");
+    assert!(!out.exists());
+}

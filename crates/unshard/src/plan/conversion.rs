@@ -1,0 +1,563 @@
+//! The `ArchConversion` mapping: a checkpoint in transformers' in-memory layout
+//! (packed expert tensors, `model.state_dict()`'s names) written in the layout of
+//! the model's files (`save_pretrained`'s names), by the base's `model_type`
+//! rules in `arch/conversions.rs`.
+//!
+//! It owns the decision of which way to go and the pieces of each output tensor.
+//! The output follows the base's files: a checkpoint whose names the save side
+//! changes is unpacked unless the base itself holds such names (then both are in
+//! the packed layout and nothing changes); a checkpoint already in the files'
+//! layout is left alone. Each unpacked tensor is a box of a packed one, so it stays
+//! a [`Content::Copy`]: its pieces are the packed tensor's pieces narrowed to the
+//! box (byte offset, shape and place change, strides stay), and the engine and
+//! verify treat it as any other copy, bit-exact for every dtype. A rule whose
+//! result is not a box (an interleave, a transpose) is refused naming the tensor
+//! and the rule.
+
+use std::collections::HashSet;
+use std::sync::Mutex;
+
+use serde_json::{Map, Value};
+
+use super::{Candidate, Content, MapInputs, Mapping, Report};
+use crate::arch::conversions::{Region, Ruleset, Saved};
+use crate::error::{Error, Result};
+use crate::source::{Piece, TensorSource};
+
+/// See the module documentation.
+#[derive(Debug)]
+pub struct ArchConversion {
+    model_type: String,
+    rules: Ruleset,
+    /// What the last `map` did, for the report.
+    done: Mutex<Option<Applied>>,
+}
+
+/// What a run of the mapping did.
+#[derive(Clone, Debug, PartialEq, Eq)]
+enum Applied {
+    /// Packed tensors written as this many tensors of the files' layout.
+    Unpacked {
+        packed: usize,
+        written: usize,
+        renamed: usize,
+    },
+    /// The base holds the packed layout too: nothing changed.
+    BasePacked,
+}
+
+impl ArchConversion {
+    /// The mapping for a base whose config.json names a `model_type` the table
+    /// converts; `None` otherwise.
+    pub fn for_config(config: Option<&Map<String, Value>>) -> Option<ArchConversion> {
+        let mt = config?.get("model_type")?.as_str()?;
+        let rules = Ruleset::for_model_type(mt)?;
+        Some(ArchConversion {
+            model_type: mt.to_string(),
+            rules,
+            done: Mutex::new(None),
+        })
+    }
+
+    /// Adds a note on what the mapping did (nothing when it changed nothing).
+    pub fn note(&self, report: &mut Report) {
+        let done = self.done.lock().map(|d| d.clone()).unwrap_or(None);
+        let rules = format!(
+            "transformers' '{}' conversion rules (model_type {})",
+            self.rules.name, self.model_type
+        );
+        match done {
+            Some(Applied::Unpacked {
+                packed,
+                written,
+                renamed,
+            }) => report.notes.push(format!(
+                "layout: the checkpoint holds transformers' in-memory (packed) names; {packed} packed tensor(s) written as {written} tensor(s) and {renamed} renamed, in the base's file layout, by {rules}"
+            )),
+            Some(Applied::BasePacked) => report.notes.push(format!(
+                "layout: the base holds the in-memory (packed) names too; tensors kept as they are ({rules} not applied)"
+            )),
+            None => {}
+        }
+    }
+}
+
+impl Mapping for ArchConversion {
+    fn map(&self, candidates: Vec<Candidate>, inputs: MapInputs<'_>) -> Result<Vec<Candidate>> {
+        if !candidates.iter().any(|c| self.rules.is_packed(&c.name)) {
+            return Ok(candidates);
+        }
+        if let Some(base) = inputs.base {
+            if base.tensors.iter().any(|t| self.rules.is_packed(&t.name)) {
+                self.record(Applied::BasePacked);
+                return Ok(candidates);
+            }
+        }
+        let before: HashSet<String> = candidates.iter().map(|c| c.name.clone()).collect();
+        let mut out = Vec::with_capacity(candidates.len());
+        let (mut packed, mut written, mut renamed) = (0, 0, 0);
+        // Expert tensors no rule rewrote: checked against the base below.
+        let mut unexplained = Vec::new();
+        for c in candidates {
+            let saved = self.rules.save(&c.name, &c.shape).map_err(|r| {
+                Error::plan(
+                    format!(
+                        "checkpoint tensor '{}' {:?}: transformers' '{}' {} cannot be written as boxes of it: {}",
+                        c.source_name, c.shape, self.rules.name, r.rule, r.why
+                    ),
+                    Some("convert the checkpoint to the model's file layout with transformers (from_pretrained, load_state_dict, save_pretrained), or pass a base that holds the in-memory layout".into()),
+                )
+            })?;
+            match saved {
+                Saved::Same => {
+                    if c.name.contains("expert") {
+                        unexplained.push(out.len());
+                    }
+                    out.push(c);
+                }
+                Saved::Renamed(n) => {
+                    renamed += 1;
+                    out.push(Candidate { name: n, ..c });
+                }
+                Saved::Split { rule, parts } => {
+                    packed += 1;
+                    let Content::Copy(src) = &c.content else {
+                        return Err(Error::plan(
+                            format!(
+                                "checkpoint tensor '{}' is computed (a fused adapter), and transformers' '{}' rule {rule} would split it: only copied tensors are unpacked",
+                                c.source_name, self.rules.name
+                            ),
+                            None,
+                        ));
+                    };
+                    for (name, region) in parts {
+                        if before.contains(&name) {
+                            return Err(Error::plan(
+                                format!(
+                                    "the checkpoint holds both '{}' (packed) and '{name}', which transformers' '{}' rule {rule} makes of it: a mix of the in-memory and the file layout",
+                                    c.source_name, self.rules.name
+                                ),
+                                Some("keep one layout in the checkpoint".into()),
+                            ));
+                        }
+                        let t = narrow(src, &region, &name).map_err(|why| {
+                            Error::plan(
+                                format!("checkpoint tensor '{}': {why}", c.source_name),
+                                None,
+                            )
+                        })?;
+                        written += 1;
+                        out.push(Candidate {
+                            name,
+                            source_name: c.source_name.clone(),
+                            origin: c.origin,
+                            shape: t.shape.clone(),
+                            dtype: c.dtype,
+                            storage: None,
+                            content: Content::Copy(t),
+                        });
+                    }
+                }
+            }
+        }
+        if let Some(base) = inputs.base {
+            self.check_explained(&out, &unexplained, base)?;
+        }
+        self.record(Applied::Unpacked {
+            packed,
+            written,
+            renamed,
+        });
+        Ok(out)
+    }
+}
+
+impl ArchConversion {
+    /// An expert tensor of a packed checkpoint that no rule rewrote and the base
+    /// does not hold (compared from `layers.`, so that a prefix the plan aligns
+    /// later does not count) is an error naming it and the rule nearest to it.
+    fn check_explained(
+        &self,
+        out: &[Candidate],
+        unexplained: &[usize],
+        base: &crate::source::Checkpoint,
+    ) -> Result<()> {
+        if unexplained.is_empty() {
+            return Ok(());
+        }
+        let key = |n: &str| n.find("layers.").map_or(n, |i| &n[i..]).to_string();
+        let held: HashSet<String> = base.tensors.iter().map(|t| key(&t.name)).collect();
+        let Some(c) = unexplained
+            .iter()
+            .filter_map(|&i| out.get(i))
+            .find(|c| !held.contains(&key(&c.name)))
+        else {
+            return Ok(());
+        };
+        let nearest = self
+            .rules
+            .rules
+            .iter()
+            .filter(|r| !r.sources.is_empty())
+            .max_by_key(|r| {
+                r.sources
+                    .iter()
+                    .map(|s| common_run(&c.name, s))
+                    .max()
+                    .unwrap_or(0)
+            })
+            .map(|r| format!("; the nearest rule is {}", r.describe()))
+            .unwrap_or_default();
+        Err(Error::plan(
+            format!(
+                "checkpoint tensor '{}' {:?} is not in the base, and no rule of transformers' '{}' conversion (model_type {}) explains it{nearest}",
+                c.source_name, c.shape, self.rules.name, self.model_type
+            ),
+            Some("the checkpoint may be of another architecture or transformers version; rename it with --rename, or convert it with transformers".into()),
+        ))
+    }
+
+    fn record(&self, a: Applied) {
+        if let Ok(mut d) = self.done.lock() {
+            *d = Some(a);
+        }
+    }
+}
+
+/// The length of the longest run of characters `a` and `b` share.
+fn common_run(a: &str, b: &str) -> usize {
+    let (a, b) = (a.as_bytes(), b.as_bytes());
+    let mut best = 0;
+    let mut prev = vec![0usize; b.len() + 1];
+    for &x in a {
+        let mut cur = vec![0usize; b.len() + 1];
+        for (j, &y) in b.iter().enumerate() {
+            if x == y {
+                cur[j + 1] = prev[j] + 1;
+                best = best.max(cur[j + 1]);
+            }
+        }
+        prev = cur;
+    }
+    best
+}
+
+/// The tensor that is `region` of `t`: each piece cut to the box (the pieces that
+/// miss it are dropped), placed relative to the box, the dropped dimensions
+/// (length 1) removed. Strides stay: a cut piece reads the same bytes.
+pub(crate) fn narrow(
+    t: &TensorSource,
+    region: &Region,
+    name: &str,
+) -> std::result::Result<TensorSource, String> {
+    let ndim = t.shape.len();
+    if region.start.len() != ndim || region.len.len() != ndim {
+        return Err(format!(
+            "a box of {} dimension(s) does not fit its shape {:?}",
+            region.start.len(),
+            t.shape
+        ));
+    }
+    for d in 0..ndim {
+        let end = region.start[d].checked_add(region.len[d]);
+        if end.is_none_or(|e| e > t.shape[d]) {
+            return Err(format!(
+                "the box {:?}+{:?} reaches past its shape {:?}",
+                region.start, region.len, t.shape
+            ));
+        }
+    }
+    let mut pieces = Vec::new();
+    'pieces: for p in &t.pieces {
+        if p.shape.len() != ndim || p.strides.len() != ndim || p.global_offset.len() != ndim {
+            return Err(format!(
+                "a piece of shape {:?} does not have its {ndim} dimension(s)",
+                p.shape
+            ));
+        }
+        let mut skip: u64 = 0;
+        let mut shape = Vec::with_capacity(ndim);
+        let mut at = Vec::with_capacity(ndim);
+        for d in 0..ndim {
+            let lo = p.global_offset[d].max(region.start[d]);
+            let hi = (p.global_offset[d].saturating_add(p.shape[d]))
+                .min(region.start[d] + region.len[d]);
+            if lo >= hi {
+                continue 'pieces;
+            }
+            skip = (lo - p.global_offset[d])
+                .checked_mul(p.strides[d])
+                .and_then(|x| x.checked_add(skip))
+                .ok_or_else(|| format!("a piece's strides {:?} overflow", p.strides))?;
+            shape.push(hi - lo);
+            at.push(lo - region.start[d]);
+        }
+        let byte_offset = skip
+            .checked_mul(p.dtype.size() as u64)
+            .and_then(|x| x.checked_add(p.byte_offset))
+            .ok_or_else(|| format!("a piece at byte {} overflows", p.byte_offset))?;
+        pieces.push(Piece {
+            file: p.file,
+            byte_offset,
+            dtype: p.dtype,
+            shape: region.kept.iter().map(|&d| shape[d]).collect(),
+            strides: region.kept.iter().map(|&d| p.strides[d]).collect(),
+            global_offset: region.kept.iter().map(|&d| at[d]).collect(),
+            big_endian: p.big_endian,
+        });
+    }
+    Ok(TensorSource {
+        name: name.to_string(),
+        dtype: t.dtype,
+        shape: region.shape(),
+        pieces: pieces.into(),
+        storage: None,
+        layout: t.layout.clone(),
+    })
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+    use crate::dtype::DType;
+    use crate::plan::testing::{checkpoint, tensor};
+    use crate::plan::Origin;
+
+    fn piece(off: u64, shape: &[u64], strides: &[u64], at: &[u64]) -> Piece {
+        Piece {
+            file: 0,
+            byte_offset: off,
+            dtype: DType::BF16,
+            shape: shape.to_vec(),
+            strides: strides.to_vec(),
+            global_offset: at.to_vec(),
+            big_endian: false,
+        }
+    }
+
+    #[test]
+    fn a_piece_sharded_on_the_expert_dim_is_cut_or_dropped() {
+        // [4, 6, 3] bf16 in two Shard(0) pieces of two experts each.
+        let mut t = tensor("w", DType::BF16, &[4, 6, 3]);
+        t.pieces = vec![
+            piece(100, &[2, 6, 3], &[18, 3, 1], &[0, 0, 0]),
+            piece(1000, &[2, 6, 3], &[18, 3, 1], &[2, 0, 0]),
+        ]
+        .into();
+        // Expert 3, rows 3..6.
+        let r = Region {
+            start: vec![3, 3, 0],
+            len: vec![1, 3, 3],
+            kept: vec![1, 2],
+        };
+        let n = narrow(&t, &r, "e3.up").unwrap();
+        assert_eq!(n.shape, [3, 3]);
+        assert_eq!(n.pieces.len(), 1);
+        let p = &n.pieces[0];
+        // Element [1, 3, 0] of the second piece: (18 + 9) elements of 2 bytes in.
+        assert_eq!(p.byte_offset, 1000 + 27 * 2);
+        assert_eq!(
+            (p.shape.clone(), p.strides.clone()),
+            (vec![3, 3], vec![3, 1])
+        );
+        assert_eq!(p.global_offset, [0, 0]);
+    }
+
+    #[test]
+    fn a_piece_sharded_on_another_dim_keeps_its_place_in_the_box() {
+        // [2, 4, 2] in two column pieces (dim 2), each strided in its own file.
+        let mut t = tensor("w", DType::BF16, &[2, 4, 2]);
+        t.pieces = vec![
+            piece(0, &[2, 4, 1], &[4, 1, 1], &[0, 0, 0]),
+            piece(64, &[2, 4, 1], &[4, 1, 1], &[0, 0, 1]),
+        ]
+        .into();
+        let r = Region {
+            start: vec![1, 2, 0],
+            len: vec![1, 2, 2],
+            kept: vec![1, 2],
+        };
+        let n = narrow(&t, &r, "x").unwrap();
+        let got: Vec<(u64, Vec<u64>)> = n
+            .pieces
+            .iter()
+            .map(|p| (p.byte_offset, p.global_offset.clone()))
+            .collect();
+        assert_eq!(got, [(12, vec![0, 0]), (64 + 12, vec![0, 1])]);
+    }
+
+    #[test]
+    fn a_box_past_the_tensor_is_an_error_not_a_panic() {
+        let t = tensor("w", DType::BF16, &[2, 2]);
+        let r = Region {
+            start: vec![1, 0],
+            len: vec![2, 2],
+            kept: vec![1],
+        };
+        assert!(narrow(&t, &r, "x").unwrap_err().contains("reaches past"));
+    }
+
+    fn cfg(mt: &str) -> Map<String, Value> {
+        serde_json::from_str(&format!(r#"{{"model_type": "{mt}"}}"#)).unwrap()
+    }
+
+    #[test]
+    fn packed_names_are_unpacked_unless_the_base_is_packed_too() {
+        let m = ArchConversion::for_config(Some(&cfg("qwen3_moe"))).unwrap();
+        let ck = checkpoint(
+            "c",
+            vec![
+                tensor(
+                    "model.layers.0.mlp.experts.down_proj",
+                    DType::F32,
+                    &[2, 4, 3],
+                ),
+                tensor("model.norm.weight", DType::F32, &[4]),
+            ],
+        );
+        let cands = crate::plan::mapping::candidates(&ck);
+        let out = m.map(cands.clone(), MapInputs::default()).unwrap();
+        let names: Vec<&str> = out.iter().map(|c| c.name.as_str()).collect();
+        assert_eq!(
+            names,
+            [
+                "model.layers.0.mlp.experts.0.down_proj.weight",
+                "model.layers.0.mlp.experts.1.down_proj.weight",
+                "model.norm.weight"
+            ]
+        );
+        assert!(out.iter().all(|c| matches!(c.content, Content::Copy(_))));
+        assert_eq!(out[1].shape, [4, 3]);
+        assert_eq!(out[1].origin, Origin::Checkpoint);
+        let mut r = Report::default();
+        m.note(&mut r);
+        assert!(
+            r.notes[0].contains("1 packed tensor(s) written as 2"),
+            "{r:?}"
+        );
+
+        let base = checkpoint("b", ck.tensors.clone());
+        let inputs = MapInputs {
+            base: Some(&base),
+            ..MapInputs::default()
+        };
+        let kept = m.map(cands, inputs).unwrap();
+        assert_eq!(kept[0].name, "model.layers.0.mlp.experts.down_proj");
+    }
+
+    #[test]
+    fn a_mix_of_layouts_names_both_tensors() {
+        let m = ArchConversion::for_config(Some(&cfg("qwen3_moe"))).unwrap();
+        let ck = checkpoint(
+            "c",
+            vec![
+                tensor(
+                    "model.layers.0.mlp.experts.down_proj",
+                    DType::F32,
+                    &[2, 4, 3],
+                ),
+                tensor(
+                    "model.layers.0.mlp.experts.1.down_proj.weight",
+                    DType::F32,
+                    &[4, 3],
+                ),
+            ],
+        );
+        let e = m
+            .map(crate::plan::mapping::candidates(&ck), MapInputs::default())
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("model.layers.0.mlp.experts.down_proj"), "{e}");
+        assert!(
+            e.contains("model.layers.0.mlp.experts.1.down_proj.weight"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn an_interleaving_rule_is_refused_naming_tensor_and_rule() {
+        // inkling2_text's files hold gate and up interleaved row by row.
+        let m = ArchConversion::for_config(Some(&cfg("inkling2_text"))).unwrap();
+        let ck = checkpoint(
+            "c",
+            vec![tensor(
+                "model.layers.0.mlp.experts.gate_up_proj",
+                DType::BF16,
+                &[2, 8, 4],
+            )],
+        );
+        let e = m
+            .map(crate::plan::mapping::candidates(&ck), MapInputs::default())
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("'model.layers.0.mlp.experts.gate_up_proj' [2, 8, 4]"),
+            "{e}"
+        );
+        assert!(
+            e.contains("mlp.experts.gate_up_proj -> mlp.experts.w13_weight"),
+            "{e}"
+        );
+        assert!(e.contains("interleaves rows"), "{e}");
+    }
+
+    #[test]
+    fn an_expert_tensor_no_rule_explains_names_the_nearest_rule() {
+        let m = ArchConversion::for_config(Some(&cfg("qwen3_moe"))).unwrap();
+        let ck = checkpoint(
+            "c",
+            vec![
+                tensor(
+                    "model.layers.0.mlp.experts.down_proj",
+                    DType::F32,
+                    &[2, 4, 3],
+                ),
+                tensor(
+                    "model.layers.0.mlp.experts.gate_up_proj_bias",
+                    DType::F32,
+                    &[2, 6],
+                ),
+            ],
+        );
+        let base = checkpoint(
+            "b",
+            vec![
+                tensor(
+                    "model.layers.0.mlp.experts.0.down_proj.weight",
+                    DType::BF16,
+                    &[4, 3],
+                ),
+                tensor(
+                    "model.layers.0.mlp.experts.1.down_proj.weight",
+                    DType::BF16,
+                    &[4, 3],
+                ),
+            ],
+        );
+        let inputs = MapInputs {
+            base: Some(&base),
+            ..MapInputs::default()
+        };
+        let e = m
+            .map(crate::plan::mapping::candidates(&ck), inputs)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("'model.layers.0.mlp.experts.gate_up_proj_bias' [2, 6] is not in the base"),
+            "{e}"
+        );
+        assert!(
+            e.contains("nearest rule is rule 0 (mlp.experts.gate_up_proj ->"),
+            "{e}"
+        );
+        // Without the stray tensor the same checkpoint maps.
+        let ok = checkpoint("c", ck.tensors[..1].to_vec());
+        assert_eq!(
+            m.map(crate::plan::mapping::candidates(&ok), inputs)
+                .unwrap()
+                .len(),
+            2
+        );
+    }
+}
