@@ -23,6 +23,7 @@ fn spawn_slow_merge(ckpt: &Path, out: &Path, delay_ms: u64) -> Child {
         .args([
             "merge",
             ckpt.to_str().unwrap(),
+            "--weights-only",
             "--dtype",
             "bfloat16",
             "-o",
@@ -96,7 +97,12 @@ fn interrupted_while_reading_exits_at_once(sig: i32) {
     let out = parent.path().join("out");
     let ckpt = common::fixtures().join("ckpt/llama_policy.pt");
     let mut child = Command::new(bin())
-        .args(["merge", ckpt.to_str().unwrap(), out.to_str().unwrap()])
+        .args([
+            "merge",
+            ckpt.to_str().unwrap(),
+            out.to_str().unwrap(),
+            "--weights-only",
+        ])
         // The reading stage takes 20 s; without an immediate exit the run would
         // finish (exit 0) after that.
         .env("UNSHARD_TEST_STAGE_DELAY_MS", "20000")
@@ -245,6 +251,7 @@ fn a_killed_run_never_shows_a_half_written_output_and_is_cleaned_next_time() {
         .args([
             "merge",
             ckpt.to_str().unwrap(),
+            "--weights-only",
             "--dtype",
             "bfloat16",
             "-o",
@@ -268,7 +275,13 @@ fn an_unwritable_output_parent_is_a_clear_error() {
     let ckpt = fixtures.join("ckpt/llama_policy.pt");
     let out = file.join("out");
     let o = Command::new(bin())
-        .args(["merge", ckpt.to_str().unwrap(), "-o", out.to_str().unwrap()])
+        .args([
+            "merge",
+            ckpt.to_str().unwrap(),
+            "-o",
+            out.to_str().unwrap(),
+            "--weights-only",
+        ])
         .output()
         .unwrap();
     let err = String::from_utf8_lossy(&o.stderr);
@@ -292,6 +305,7 @@ fn a_read_only_output_filesystem_is_a_clear_error() {
             ckpt.to_str().unwrap(),
             "-o",
             ro.join("out").to_str().unwrap(),
+            "--weights-only",
         ])
         .output()
         .unwrap();

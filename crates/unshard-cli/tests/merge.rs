@@ -291,6 +291,72 @@ fn usage_errors_exit_2() {
     assert_left_nothing(tmp.path());
 }
 
+/// A bare state dict with no config anywhere (no --base, none beside it) would give
+/// a directory transformers cannot load: refused before anything is written, with
+/// the options that fix it named; `--weights-only` writes the weights alone.
+#[test]
+fn without_a_config_anywhere_the_merge_is_refused_unless_weights_only() {
+    let tmp = tempfile::tempdir().unwrap();
+    let ckpt = tmp.path().join("policy.pt");
+    std::fs::copy(fixtures().join("ckpt/llama_policy.pt"), &ckpt).unwrap();
+    let c = ckpt.to_str().unwrap();
+    for part in [None, Some("0/2")] {
+        let mut args = vec!["merge", c, "out"];
+        args.extend(part.iter().flat_map(|p| ["--part", p]));
+        let o = unshard(&args, tmp.path());
+        let err = stderr(&o);
+        assert_eq!(o.status.code(), Some(1), "{args:?}: {err}");
+        assert!(
+            err.contains("policy.pt: no config.json") && err.contains("transformers cannot load"),
+            "{err}"
+        );
+        assert!(
+            err.contains("hint: pass --base") && err.contains("--weights-only"),
+            "{err}"
+        );
+        assert_eq!(names(tmp.path()), ["policy.pt"], "{args:?}: written");
+    }
+
+    let o = unshard(&["merge", c, "out", "--weights-only", "-q"], tmp.path());
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let written = names(&tmp.path().join("out"));
+    assert_eq!(written, ["model.safetensors", "unshard.json"]);
+}
+
+/// A base that has weights but no config.json is refused the same way, naming it.
+#[test]
+fn a_base_without_a_config_is_refused_unless_weights_only() {
+    let tmp = tempfile::tempdir().unwrap();
+    let base = tmp.path().join("weights");
+    std::fs::create_dir(&base).unwrap();
+    std::fs::copy(
+        fixtures().join("models/llama-bf16/model.safetensors"),
+        base.join("model.safetensors"),
+    )
+    .unwrap();
+    let ckpt = fixtures().join("ckpt/llama_policy.pt");
+    let args = [
+        "merge",
+        ckpt.to_str().unwrap(),
+        "--base",
+        "weights",
+        "-o",
+        "out",
+    ];
+    let o = unshard(&args, tmp.path());
+    let err = stderr(&o);
+    assert_eq!(o.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("weights: the base has no config.json"),
+        "{err}"
+    );
+    assert!(err.contains("hint: pass as --base"), "{err}");
+    assert_eq!(names(tmp.path()), ["weights"]);
+    let o = unshard(&[&args[..], &["--weights-only"]].concat(), tmp.path());
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    assert!(!tmp.path().join("out/config.json").exists());
+}
+
 #[test]
 fn without_a_base_the_output_is_the_checkpoint_minus_buffers() {
     let tmp = tempfile::tempdir().unwrap();
@@ -301,6 +367,7 @@ fn without_a_base_the_output_is_the_checkpoint_minus_buffers() {
             "ckpt/llama_fsdp_prefixed.pt",
             "-o",
             out.to_str().unwrap(),
+            "--weights-only",
         ],
         &fixtures(),
     );
@@ -337,6 +404,7 @@ fn a_full_disk_is_a_clear_error_and_leaves_nothing() {
         &[
             "merge",
             "ckpt/llama_policy.pt",
+            "--weights-only",
             "--dtype",
             "float32",
             "-o",
@@ -376,6 +444,7 @@ fn the_os_system_pickle_never_runs() {
                 p.to_str().unwrap(),
                 "-o",
                 out.to_str().unwrap(),
+                "--weights-only",
                 "-q",
             ],
             tmp.path(),

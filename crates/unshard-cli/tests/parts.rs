@@ -164,6 +164,7 @@ fn six_shards(dir: &Path) -> Vec<String> {
     let ckpt: PathBuf = big_checkpoint(dir, 6);
     vec![
         ckpt.to_str().unwrap().into(),
+        "--weights-only".into(),
         "--dtype".into(),
         "bfloat16".into(),
         "--max-shard-size".into(),

@@ -58,6 +58,12 @@ pub struct MergeArgs {
     #[arg(long)]
     no_manifest: bool,
 
+    /// Write the weights alone when there is no config.json (no --base and none
+    /// beside the checkpoint): an output transformers cannot load until a
+    /// config.json is added. Without it such a merge is refused.
+    #[arg(long)]
+    weights_only: bool,
+
     #[command(flatten)]
     refuse: RefuseArg,
 
@@ -112,6 +118,7 @@ pub fn run(args: MergeArgs) -> anyhow::Result<Status> {
         verify: args.verify,
         fail_on_nonfinite: args.fail_on_nonfinite,
         no_manifest: args.no_manifest,
+        weights_only: args.weights_only,
         adapter: args.plan.adapter.options(),
         unsafe_pickles: args.refuse.policy(args.plan.strict),
         cancel: signals::token(),
