@@ -357,6 +357,67 @@ fn a_base_without_a_config_is_refused_unless_weights_only() {
     assert!(!tmp.path().join("out/config.json").exists());
 }
 
+/// `--json`: the merge report on stdout, listing every file written; the summary
+/// is not printed.
+#[test]
+fn json_prints_the_report_with_the_files_written() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("out");
+    let o = unshard(
+        &[
+            "merge",
+            "ckpt/llama_fsdp_prefixed.pt",
+            "--base",
+            "models/llama-bf16-sharded",
+            "--max-shard-size",
+            "100KB",
+            "-o",
+            out.to_str().unwrap(),
+            "--json",
+        ],
+        &fixtures(),
+    );
+    let err = stderr(&o);
+    assert_eq!(o.status.code(), Some(0), "{err}");
+    assert!(
+        !err.contains("wrote ") && !err.contains("tensors: "),
+        "{err}"
+    );
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    let mut files: Vec<String> = v["files"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|f| f.as_str().unwrap().to_string())
+        .collect();
+    files.sort();
+    assert_eq!(files, names(&out), "{v}");
+    assert!(files.iter().filter(|f| f.ends_with(".safetensors")).count() > 1);
+    assert_eq!(v["checkpoint_format"], "torch-zip", "{v}");
+    assert_eq!(v["tensors_written"], 21, "{v}");
+    assert!(v["renamed"].as_array().unwrap().len() == 23, "{v}");
+    assert!(v["dropped"].as_array().unwrap().len() == 2, "{v}");
+    let bytes: u64 = files
+        .iter()
+        .map(|f| std::fs::metadata(out.join(f)).unwrap().len())
+        .sum();
+    assert!(v["bytes_written"].as_u64().unwrap() <= bytes, "{v}");
+
+    // With --part the report is each part's: refused as a usage error.
+    let o = unshard(
+        &[
+            "merge",
+            "ckpt/llama_policy.pt",
+            "x",
+            "--part",
+            "0/2",
+            "--json",
+        ],
+        &fixtures(),
+    );
+    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+}
+
 #[test]
 fn without_a_base_the_output_is_the_checkpoint_minus_buffers() {
     let tmp = tempfile::tempdir().unwrap();

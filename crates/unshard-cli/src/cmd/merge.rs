@@ -8,7 +8,7 @@ use unshard::{MergeOptions, MergeOutcome, OpenOptions, Origin, Part};
 
 use crate::text::{human_bytes, list_some};
 
-use crate::args::PlanArgs;
+use crate::args::{JsonArg, PlanArgs};
 use crate::exit::{Status, UsageError};
 use crate::progress::Bar;
 use crate::signals;
@@ -72,12 +72,17 @@ pub struct MergeArgs {
     #[arg(long, short)]
     quiet: bool,
 
+    // --json: the merge report on stdout instead of the summary on stderr;
+    // warnings still go to stderr.
+    #[command(flatten)]
+    json: JsonArg,
+
     /// Write only part I of N of the output's shards (I from 0), for a merge split
     /// over N processes or machines sharing the output's filesystem; the last part
     /// to finish commits the output. `auto` takes I and N from torchrun (RANK,
     /// WORLD_SIZE) or Slurm (SLURM_PROCID/SLURM_NTASKS, or a job array's
     /// SLURM_ARRAY_TASK_ID/SLURM_ARRAY_TASK_COUNT).
-    #[arg(long, value_name = "I/N|auto")]
+    #[arg(long, value_name = "I/N|auto", conflicts_with = "json")]
     part: Option<String>,
 }
 
@@ -171,11 +176,17 @@ pub fn run(args: MergeArgs) -> anyhow::Result<Status> {
     })?;
     let mut err = std::io::stderr().lock();
     // --quiet silences what was done, never what may be wrong with the result.
-    text::write_escaped(&mut err, |w| match args.quiet {
+    text::write_escaped(&mut err, |w| match args.quiet || args.json.json {
         true => print_warnings(w, &outcome),
         false => print_summary(w, &opts, &outcome),
     })?;
     err.flush()?;
+    if args.json.json {
+        let mut out = std::io::stdout().lock();
+        serde_json::to_writer_pretty(&mut out, &outcome)?;
+        writeln!(out)?;
+        out.flush()?;
+    }
     // The process exits next: freeing the plan's pieces one by one (hundreds of
     // thousands for a checkpoint of many ranks, about 0.1 s) would only delay it.
     std::mem::forget(outcome);
