@@ -253,6 +253,9 @@ fn help_says_what_the_tool_does_and_what_inspect_reads() {
     let intro: Vec<&str> = text.lines().take_while(|l| !l.is_empty()).collect();
     assert_eq!(intro.len(), 2, "{text}");
     assert!(intro[0].contains("checkpoints"), "{text}");
+    for input in ["FSDP", "DCP", "DeepSpeed", "torch.save", "LoRA"] {
+        assert!(text.contains(input), "{input} not named: {text}");
+    }
     assert!(
         intro[1].contains("Hugging Face model directories"),
         "{text}"

@@ -357,6 +357,33 @@ fn a_base_without_a_config_is_refused_unless_weights_only() {
     assert!(!tmp.path().join("out/config.json").exists());
 }
 
+/// `--base DIR/config.json` is taken as `--base DIR`.
+#[test]
+fn a_base_given_as_its_config_json_is_its_folder() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("out");
+    let o = unshard(
+        &[
+            "merge",
+            "ckpt/llama_policy.pt",
+            "--base",
+            "models/llama-bf16/config.json",
+            "-o",
+            out.to_str().unwrap(),
+        ],
+        &fixtures(),
+    );
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let expected = fixtures().join("expected/llama_policy_into_llama-bf16");
+    assert_eq!(model_names(&out), names(&expected));
+    for f in names(&expected) {
+        assert!(
+            std::fs::read(out.join(&f)).unwrap() == std::fs::read(expected.join(&f)).unwrap(),
+            "{f} differs from transformers' output"
+        );
+    }
+}
+
 /// `--json`: the merge report on stdout, listing every file written; the summary
 /// is not printed.
 #[test]

@@ -111,7 +111,7 @@ pub fn run(args: MergeArgs) -> anyhow::Result<Status> {
     };
     let opts = MergeOptions {
         checkpoint: args.checkpoint,
-        base: args.plan.base.clone(),
+        base: args.plan.base_dir(),
         output,
         open: OpenOptions {
             key: args.plan.key.key.clone(),
