@@ -49,6 +49,7 @@ fn llama(size: &str) -> Vec<String> {
 fn to_bf16_in_3mb_shards(ckpt: &Path) -> Vec<String> {
     vec![
         ckpt.to_str().unwrap().into(),
+        "--weights-only".into(),
         "--dtype".into(),
         "bfloat16".into(),
         "--max-shard-size".into(),

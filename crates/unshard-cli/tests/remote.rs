@@ -205,7 +205,14 @@ fn a_converting_merge_of_multi_mib_tensors_from_a_bucket_matches_local() {
     b.upload(&ckpt, "big.safetensors");
     let tmp = tempfile::tempdir().unwrap();
     let (local, remote) = (tmp.path().join("local"), tmp.path().join("remote"));
-    let args = ["--dtype", "bfloat16", "--max-shard-size", "5MB", "-o"];
+    let args = [
+        "--weights-only",
+        "--dtype",
+        "bfloat16",
+        "--max-shard-size",
+        "5MB",
+        "-o",
+    ];
     let mut a = vec!["merge", ckpt.to_str().unwrap()];
     a.extend(args);
     a.push(local.to_str().unwrap());
@@ -327,6 +334,7 @@ fn an_object_deleted_during_the_merge_fails_cleanly_and_leaves_nothing() {
         .args([
             "merge",
             &b.url("big.safetensors"),
+            "--weights-only",
             "--dtype",
             "bfloat16",
             "-o",
@@ -593,6 +601,7 @@ fn slow_upload(b: &Bucket, inputs: &Path) -> std::process::Child {
         .args([
             "merge",
             ckpt.to_str().unwrap(),
+            "--weights-only",
             "--dtype",
             "bfloat16",
             "-o",
@@ -647,6 +656,7 @@ fn a_killed_upload_is_reported_as_a_stale_run_and_replaced_with_force() {
         &[
             "merge",
             ckpt.to_str().unwrap(),
+            "--weights-only",
             "--dtype",
             "bfloat16",
             "-o",
@@ -664,6 +674,7 @@ fn a_killed_upload_is_reported_as_a_stale_run_and_replaced_with_force() {
         &[
             "merge",
             ckpt.to_str().unwrap(),
+            "--weights-only",
             "--dtype",
             "bfloat16",
             "-o",
