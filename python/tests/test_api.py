@@ -75,6 +75,21 @@ def test_errors_are_typed_and_leave_nothing(ckpt, kwargs, exc, tmp_path):
     assert leftovers(tmp_path, "out") == []
 
 
+def test_no_config_anywhere_is_refused_unless_weights_only(tmp_path):
+    ckpt = tmp_path / "policy.pt"
+    ckpt.write_bytes((FIXTURES / "ckpt/llama_policy.pt").read_bytes())
+    out = tmp_path / "out"
+    with pytest.raises(unshard.UnshardError) as info:
+        unshard.merge(ckpt, out, progress=False)
+    assert "no config.json" in info.value.message
+    assert info.value.hint and "base" in info.value.hint and "weights" in info.value.hint
+    assert not out.exists()
+    assert leftovers(tmp_path, "out") == []
+    unshard.merge(ckpt, out, weights_only=True, progress=False)
+    assert (out / "model.safetensors").is_file()
+    assert not (out / "config.json").exists()
+
+
 def test_an_existing_output_needs_force(tmp_path):
     out = tmp_path / "out"
     out.mkdir()

@@ -92,6 +92,7 @@ def _merge_options(
     adapter_config: Optional[PathLike] = None,
     no_fuse: bool = False,
     no_manifest: bool = False,
+    weights_only: bool = False,
 ) -> str:
     if isinstance(rename, str):
         rename = [rename]
@@ -112,6 +113,7 @@ def _merge_options(
             "adapter_config": None if adapter_config is None else _path(adapter_config, "adapter_config"),
             "no_fuse": bool(no_fuse),
             "no_manifest": bool(no_manifest),
+            "weights_only": bool(weights_only),
         }
     )
 
@@ -135,6 +137,7 @@ def merge(
     adapter_config: Optional[PathLike] = None,
     no_fuse: bool = False,
     no_manifest: bool = False,
+    weights_only: bool = False,
     progress: ProgressArg = True,
 ) -> MergeReport:
     """Merge a training checkpoint (onto a base model) into a Hugging Face model directory.
@@ -151,13 +154,15 @@ def merge(
     adapters, ``adapter_config`` gives the ``adapter_config.json`` when it is not
     beside the checkpoint, and ``no_fuse=True`` keeps the base weights and writes the
     adapter beside them. ``no_manifest=True`` leaves out ``unshard.json`` (what the
-    merge did: inputs, options, each file's checksum).
+    merge did: inputs, options, each file's checksum). With no config.json to write (no
+    ``base`` and none beside the checkpoint) the merge is refused, as transformers could
+    not load its output, unless ``weights_only=True``.
 
     Returns a :class:`MergeReport`; raises :class:`UnshardError` subclasses.
     """
     opts = _merge_options(
         base, dtype, max_shard_size, strict, key, tag, rename, force, allow_overflow, verify, fail_on_nonfinite,
-        adapter, adapter_config, no_fuse, no_manifest,
+        adapter, adapter_config, no_fuse, no_manifest, weights_only,
     )
     data = _run(
         _native.merge,

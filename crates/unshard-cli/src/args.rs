@@ -65,7 +65,8 @@ pub struct PlanArgs {
     /// The Hugging Face model directory training started from: supplies config.json,
     /// tokenizer files, the dtype, and any weights the checkpoint lacks. A Hub id
     /// (`org/name`, `org/name@revision`) is looked up in the local Hugging Face
-    /// cache, offline; a directory of that name wins.
+    /// cache, offline; a directory of that name wins. A path to a config.json
+    /// stands for its folder.
     #[arg(long, value_name = "DIR|ORG/NAME")]
     pub base: Option<PathBuf>,
 
@@ -127,6 +128,18 @@ impl AdapterArgs {
 }
 
 impl PlanArgs {
+    /// `--base`, with a path to a `config.json` file taken as the directory that
+    /// holds it.
+    pub fn base_dir(&self) -> Option<PathBuf> {
+        let base = self.base.as_ref()?;
+        let is_config = base.file_name().is_some_and(|n| n == "config.json") && base.is_file();
+        Some(match base.parent() {
+            Some(dir) if is_config && dir.as_os_str().is_empty() => PathBuf::from("."),
+            Some(dir) if is_config => dir.to_path_buf(),
+            _ => base.clone(),
+        })
+    }
+
     /// The library's plan options; a malformed size or rename is a usage error.
     pub fn plan_options(&self) -> Result<PlanOptions, Error> {
         let size = &self.max_shard_size;

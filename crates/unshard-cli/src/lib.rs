@@ -21,8 +21,8 @@ mod unsafe_report;
 
 /// What `unshard --help` says first: what the tool does, in two lines.
 const ABOUT: &str = "\
-Turns distributed-training checkpoints (FSDP/DCP directories, per-rank files, torch.save)
-into Hugging Face model directories, bit-exact, without running their pickles.";
+Turns distributed-training checkpoints (FSDP/DCP, per-rank files, DeepSpeed, torch.save)
+and LoRA adapters into Hugging Face model directories, bit-exact, without running their pickles.";
 
 /// The command line: a subcommand and its arguments.
 #[derive(Parser, Debug)]

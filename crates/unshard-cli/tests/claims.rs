@@ -14,7 +14,7 @@ mod common;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
-use common::{fixtures, names, require_in_ci, Tmpfs};
+use common::{fixtures, names, require, Tmpfs};
 
 fn unshard(args: &[&str]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_unshard"))
@@ -61,6 +61,11 @@ fn run_case(name: &str) -> String {
             .iter()
             .map(|a| a.as_str().unwrap()),
     );
+    // A case without a base has no config.json to write: its output is the
+    // weights alone, which is what the case compares.
+    if !args.contains(&"--base") {
+        args.push("--weights-only");
+    }
     let o = unshard(&args);
     assert!(o.status.success(), "{name}: {}", stderr(&o));
     let expected = fixtures().join(c["expected_dir"].as_str().unwrap());
@@ -255,19 +260,19 @@ fn a_zstd_bomb_in_a_dcp_item_is_capped() {
 }
 
 #[test]
+#[ignore = "needs root to mount a tmpfs (see docs/testing.md)"]
 fn a_full_disk_fails_before_any_work() {
     // The output (241 KiB as float32... here 483 KiB) cannot fit in 64 KiB: with the
     // space reserved up front, the error is the reservation's, before any tensor
     // data is read or written.
     let tmp = tempfile::tempdir().unwrap();
     let mnt = tmp.path().join("tiny");
-    let Some(tmpfs) = require_in_ci(Tmpfs::mount(&mnt, "size=64k"), "mount a tmpfs") else {
-        return;
-    };
+    let tmpfs = require(Tmpfs::mount(&mnt, "size=64k"), "mount a tmpfs");
     let out = mnt.join("out");
     let o = unshard(&[
         "merge",
         "ckpt/llama_policy.pt",
+        "--weights-only",
         "--dtype",
         "float32",
         "-o",
@@ -299,11 +304,10 @@ fn synced_path(line: &str) -> Option<&str> {
 }
 
 #[test]
+#[ignore = "needs /usr/bin/strace and ptrace (see docs/testing.md)"]
 fn every_output_file_and_directory_is_synced_around_one_rename() {
     let strace = Path::new("/usr/bin/strace");
-    let Some(()) = require_in_ci(strace.exists().then_some(()), "run /usr/bin/strace") else {
-        return;
-    };
+    require(strace.exists().then_some(()), "run /usr/bin/strace");
     let tmp = tempfile::tempdir().unwrap();
     let parent = std::fs::canonicalize(tmp.path()).unwrap();
     let out = parent.join("out");
@@ -327,12 +331,10 @@ fn every_output_file_and_directory_is_synced_around_one_rename() {
         .output()
         .unwrap();
     let err = stderr(&o);
-    let Some(()) = require_in_ci(
+    require(
         (!err.contains("PTRACE") && !err.contains("Operation not permitted")).then_some(()),
         "trace a process (ptrace)",
-    ) else {
-        return;
-    };
+    );
     assert!(o.status.success(), "{err}");
     let calls: Vec<Call> = std::fs::read_to_string(&log)
         .unwrap()

@@ -58,6 +58,7 @@ fn no_payload_runs_and_the_real_tensor_is_read() {
                 input.to_str().unwrap(),
                 "-o",
                 out.to_str().unwrap(),
+                "--weights-only",
                 "-q",
             ])
             .current_dir(cwd.path())

@@ -62,7 +62,14 @@ fn merge_warns_about_every_payload_writes_the_weights_and_refuses_when_asked() {
         let cwd = tempfile::tempdir().unwrap();
         let out = cwd.path().join("out");
         let o = unshard(
-            &["merge", input, "-o", out.to_str().unwrap(), "-q"],
+            &[
+                "merge",
+                input,
+                "-o",
+                out.to_str().unwrap(),
+                "--weights-only",
+                "-q",
+            ],
             cwd.path(),
         );
         let stderr = String::from_utf8_lossy(&o.stderr);
@@ -85,7 +92,15 @@ fn merge_warns_about_every_payload_writes_the_weights_and_refuses_when_asked() {
         for flag in ["--refuse-unsafe", "--strict"] {
             let refused = cwd.path().join("refused");
             let o = unshard(
-                &["merge", input, "-o", refused.to_str().unwrap(), "-q", flag],
+                &[
+                    "merge",
+                    input,
+                    "-o",
+                    refused.to_str().unwrap(),
+                    "--weights-only",
+                    "-q",
+                    flag,
+                ],
                 cwd.path(),
             );
             let stderr = String::from_utf8_lossy(&o.stderr);
@@ -163,6 +178,7 @@ fn a_clean_file_gets_no_warning_and_an_empty_unsafe_array() {
             clean.to_str().unwrap(),
             "-o",
             out.to_str().unwrap(),
+            "--weights-only",
             "--refuse-unsafe",
         ],
         cwd.path(),
@@ -187,6 +203,7 @@ fn archive_ambiguities_are_errors_and_deflated_records_are_read() {
                 input.to_str().unwrap(),
                 "-o",
                 out.to_str().unwrap(),
+                "--weights-only",
                 "-q",
             ],
             cwd.path(),
@@ -256,6 +273,7 @@ fn a_file_unshard_cannot_merge_still_names_its_payload() {
                 input.to_str().unwrap(),
                 "-o",
                 out.to_str().unwrap(),
+                "--weights-only",
                 "-q",
             ],
             cwd.path(),

@@ -12,7 +12,7 @@ mod common;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
-use common::{fixtures, model_names, names, require_in_ci, Tmpfs};
+use common::{fixtures, model_names, names, require, Tmpfs};
 
 fn unshard(args: &[&str], cwd: &Path) -> Output {
     Command::new(env!("CARGO_BIN_EXE_unshard"))
@@ -291,6 +291,160 @@ fn usage_errors_exit_2() {
     assert_left_nothing(tmp.path());
 }
 
+/// A bare state dict with no config anywhere (no --base, none beside it) would give
+/// a directory transformers cannot load: refused before anything is written, with
+/// the options that fix it named; `--weights-only` writes the weights alone.
+#[test]
+fn without_a_config_anywhere_the_merge_is_refused_unless_weights_only() {
+    let tmp = tempfile::tempdir().unwrap();
+    let ckpt = tmp.path().join("policy.pt");
+    std::fs::copy(fixtures().join("ckpt/llama_policy.pt"), &ckpt).unwrap();
+    let c = ckpt.to_str().unwrap();
+    for part in [None, Some("0/2")] {
+        let mut args = vec!["merge", c, "out"];
+        args.extend(part.iter().flat_map(|p| ["--part", p]));
+        let o = unshard(&args, tmp.path());
+        let err = stderr(&o);
+        assert_eq!(o.status.code(), Some(1), "{args:?}: {err}");
+        assert!(
+            err.contains("policy.pt: no config.json") && err.contains("transformers cannot load"),
+            "{err}"
+        );
+        assert!(
+            err.contains("hint: pass --base") && err.contains("--weights-only"),
+            "{err}"
+        );
+        assert_eq!(names(tmp.path()), ["policy.pt"], "{args:?}: written");
+    }
+
+    let o = unshard(&["merge", c, "out", "--weights-only", "-q"], tmp.path());
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let written = names(&tmp.path().join("out"));
+    assert_eq!(written, ["model.safetensors", "unshard.json"]);
+}
+
+/// A base that has weights but no config.json is refused the same way, naming it.
+#[test]
+fn a_base_without_a_config_is_refused_unless_weights_only() {
+    let tmp = tempfile::tempdir().unwrap();
+    let base = tmp.path().join("weights");
+    std::fs::create_dir(&base).unwrap();
+    std::fs::copy(
+        fixtures().join("models/llama-bf16/model.safetensors"),
+        base.join("model.safetensors"),
+    )
+    .unwrap();
+    let ckpt = fixtures().join("ckpt/llama_policy.pt");
+    let args = [
+        "merge",
+        ckpt.to_str().unwrap(),
+        "--base",
+        "weights",
+        "-o",
+        "out",
+    ];
+    let o = unshard(&args, tmp.path());
+    let err = stderr(&o);
+    assert_eq!(o.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("weights: the base has no config.json"),
+        "{err}"
+    );
+    assert!(err.contains("hint: pass as --base"), "{err}");
+    assert_eq!(names(tmp.path()), ["weights"]);
+    let o = unshard(&[&args[..], &["--weights-only"]].concat(), tmp.path());
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    assert!(!tmp.path().join("out/config.json").exists());
+}
+
+/// `--base DIR/config.json` is taken as `--base DIR`.
+#[test]
+fn a_base_given_as_its_config_json_is_its_folder() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("out");
+    let o = unshard(
+        &[
+            "merge",
+            "ckpt/llama_policy.pt",
+            "--base",
+            "models/llama-bf16/config.json",
+            "-o",
+            out.to_str().unwrap(),
+        ],
+        &fixtures(),
+    );
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let expected = fixtures().join("expected/llama_policy_into_llama-bf16");
+    assert_eq!(model_names(&out), names(&expected));
+    for f in names(&expected) {
+        assert!(
+            std::fs::read(out.join(&f)).unwrap() == std::fs::read(expected.join(&f)).unwrap(),
+            "{f} differs from transformers' output"
+        );
+    }
+}
+
+/// `--json`: the merge report on stdout, listing every file written; the summary
+/// is not printed.
+#[test]
+fn json_prints_the_report_with_the_files_written() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("out");
+    let o = unshard(
+        &[
+            "merge",
+            "ckpt/llama_fsdp_prefixed.pt",
+            "--base",
+            "models/llama-bf16-sharded",
+            "--max-shard-size",
+            "100KB",
+            "-o",
+            out.to_str().unwrap(),
+            "--json",
+        ],
+        &fixtures(),
+    );
+    let err = stderr(&o);
+    assert_eq!(o.status.code(), Some(0), "{err}");
+    assert!(
+        !err.contains("wrote ") && !err.contains("tensors: "),
+        "{err}"
+    );
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    let mut files: Vec<String> = v["files"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|f| f.as_str().unwrap().to_string())
+        .collect();
+    files.sort();
+    assert_eq!(files, names(&out), "{v}");
+    assert!(files.iter().filter(|f| f.ends_with(".safetensors")).count() > 1);
+    assert_eq!(v["checkpoint_format"], "torch-zip", "{v}");
+    assert_eq!(v["tensors_written"], 21, "{v}");
+    assert!(v["renamed"].as_array().unwrap().len() == 23, "{v}");
+    assert!(v["dropped"].as_array().unwrap().len() == 2, "{v}");
+    let bytes: u64 = files
+        .iter()
+        .map(|f| std::fs::metadata(out.join(f)).unwrap().len())
+        .sum();
+    assert!(v["bytes_written"].as_u64().unwrap() <= bytes, "{v}");
+
+    // With --part the report is each part's: refused as a usage error.
+    let o = unshard(
+        &[
+            "merge",
+            "ckpt/llama_policy.pt",
+            "x",
+            "--part",
+            "0/2",
+            "--json",
+        ],
+        &fixtures(),
+    );
+    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+}
+
 #[test]
 fn without_a_base_the_output_is_the_checkpoint_minus_buffers() {
     let tmp = tempfile::tempdir().unwrap();
@@ -301,6 +455,7 @@ fn without_a_base_the_output_is_the_checkpoint_minus_buffers() {
             "ckpt/llama_fsdp_prefixed.pt",
             "-o",
             out.to_str().unwrap(),
+            "--weights-only",
         ],
         &fixtures(),
     );
@@ -327,17 +482,17 @@ fn without_a_base_the_output_is_the_checkpoint_minus_buffers() {
 }
 
 #[test]
+#[ignore = "needs root to mount a tmpfs (see docs/testing.md)"]
 fn a_full_disk_is_a_clear_error_and_leaves_nothing() {
     let tmp = tempfile::tempdir().unwrap();
     let mnt = tmp.path().join("tiny");
-    let Some(tmpfs) = require_in_ci(Tmpfs::mount(&mnt, "size=64k"), "mount a tmpfs") else {
-        return;
-    };
+    let tmpfs = require(Tmpfs::mount(&mnt, "size=64k"), "mount a tmpfs");
     let out = mnt.join("out");
     let o = unshard(
         &[
             "merge",
             "ckpt/llama_policy.pt",
+            "--weights-only",
             "--dtype",
             "float32",
             "-o",
@@ -377,6 +532,7 @@ fn the_os_system_pickle_never_runs() {
                 p.to_str().unwrap(),
                 "-o",
                 out.to_str().unwrap(),
+                "--weights-only",
                 "-q",
             ],
             tmp.path(),

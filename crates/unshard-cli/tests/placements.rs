@@ -22,6 +22,7 @@ fn every_placement_reassembles_to_the_full_tensor() {
                 dir.join(input).to_str().unwrap(),
                 "-o",
                 out.to_str().unwrap(),
+                "--weights-only",
                 "-q",
             ])
             .output()

@@ -149,6 +149,24 @@ fn a_directory_is_scanned_recursively_and_clean_files_pass() {
         String::from_utf8_lossy(&o.stdout)
     );
     assert!(String::from_utf8_lossy(&o.stdout).contains("2 file(s), 2 pickle(s)"));
+
+    // -q: nothing when clean; only the unsafe files otherwise, with no summary.
+    let (c, d) = (clean.to_str().unwrap(), deflated.to_str().unwrap());
+    let o = unshard(&["scan", "-q", c, d], cwd.path());
+    assert_eq!(o.status.code(), Some(0));
+    assert_eq!(String::from_utf8_lossy(&o.stdout), "");
+    let bad = dir.join("metrics_os_system.pt");
+    let o = unshard(&["scan", "-q", c, bad.to_str().unwrap()], cwd.path());
+    assert_eq!(o.status.code(), Some(1));
+    let text = String::from_utf8_lossy(&o.stdout);
+    assert!(
+        text.contains("metrics_os_system.pt: ") && text.contains("unsafe: "),
+        "{text}"
+    );
+    assert!(
+        !text.contains("clean.pt") && !text.contains("scanned "),
+        "{text}"
+    );
 }
 
 #[test]

@@ -35,6 +35,8 @@ struct Kwargs {
     no_fuse: bool,
     #[serde(default)]
     no_manifest: bool,
+    #[serde(default)]
+    weights_only: bool,
 }
 
 /// A merge (or the merge a `verify` re-derives), ready to run.
@@ -64,6 +66,7 @@ impl MergeRequest {
                 verify: k.verify,
                 fail_on_nonfinite: k.fail_on_nonfinite,
                 no_manifest: k.no_manifest,
+                weights_only: k.weights_only,
                 adapter: AdapterOptions {
                     name: k.adapter,
                     config: k.adapter_config.map(PathBuf::from),

@@ -154,6 +154,31 @@ fn merge_to_bucket(opts: &MergeOptions, _: &dyn Progress) -> Result<MergeOutcome
     })
 }
 
+/// Refuses a plan with no config.json to write, which transformers could not load,
+/// unless the options ask for weights only.
+pub(crate) fn check_loadable(opts: &MergeOptions, plan: &Plan) -> Result<()> {
+    if plan.config.is_some() || opts.weights_only {
+        return Ok(());
+    }
+    let (msg, hint) = match &opts.base {
+        Some(b) => (
+            format!(
+                "{}: the base has no config.json, so the output would hold weights only, which transformers cannot load",
+                b.display()
+            ),
+            "pass as --base the model directory training started from (with its config.json), a Hub id in the local cache (org/name), or the Trainer output folder that holds config.json; or --weights-only to write the weights alone",
+        ),
+        None => (
+            format!(
+                "{}: no config.json: no --base was given and none is beside the checkpoint, so the output would hold weights only, which transformers cannot load",
+                opts.checkpoint.display()
+            ),
+            "pass --base: the model directory training started from, a Hub id in the local cache (org/name), or the Trainer output folder that holds config.json; or --weights-only to write the weights alone",
+        ),
+    };
+    Err(Error::plan(msg, Some(hint.into())))
+}
+
 /// Why `no_fuse` cannot write into a bucket: the adapter directory is written with
 /// local file calls.
 pub(crate) const NO_FUSE_NEEDS_A_DIRECTORY: &str =
@@ -176,6 +201,7 @@ pub fn merge_into(
         mut plan,
         adapter,
     } = prepare(Sources::from(opts))?;
+    check_loadable(opts, &plan)?;
     let wopts = WriteOptions {
         extra_files: base
             .as_ref()

@@ -35,6 +35,11 @@ pub struct MergeOptions {
     pub fail_on_nonfinite: bool,
     /// Do not write `unshard.json` (what the merge did) into the output.
     pub no_manifest: bool,
+    /// Write the weights alone when there is no config.json to write with them (no
+    /// `base`, none beside the checkpoint, or a base without one): an output
+    /// transformers cannot load. Without it such a merge is refused before
+    /// anything is written.
+    pub weights_only: bool,
     /// How a LoRA adapter input is fused (ignored for other inputs).
     pub adapter: AdapterOptions,
     /// What to do about pickles that would run code under `torch.load`.

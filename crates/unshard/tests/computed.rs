@@ -91,6 +91,7 @@ fn options(out: &Path, shift: u64) -> MergeOptions {
             mappings: vec![Arc::new(Remap { shift })],
             ..PlanOptions::default()
         },
+        weights_only: true,
         ..MergeOptions::default()
     }
 }

@@ -8,7 +8,7 @@ use unshard::{MergeOptions, MergeOutcome, OpenOptions, Origin, Part};
 
 use crate::text::{human_bytes, list_some};
 
-use crate::args::PlanArgs;
+use crate::args::{JsonArg, PlanArgs};
 use crate::exit::{Status, UsageError};
 use crate::progress::Bar;
 use crate::signals;
@@ -58,6 +58,12 @@ pub struct MergeArgs {
     #[arg(long)]
     no_manifest: bool,
 
+    /// Write the weights alone when there is no config.json (no --base and none
+    /// beside the checkpoint): an output transformers cannot load until a
+    /// config.json is added. Without it such a merge is refused.
+    #[arg(long)]
+    weights_only: bool,
+
     #[command(flatten)]
     refuse: RefuseArg,
 
@@ -66,12 +72,17 @@ pub struct MergeArgs {
     #[arg(long, short)]
     quiet: bool,
 
+    // --json: the merge report on stdout instead of the summary on stderr;
+    // warnings still go to stderr.
+    #[command(flatten)]
+    json: JsonArg,
+
     /// Write only part I of N of the output's shards (I from 0), for a merge split
     /// over N processes or machines sharing the output's filesystem; the last part
     /// to finish commits the output. `auto` takes I and N from torchrun (RANK,
     /// WORLD_SIZE) or Slurm (SLURM_PROCID/SLURM_NTASKS, or a job array's
     /// SLURM_ARRAY_TASK_ID/SLURM_ARRAY_TASK_COUNT).
-    #[arg(long, value_name = "I/N|auto")]
+    #[arg(long, value_name = "I/N|auto", conflicts_with = "json")]
     part: Option<String>,
 }
 
@@ -100,7 +111,7 @@ pub fn run(args: MergeArgs) -> anyhow::Result<Status> {
     };
     let opts = MergeOptions {
         checkpoint: args.checkpoint,
-        base: args.plan.base.clone(),
+        base: args.plan.base_dir(),
         output,
         open: OpenOptions {
             key: args.plan.key.key.clone(),
@@ -112,6 +123,7 @@ pub fn run(args: MergeArgs) -> anyhow::Result<Status> {
         verify: args.verify,
         fail_on_nonfinite: args.fail_on_nonfinite,
         no_manifest: args.no_manifest,
+        weights_only: args.weights_only,
         adapter: args.plan.adapter.options(),
         unsafe_pickles: args.refuse.policy(args.plan.strict),
         cancel: signals::token(),
@@ -164,11 +176,17 @@ pub fn run(args: MergeArgs) -> anyhow::Result<Status> {
     })?;
     let mut err = std::io::stderr().lock();
     // --quiet silences what was done, never what may be wrong with the result.
-    text::write_escaped(&mut err, |w| match args.quiet {
+    text::write_escaped(&mut err, |w| match args.quiet || args.json.json {
         true => print_warnings(w, &outcome),
         false => print_summary(w, &opts, &outcome),
     })?;
     err.flush()?;
+    if args.json.json {
+        let mut out = std::io::stdout().lock();
+        serde_json::to_writer_pretty(&mut out, &outcome)?;
+        writeln!(out)?;
+        out.flush()?;
+    }
     // The process exits next: freeing the plan's pieces one by one (hundreds of
     // thousands for a checkpoint of many ranks, about 0.1 s) would only delay it.
     std::mem::forget(outcome);

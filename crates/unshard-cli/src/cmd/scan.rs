@@ -20,6 +20,11 @@ pub struct ScanArgs {
     #[arg(required = true)]
     paths: Vec<PathBuf>,
 
+    /// List only the files that would run code or could not be read fully, with no
+    /// summary line: nothing when all is clean (the exit code says it).
+    #[arg(long, short, conflicts_with = "json")]
+    quiet: bool,
+
     #[command(flatten)]
     json: JsonArg,
 }
@@ -31,7 +36,7 @@ pub fn run(args: ScanArgs) -> anyhow::Result<Status> {
         serde_json::to_writer_pretty(&mut out, &to_json(&files))?;
         writeln!(out)?;
     } else {
-        print_text(&mut out, &files)?;
+        print_text(&mut out, &files, args.quiet)?;
     }
     out.flush()?;
     Ok(if files.iter().all(FileScan::is_clean) {
@@ -66,15 +71,15 @@ fn to_json(files: &[FileScan]) -> serde_json::Value {
     })
 }
 
-fn print_text(w: &mut dyn Write, files: &[FileScan]) -> std::io::Result<()> {
+fn print_text(w: &mut dyn Write, files: &[FileScan], quiet: bool) -> std::io::Result<()> {
     let mut pickles = 0;
     for f in files {
         pickles += f.pickles;
-        if f.is_clean() && f.recognised.is_empty() {
+        if f.is_clean() && (quiet || f.recognised.is_empty()) {
             continue;
         }
         writeln!(w, "{}: {}", escape(&f.path.display().to_string()), f.kind)?;
-        if !f.recognised.is_empty() {
+        if !quiet && !f.recognised.is_empty() {
             let names: std::collections::BTreeSet<&str> =
                 f.recognised.iter().map(|c| c.callable.as_str()).collect();
             let names: Vec<&str> = names.into_iter().collect();
@@ -101,6 +106,9 @@ fn print_text(w: &mut dyn Write, files: &[FileScan]) -> std::io::Result<()> {
         .filter(|f| !f.unsafe_calls.is_empty() || f.omitted > 0)
         .count();
     let problem_files = files.iter().filter(|f| !f.problems.is_empty()).count();
+    if quiet {
+        return Ok(());
+    }
     writeln!(
         w,
         "scanned {} file(s), {pickles} pickle(s): {unsafe_files} would run code under torch.load, {problem_files} could not be read fully{}",

@@ -44,7 +44,7 @@ pub fn run(args: VerifyArgs) -> anyhow::Result<Status> {
     let mut opts = VerifyOptions {
         dir: args.dir,
         checkpoint: args.against.unwrap_or_default(),
-        base: args.plan.base.clone(),
+        base: args.plan.base_dir(),
         open: OpenOptions {
             key: args.plan.key.key.clone(),
             tag: args.plan.key.tag.clone(),

@@ -55,27 +55,21 @@ impl Drop for Tmpfs {
     }
 }
 
-/// Whether this run is CI's (`CI=true`), where every test must run.
-pub fn in_ci() -> bool {
-    std::env::var("CI").is_ok_and(|v| v == "true" || v == "1")
-}
-
-/// What a test needs from the machine (root to mount, a tool). Where it is missing,
-/// the test fails under CI (`CI=true`, where `.ci/run` provides it) and elsewhere
-/// prints a `SKIPPED` line and returns `None`. docs/testing.md lists these tests.
-pub fn require_in_ci<T>(got: Option<T>, what: &str) -> Option<T> {
-    if got.is_none() {
-        let test = std::thread::current()
-            .name()
-            .unwrap_or("this test")
-            .to_string();
-        assert!(
-            !in_ci(),
-            "{test}: cannot {what} here, and CI=true requires it"
-        );
-        eprintln!("SKIPPED {test}: cannot {what} here (CI=true makes this a failure)");
+/// What an ignored test needs from the machine (root to mount, a tool). Such tests
+/// are `#[ignore]`d with the reason, so that `cargo test` counts them as not run;
+/// run with `--ignored` (as `.ci/run` does), a missing requirement is a failure.
+/// docs/testing.md lists these tests.
+pub fn require<T>(got: Option<T>, what: &str) -> T {
+    match got {
+        Some(v) => v,
+        None => {
+            let test = std::thread::current()
+                .name()
+                .unwrap_or("this test")
+                .to_string();
+            panic!("{test}: cannot {what} here (docs/testing.md says what this test needs)")
+        }
     }
-    got
 }
 
 /// A float32 safetensors checkpoint of `n` tensors of 1 Mi elements (4 MiB each),

@@ -115,6 +115,7 @@ pub fn merge_part(opts: &MergeOptions, part: Part, progress: &dyn Progress) -> R
         plan,
         adapter,
     } = prepare(opts)?;
+    crate::merge::check_loadable(opts, &plan)?;
     let inputs = Prepared::inputs_of(&ckpt, base.as_ref());
     let hash = plan_hash(&plan, inputs, opts, part.count);
     let sizes: Vec<u64> = plan.shards.iter().map(|s| s.file_size).collect();

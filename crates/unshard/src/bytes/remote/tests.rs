@@ -64,6 +64,8 @@ fn each_block_reads_its_tensors_with_one_request() {
             dtype: DtypeChoice::Fixed(DType::BF16),
             ..PlanOptions::default()
         },
+        // A bare safetensors file with no config: the request count is the point.
+        weights_only: true,
         ..MergeOptions::default()
     };
     let (gets0, bytes0) = fetched();
