@@ -3,7 +3,9 @@
 
 For every data directory written by gen.py (or gen_wide.py: one DCP directory of
 many ranks, or with --kind ranks verl's per-rank files, to measure what grows with
-the rank count) and every input kind in it
+the rank count; or gen_moe_wide.py: a policy.pt of a narrow DeepSeek-V3-shaped MoE
+model in transformers' packed layout, onto a base of per-expert tensors, to measure
+what grows with the tensor count) and every input kind in it
 (policy.pt, the 4-rank DCP directory, the 4 verl rank files), runs back to back:
 
   read     read_floor.py: every input byte read once, 4 threads of 16 MiB reads
@@ -373,6 +375,9 @@ def table(results):
         meta = r["meta"]
         if meta.get("kind") == "deepspeed":
             model = "narrow (%d layers, hidden %d)" % (meta["layers"], meta["hidden"])
+        elif meta.get("kind") == "moe":
+            model = "narrow MoE (%d layers, %d experts, hidden %d)" % (
+                meta["layers"], meta["experts"], meta["hidden"])
         elif "ranks" in meta:
             model = "wide (%d layers%s)" % (meta["layers"], ", + Adam state" if meta["optim"] else "")
         else:

@@ -149,6 +149,9 @@ def model(r):
             m["ranks"])
     if m.get("kind") == "deepspeed":
         return "narrow Llama (%d layers, hidden %d)" % (m["layers"], m["hidden"])
+    if m.get("kind") == "moe":
+        return "narrow MoE (%d layers, %d experts, hidden %d)" % (
+            m["layers"], m["experts"], m["hidden"])
     if "ranks" in m:
         return "wide (%d layers over %d ranks%s)" % (
             m["layers"], m["ranks"], ", + Adam state" if m.get("optim") else "")
