@@ -187,7 +187,13 @@ fn a_packed_checkpoint_onto_a_packed_base_is_kept_as_it_is() {
     // A base in the in-memory layout: the checkpoint written alone (no config, so
     // no rules), with the model's config beside it.
     let packed = tmp.path().join("packed");
-    let o = unshard(&["merge", &c.checkpoint, "--output", packed.to_str().unwrap()]);
+    let o = unshard(&[
+        "merge",
+        &c.checkpoint,
+        "--output",
+        packed.to_str().unwrap(),
+        "--weights-only",
+    ]);
     assert!(o.status.success(), "{}", text(&o));
     std::fs::remove_file(packed.join("unshard.json")).unwrap();
     std::fs::copy(
