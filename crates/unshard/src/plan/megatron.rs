@@ -57,6 +57,10 @@ struct Shape {
     heads: u64,
     groups: u64,
     head_dim: Option<u64>,
+    /// `num_hidden_layers`.
+    layers: Option<u64>,
+    /// `num_local_experts` (Mixtral) or `num_experts` (Qwen3-MoE).
+    experts: Option<u64>,
     vocab: Option<u64>,
 }
 
@@ -142,6 +146,8 @@ impl Megatron {
             heads,
             groups,
             head_dim: num("head_dim"),
+            layers: num("num_hidden_layers"),
+            experts: num("num_local_experts").or_else(|| num("num_experts")),
             vocab: num("vocab_size"),
         })
     }
@@ -251,9 +257,13 @@ impl Mapping for Megatron {
                         _ => (None, rest),
                     };
                     match layer {
-                        Some(l) => layer_tensors(&c, src, &shape, sub, l, &[], &mut out)?,
+                        Some(l) => {
+                            within(&c, "layer", l, shape.layers, false)?;
+                            layer_tensors(&c, src, &shape, sub, l, &[], &mut out)?
+                        }
                         None => {
                             let layers = first_dim(&c, src, 1)?;
+                            within(&c, "layer", layers, shape.layers, true)?;
                             for l in 0..layers {
                                 layer_tensors(&c, src, &shape, sub, l, &[l], &mut out)?;
                             }
@@ -281,6 +291,36 @@ fn unexplained(c: &Candidate, shape: &Shape) -> Error {
         ),
         Some(HINT.into()),
     )
+}
+
+/// Most layers or experts a stacked tensor may hold when the config does not say.
+const MAX_STACKED: u64 = 1 << 16;
+
+/// Checks a stacked count (`count`, equal to the config's) or an index (below it)
+/// of layers or experts against the base's config.
+fn within(c: &Candidate, what: &str, n: u64, config: Option<u64>, count: bool) -> Result<()> {
+    let fits = match (config, count) {
+        (Some(k), true) => n == k,
+        (Some(k), false) => n < k,
+        (None, _) => n < MAX_STACKED,
+    };
+    if fits {
+        return Ok(());
+    }
+    let said = if count {
+        format!("holds {n} {what}s")
+    } else {
+        format!("is {what} {n}")
+    };
+    Err(Error::plan(
+        format!(
+            "checkpoint tensor '{}' {:?} {said}, and the base's config.json has {}",
+            c.source_name,
+            c.shape,
+            config.map_or_else(|| format!("no {what} count (at most {MAX_STACKED} are read)"), |k| format!("{k}"))
+        ),
+        Some("pass the base the training started from".into()),
+    ))
 }
 
 /// The length of `src`'s first dimension, which must have at least `min` dimensions.
@@ -367,6 +407,7 @@ fn layer_tensors(
                 Family::Dense => return Err(unexplained(c, shape)),
             };
             let experts = dim(c, src, fixed.len())?;
+            within(c, "expert", experts, shape.experts, true)?;
             for e in 0..experts {
                 let at: Vec<u64> = fixed.iter().copied().chain([e]).collect();
                 let ep = format!("{p}{base}.{e}.");
@@ -641,6 +682,27 @@ mod tests {
         .unwrap_err()
         .to_string();
         assert!(e.contains("100 fused QKV rows"), "{e}");
+    }
+
+    #[test]
+    fn layers_or_experts_the_config_does_not_have_are_refused() {
+        let cfg = r#"{"model_type": "mixtral", "num_attention_heads": 4, "num_hidden_layers": 2, "num_local_experts": 4}"#;
+        let refused = |cfg: &str, name: &str, shape: &[u64]| {
+            let marker = stored("decoder.final_layernorm.weight", &[4]);
+            run(Some(cfg), vec![marker, stored(name, shape)])
+                .unwrap_err()
+                .to_string()
+        };
+        let e = refused(cfg, "decoder.layers.input_layernorm.weight", &[3, 4]);
+        assert!(e.contains("holds 3 layers") && e.contains("has 2"), "{e}");
+        let e = refused(cfg, "decoder.layers.2.input_layernorm.weight", &[4]);
+        assert!(e.contains("is layer 2"), "{e}");
+        let name = "decoder.layers.0.mlp.experts.experts.linear_fc2.weight";
+        let e = refused(cfg, name, &[5, 4, 2]);
+        assert!(e.contains("holds 5 experts"), "{e}");
+        // A stacked count the config does not give is bounded.
+        let e = refused(LLAMA, "decoder.layers.input_layernorm.weight", &[1 << 40, 4]);
+        assert!(e.contains("no layer count"), "{e}");
     }
 
     #[test]
