@@ -59,6 +59,9 @@ fn matches_transformers(name: &str) -> String {
     ]);
     let said = text(&o);
     assert!(o.status.success(), "{name}: {said}");
+    // The `.metadata` classes (torch's save plans, Megatron-Core 0.15's subclasses)
+    // are plain dataclasses.
+    assert!(!said.contains("would run code"), "{name}: {said}");
     assert_eq!(model_names(&out), names(&expected), "{name}: files");
     for f in names(&expected) {
         let a = std::fs::read(out.join(&f)).unwrap();
@@ -123,6 +126,29 @@ fn the_common_state_inside_the_dcp() {
 #[test]
 fn megatron_core_0_15_metadata() {
     matches_transformers("llama_tp2_mcore015");
+}
+
+#[test]
+fn a_base_with_other_weights_gives_way_to_every_checkpoint_tensor() {
+    let (input, _, expected) = case("llama_tp2");
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("out");
+    let o = unshard(&[
+        "merge",
+        &input,
+        "--base",
+        "base/llama-bf16",
+        "--strict",
+        "--output",
+        out.to_str().unwrap(),
+    ]);
+    let said = text(&o);
+    assert!(o.status.success(), "{said}");
+    assert!(said.contains("0 from the base"), "{said}");
+    let file = "model.safetensors";
+    let a = std::fs::read(out.join(file)).unwrap();
+    let b = std::fs::read(fixtures().join("megatron").join(expected).join(file)).unwrap();
+    assert!(a == b, "{file} differs from the Hugging Face model's");
 }
 
 #[test]
