@@ -181,3 +181,45 @@ fn the_legacy_layout_is_refused_by_name() {
     assert!(said.contains("legacy layout (mp_rank_*"), "{said}");
     assert!(!Path::new(&out).join("model.safetensors").exists());
 }
+
+/// The header length and the data offset of `tensor` in a safetensors file.
+fn data_offset(file: &Path, tensor: &str) -> usize {
+    let bytes = std::fs::read(file).unwrap();
+    let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let header: serde_json::Value = serde_json::from_slice(&bytes[8..8 + n]).unwrap();
+    8 + n + header[tensor]["data_offsets"][0].as_u64().unwrap() as usize
+}
+
+#[test]
+fn verify_names_a_flipped_byte_in_a_split_q_projection() {
+    let (input, base, _) = case("llama_tp2");
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("out");
+    let o = unshard(&[
+        "merge",
+        &input,
+        "--base",
+        &base,
+        "--output",
+        out.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", text(&o));
+    // Layer 1's q_proj, row 40 (query group 1's rows), column 3: bf16 of 64 columns.
+    let t = "model.layers.1.self_attn.q_proj.weight";
+    let file = out.join("model.safetensors");
+    let mut bytes = std::fs::read(&file).unwrap();
+    bytes[data_offset(&file, t) + (40 * 64 + 3) * 2] ^= 0x01;
+    std::fs::write(&file, bytes).unwrap();
+    let o = unshard(&[
+        "verify",
+        out.to_str().unwrap(),
+        "--against",
+        &input,
+        "--base",
+        &base,
+    ]);
+    let said = text(&o);
+    assert_eq!(o.status.code(), Some(1), "{said}");
+    assert!(said.contains(&format!("tensor '{t}': 1 of")), "{said}");
+    assert!(said.contains("first at [40, 3]"), "{said}");
+}
