@@ -223,3 +223,36 @@ fn verify_names_a_flipped_byte_in_a_split_q_projection() {
     assert!(said.contains(&format!("tensor '{t}': 1 of")), "{said}");
     assert!(said.contains("first at [40, 3]"), "{said}");
 }
+
+fn copy_dir(from: &Path, to: &Path) {
+    std::fs::create_dir_all(to).unwrap();
+    for e in std::fs::read_dir(from).unwrap() {
+        let e = e.unwrap();
+        std::fs::copy(e.path(), to.join(e.file_name())).unwrap();
+    }
+}
+
+#[test]
+fn a_verl_actor_folder_reads_dist_ckpt_with_huggingface_as_the_base() {
+    // verl's Megatron backend: `actor/dist_ckpt/` beside `actor/huggingface/`.
+    let (input, base, expected) = case("llama_tp2_per_layer");
+    let m = fixtures().join("megatron");
+    let tmp = tempfile::tempdir().unwrap();
+    let actor = tmp.path().join("actor");
+    copy_dir(&m.join(&input), &actor.join("dist_ckpt"));
+    copy_dir(&m.join(&base), &actor.join("huggingface"));
+    let out = tmp.path().join("out");
+    let o = unshard(&[
+        "merge",
+        actor.to_str().unwrap(),
+        "--output",
+        out.to_str().unwrap(),
+    ]);
+    let said = text(&o);
+    assert!(o.status.success(), "{said}");
+    assert!(said.contains("dist_ckpt/ inside"), "{said}");
+    let file = "model.safetensors";
+    let a = std::fs::read(out.join(file)).unwrap();
+    let b = std::fs::read(m.join(expected).join(file)).unwrap();
+    assert!(a == b, "{file} differs from the Hugging Face model's");
+}

@@ -206,6 +206,11 @@ fn open_dir(path: &Path, opts: &OpenOptions) -> Result<Checkpoint> {
     if dcp::is_dcp_dir(path) {
         return dcp::open(path, opts).map_err(|e| hints::dcp_missing_file(path, e));
     }
+    if let Some((dir, note)) = megatron::model_subdir(path) {
+        let mut c = dcp::open(&dir, opts)?;
+        c.notes.insert(0, note);
+        return Ok(c);
+    }
     let hf = if hf_dir::is_hf_dir(path) {
         let dir = hf_dir::HfDir::open(path)?;
         if let Some(c) = dir.weights()? {

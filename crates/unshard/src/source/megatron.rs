@@ -2,11 +2,12 @@
 //!
 //! A save folder holds `latest_checkpointed_iteration.txt` (an iteration number,
 //! or `release`) beside one folder per saved iteration (`iter_0000100/`,
-//! `release/`). The iteration named is read. A `torch_dist` iteration is a
-//! torch.distributed.checkpoint directory that the DCP reader opens, with
-//! `metadata.json` naming its backend and `common.pt` holding the training
-//! arguments (not tensors); the legacy layout (`mp_rank_*` folders of
-//! `model_optim_rng.pt`) is refused by name.
+//! `release/`). The iteration named is read. NeMo 2 and verl keep the model in a
+//! `weights/` or `dist_ckpt/` folder of their save folder, which is read. A
+//! `torch_dist` directory is a torch.distributed.checkpoint directory that the
+//! DCP reader opens, with `metadata.json` naming its backend and `common.pt`
+//! holding the training arguments (not tensors); the legacy layout (`mp_rank_*`
+//! folders of `model_optim_rng.pt`) is refused by name.
 
 use std::path::{Path, PathBuf};
 
@@ -57,6 +58,23 @@ pub fn iteration_dir(path: &Path) -> Result<Option<(PathBuf, String)>> {
             path.display()
         ),
     )))
+}
+
+/// The Megatron-Core `torch_dist` directory inside `path` that a training
+/// framework's save folder keeps: NeMo 2's `weights/`, verl's `dist_ckpt/`; and a
+/// note saying so. `None` when `path` holds neither.
+pub fn model_subdir(path: &Path) -> Option<(PathBuf, String)> {
+    ["weights", "dist_ckpt"].iter().find_map(|name| {
+        let dir = path.join(name);
+        let dcp = fs::is_file(&dir.join(".metadata")) && fs::is_file(&dir.join("metadata.json"));
+        dcp.then(|| {
+            let note = format!(
+                "read the Megatron-Core torch_dist directory {name}/ inside {}",
+                path.display()
+            );
+            (dir, note)
+        })
+    })
 }
 
 /// Refuses a Megatron folder unshard does not read: the legacy layout
