@@ -14,6 +14,7 @@ use crate::hub;
 use crate::lora::{self, AdapterOptions, LoraFuse};
 use crate::options::{MergeOptions, UnsafePolicy, VerifyOptions};
 use crate::plan::conversion::ArchConversion;
+use crate::plan::megatron::Megatron;
 pub use crate::plan::Inputs;
 use crate::plan::{self, BaseView, Plan, PlanOptions};
 use crate::source::hf_dir::HfDir;
@@ -228,6 +229,9 @@ pub fn prepare<'a>(opts: impl Into<Sources<'a>>) -> Result<Prepared> {
     if let Some(a) = &adapter {
         plan_opts.mappings.insert(0, a.clone());
     }
+    // Megatron-Core names and fused layouts become the base's Hugging Face names.
+    let megatron = Arc::new(Megatron::for_config(view.config));
+    plan_opts.mappings.push(megatron.clone());
     // A checkpoint in transformers' in-memory layout (packed experts) is written in
     // the layout of the base's files.
     let conversion = ArchConversion::for_config(view.config).map(Arc::new);
@@ -241,6 +245,7 @@ pub fn prepare<'a>(opts: impl Into<Sources<'a>>) -> Result<Prepared> {
     if let Some(c) = &conversion {
         c.note(&mut plan.report);
     }
+    megatron.note(&mut plan.report);
     if let Some(b) = &base {
         if b.dir.config.is_some() && !b.has_tokenizer() {
             plan.report.warnings.push(format!(

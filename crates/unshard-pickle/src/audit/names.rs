@@ -233,7 +233,19 @@ const ALLOWED: &[(&str, Names)] = &[
     ),
     (
         "torch.distributed.checkpoint.planner",
-        Only(&["WriteItemType", "LoadItemType"]),
+        // Plain dataclasses: torch keeps every rank's save plan in `.metadata`.
+        Only(&[
+            "WriteItemType",
+            "LoadItemType",
+            "SavePlan",
+            "WriteItem",
+            "TensorWriteData",
+        ]),
+    ),
+    // Megatron-Core 0.15's `.metadata`: dataclass subclasses of the two above.
+    (
+        "megatron.core.dist_checkpointing.strategies.torch",
+        Only(&["MCoreMetadata", "MCoreSavePlan"]),
     ),
     (
         "torch.distributed.checkpoint._extension",

@@ -42,6 +42,7 @@ mod inputs;
 pub mod keep;
 pub mod layout;
 pub mod mapping;
+pub mod megatron;
 pub mod names;
 pub mod overlay;
 pub mod shard;

@@ -5,7 +5,8 @@ use std::path::Path;
 use std::sync::Arc;
 
 use super::{
-    dcp, deepspeed, fs, hf_dir, hints, legacy, safetensors, sharded, torch, Blob, Checkpoint,
+    dcp, deepspeed, fs, hf_dir, hints, legacy, megatron, safetensors, sharded, torch, Blob,
+    Checkpoint,
 };
 use crate::error::{Error, Result};
 
@@ -197,8 +198,18 @@ fn open_dir(path: &Path, opts: &OpenOptions) -> Result<Checkpoint> {
             path.display()
         )));
     }
+    if let Some((dir, note)) = megatron::iteration_dir(path)? {
+        let mut c = open_dir(&dir, opts)?;
+        c.notes.insert(0, note);
+        return Ok(c);
+    }
     if dcp::is_dcp_dir(path) {
         return dcp::open(path, opts).map_err(|e| hints::dcp_missing_file(path, e));
+    }
+    if let Some((dir, note)) = megatron::model_subdir(path) {
+        let mut c = dcp::open(&dir, opts)?;
+        c.notes.insert(0, note);
+        return Ok(c);
     }
     let hf = if hf_dir::is_hf_dir(path) {
         let dir = hf_dir::HfDir::open(path)?;
@@ -237,6 +248,7 @@ fn open_dir(path: &Path, opts: &OpenOptions) -> Result<Checkpoint> {
             hint: Some("the directory has a config.json but no weight files".into()),
         });
     }
+    megatron::refuse_unread(path)?;
     if let Some(e) = hints::wrong_input(path) {
         return Err(e);
     }

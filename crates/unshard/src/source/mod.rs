@@ -48,6 +48,7 @@ pub mod detect;
 pub mod hf_dir;
 pub mod hints;
 pub mod legacy;
+pub mod megatron;
 pub mod safetensors;
 pub mod sharded;
 #[cfg(test)]

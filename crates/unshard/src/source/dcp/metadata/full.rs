@@ -52,6 +52,8 @@ pub(super) fn parse(path: &Path, raw: &[u8], keep: Keep<'_>) -> Result<Metadata>
     let root = p.root();
     match class_of(&p, root) {
         Some((m, "Metadata")) if m.starts_with("torch.distributed") => {}
+        // Megatron-Core 0.15's subclass: the same fields, and `mcore_data`.
+        Some(("megatron.core.dist_checkpointing.strategies.torch", "MCoreMetadata")) => {}
         _ => {
             return Err(corrupt(format!(
                 "not a torch.distributed.checkpoint Metadata pickle (it holds {})",

@@ -1,0 +1,258 @@
+//! Megatron-Core `torch_dist` checkpoints merged onto config-only bases, against
+//! the Hugging Face model each was made from.
+//!
+//! `fixtures/megatron/cases.json` lists per case the checkpoint (a save folder
+//! with `latest_checkpointed_iteration.txt`, or a `torch_dist` directory), the
+//! config-only base and the expected directory: the Hugging Face model's own
+//! `save_pretrained`. Every case must reproduce it file for file and byte for
+//! byte, and `unshard verify` must pass on the result.
+#![allow(clippy::unwrap_used)]
+
+mod common;
+
+use std::path::Path;
+use std::process::{Command, Output};
+
+use common::{fixtures, model_names, names};
+
+fn unshard<S: AsRef<std::ffi::OsStr>>(args: &[S]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_unshard"))
+        .args(args)
+        .current_dir(fixtures().join("megatron"))
+        .output()
+        .unwrap()
+}
+
+fn text(o: &Output) -> String {
+    format!(
+        "{}{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    )
+}
+
+/// `(input, base, expected_dir)` of a case, relative to `fixtures/megatron/`.
+fn case(name: &str) -> (String, String, String) {
+    let json: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(fixtures().join("megatron/cases.json")).unwrap(),
+    )
+    .unwrap();
+    let c = &json["cases"][name];
+    let s = |k: &str| c[k].as_str().unwrap().to_string();
+    (s("input"), s("base"), s("expected_dir"))
+}
+
+/// Merges the case onto its config-only base, compares every file with the
+/// expected directory's and runs `verify`; returns what the merge said.
+fn matches_transformers(name: &str) -> String {
+    let (input, base, expected) = case(name);
+    let expected = fixtures().join("megatron").join(expected);
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("out");
+    let o = unshard(&[
+        "merge",
+        &input,
+        "--base",
+        &base,
+        "--output",
+        out.to_str().unwrap(),
+    ]);
+    let said = text(&o);
+    assert!(o.status.success(), "{name}: {said}");
+    // The `.metadata` classes (torch's save plans, Megatron-Core 0.15's subclasses)
+    // are plain dataclasses.
+    assert!(!said.contains("would run code"), "{name}: {said}");
+    assert_eq!(model_names(&out), names(&expected), "{name}: files");
+    for f in names(&expected) {
+        let a = std::fs::read(out.join(&f)).unwrap();
+        let b = std::fs::read(expected.join(&f)).unwrap();
+        assert!(a == b, "{name}: {f} differs from the Hugging Face model's");
+    }
+    let o = unshard(&[
+        "verify",
+        out.to_str().unwrap(),
+        "--against",
+        &input,
+        "--base",
+        &base,
+    ]);
+    assert!(o.status.success(), "{name}: verify: {}", text(&o));
+    said
+}
+
+#[test]
+fn stacked_layers_in_an_iteration_folder() {
+    let said = matches_transformers("llama_tp2");
+    assert!(said.contains("iter_0000100/"), "{said}");
+    assert!(said.contains("Megatron-Core names"), "{said}");
+}
+
+#[test]
+fn per_layer_keys() {
+    matches_transformers("llama_tp2_per_layer");
+}
+
+#[test]
+fn tied_embeddings_and_a_module_prefix() {
+    matches_transformers("llama_tp2_tied_module_prefix");
+}
+
+#[test]
+fn a_padded_vocabulary_is_trimmed_to_the_base_s() {
+    let said = matches_transformers("llama_tp2_padded_vocab");
+    assert!(said.contains("trimmed to the base's 251"), "{said}");
+}
+
+#[test]
+fn qkv_biases_in_the_grouped_layout() {
+    matches_transformers("qwen2_tp2_qkv_bias");
+}
+
+#[test]
+fn stacked_experts_and_the_router() {
+    matches_transformers("mixtral_tp2_moe");
+}
+
+#[test]
+fn dense_and_moe_layers_with_qk_norms() {
+    matches_transformers("qwen3_moe_tp2_dense_first");
+}
+
+#[test]
+fn the_common_state_inside_the_dcp() {
+    matches_transformers("llama_tp2_common_in_dcp");
+}
+
+#[test]
+fn megatron_core_0_15_metadata() {
+    matches_transformers("llama_tp2_mcore015");
+}
+
+#[test]
+fn a_base_with_other_weights_gives_way_to_every_checkpoint_tensor() {
+    let (input, _, expected) = case("llama_tp2");
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("out");
+    let o = unshard(&[
+        "merge",
+        &input,
+        "--base",
+        "base/llama-bf16",
+        "--strict",
+        "--output",
+        out.to_str().unwrap(),
+    ]);
+    let said = text(&o);
+    assert!(o.status.success(), "{said}");
+    assert!(said.contains("0 from the base"), "{said}");
+    let file = "model.safetensors";
+    let a = std::fs::read(out.join(file)).unwrap();
+    let b = std::fs::read(fixtures().join("megatron").join(expected).join(file)).unwrap();
+    assert!(a == b, "{file} differs from the Hugging Face model's");
+}
+
+#[test]
+fn megatron_names_without_a_config_ask_for_a_base() {
+    let (input, _, _) = case("llama_tp2");
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("out");
+    let o = unshard(&["merge", &input, "--output", out.to_str().unwrap()]);
+    let said = text(&o);
+    assert!(!o.status.success(), "{said}");
+    assert!(said.contains("is a Megatron-Core name"), "{said}");
+    assert!(said.contains("--base"), "{said}");
+}
+
+#[test]
+fn the_legacy_layout_is_refused_by_name() {
+    let (input, base, _) = case("llama_tp2_pp2_legacy");
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("out");
+    let o = unshard(&[
+        "merge",
+        &input,
+        "--base",
+        &base,
+        "--output",
+        out.to_str().unwrap(),
+    ]);
+    let said = text(&o);
+    assert!(!o.status.success(), "{said}");
+    assert!(said.contains("legacy layout (mp_rank_*"), "{said}");
+    assert!(!Path::new(&out).join("model.safetensors").exists());
+}
+
+/// The header length and the data offset of `tensor` in a safetensors file.
+fn data_offset(file: &Path, tensor: &str) -> usize {
+    let bytes = std::fs::read(file).unwrap();
+    let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let header: serde_json::Value = serde_json::from_slice(&bytes[8..8 + n]).unwrap();
+    8 + n + header[tensor]["data_offsets"][0].as_u64().unwrap() as usize
+}
+
+#[test]
+fn verify_names_a_flipped_byte_in_a_split_q_projection() {
+    let (input, base, _) = case("llama_tp2");
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("out");
+    let o = unshard(&[
+        "merge",
+        &input,
+        "--base",
+        &base,
+        "--output",
+        out.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", text(&o));
+    // Layer 1's q_proj, row 40 (query group 1's rows), column 3: bf16 of 64 columns.
+    let t = "model.layers.1.self_attn.q_proj.weight";
+    let file = out.join("model.safetensors");
+    let mut bytes = std::fs::read(&file).unwrap();
+    bytes[data_offset(&file, t) + (40 * 64 + 3) * 2] ^= 0x01;
+    std::fs::write(&file, bytes).unwrap();
+    let o = unshard(&[
+        "verify",
+        out.to_str().unwrap(),
+        "--against",
+        &input,
+        "--base",
+        &base,
+    ]);
+    let said = text(&o);
+    assert_eq!(o.status.code(), Some(1), "{said}");
+    assert!(said.contains(&format!("tensor '{t}': 1 of")), "{said}");
+    assert!(said.contains("first at [40, 3]"), "{said}");
+}
+
+fn copy_dir(from: &Path, to: &Path) {
+    std::fs::create_dir_all(to).unwrap();
+    for e in std::fs::read_dir(from).unwrap() {
+        let e = e.unwrap();
+        std::fs::copy(e.path(), to.join(e.file_name())).unwrap();
+    }
+}
+
+#[test]
+fn a_verl_actor_folder_reads_dist_ckpt_with_huggingface_as_the_base() {
+    // verl's Megatron backend: `actor/dist_ckpt/` beside `actor/huggingface/`.
+    let (input, base, expected) = case("llama_tp2_per_layer");
+    let m = fixtures().join("megatron");
+    let tmp = tempfile::tempdir().unwrap();
+    let actor = tmp.path().join("actor");
+    copy_dir(&m.join(&input), &actor.join("dist_ckpt"));
+    copy_dir(&m.join(&base), &actor.join("huggingface"));
+    let out = tmp.path().join("out");
+    let o = unshard(&[
+        "merge",
+        actor.to_str().unwrap(),
+        "--output",
+        out.to_str().unwrap(),
+    ]);
+    let said = text(&o);
+    assert!(o.status.success(), "{said}");
+    assert!(said.contains("dist_ckpt/ inside"), "{said}");
+    let file = "model.safetensors";
+    let a = std::fs::read(out.join(file)).unwrap();
+    let b = std::fs::read(m.join(expected).join(file)).unwrap();
+    assert!(a == b, "{file} differs from the Hugging Face model's");
+}
