@@ -14,6 +14,7 @@ use crate::hub;
 use crate::lora::{self, AdapterOptions, LoraFuse};
 use crate::options::{MergeOptions, UnsafePolicy, VerifyOptions};
 use crate::plan::conversion::ArchConversion;
+use crate::plan::torchtitan::Torchtitan;
 pub use crate::plan::Inputs;
 use crate::plan::{self, BaseView, Plan, PlanOptions};
 use crate::source::hf_dir::HfDir;
@@ -228,6 +229,11 @@ pub fn prepare<'a>(opts: impl Into<Sources<'a>>) -> Result<Prepared> {
     if let Some(a) = &adapter {
         plan_opts.mappings.insert(0, a.clone());
     }
+    // A torchtitan checkpoint is written under transformers' names of the base.
+    let titan = Torchtitan::for_config(view.config).map(Arc::new);
+    if let Some(t) = &titan {
+        plan_opts.mappings.push(t.clone());
+    }
     // A checkpoint in transformers' in-memory layout (packed experts) is written in
     // the layout of the base's files.
     let conversion = ArchConversion::for_config(view.config).map(Arc::new);
@@ -240,6 +246,9 @@ pub fn prepare<'a>(opts: impl Into<Sources<'a>>) -> Result<Prepared> {
     }
     if let Some(c) = &conversion {
         c.note(&mut plan.report);
+    }
+    if let Some(t) = &titan {
+        t.note(&mut plan.report);
     }
     if let Some(b) = &base {
         if b.dir.config.is_some() && !b.has_tokenizer() {

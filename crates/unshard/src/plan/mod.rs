@@ -45,6 +45,7 @@ pub mod mapping;
 pub mod names;
 pub mod overlay;
 pub mod shard;
+pub mod torchtitan;
 
 pub use content::{Content, Expr, Leaf};
 pub use inputs::Inputs;
