@@ -214,3 +214,21 @@ fn a_torchtitan_name_no_rule_explains_is_named() {
     assert!(said.contains("no rule maps this one"), "{said}");
     assert!(!out.exists());
 }
+
+#[test]
+fn the_model_only_bfloat16_last_step_matches_transformers_in_bfloat16() {
+    // torchtitan's last step (`last_save_model_only`, `export_dtype="bfloat16"`):
+    // the model keys only, cast; transformers' `.to(bfloat16)` + `save_pretrained`.
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("out");
+    let o = merge(
+        "qwen3/checkpoint/step-20",
+        "qwen3/base",
+        &out,
+        &["--dtype", "bfloat16"],
+    );
+    let said = text(&o);
+    assert!(o.status.success(), "{said}");
+    assert!(said.contains("dropped: lm_head.weight (tied"), "{said}");
+    assert_same_files("qwen3 bf16", &out, &dir().join("qwen3/expected_bf16"));
+}
