@@ -232,3 +232,32 @@ fn the_model_only_bfloat16_last_step_matches_transformers_in_bfloat16() {
     assert!(said.contains("dropped: lm_head.weight (tied"), "{said}");
     assert_same_files("qwen3 bf16", &out, &dir().join("qwen3/expected_bf16"));
 }
+
+#[test]
+fn verify_names_a_flipped_byte_in_a_reordered_query_row() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("out");
+    let o = merge("llama3/checkpoint/step-10", "llama3/base", &out, &[]);
+    assert!(o.status.success(), "{}", text(&o));
+    let file = out.join("model.safetensors");
+    let mut bytes = std::fs::read(&file).unwrap();
+    let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let header: serde_json::Value = serde_json::from_slice(&bytes[8..8 + n]).unwrap();
+    let t = "model.layers.0.self_attn.q_proj.weight";
+    let start = 8 + n + header[t]["data_offsets"][0].as_u64().unwrap() as usize;
+    // Element [1, 2] of the [32, 32] float32 q_proj: torchtitan's row 2 of head 0.
+    bytes[start + (32 + 2) * 4] ^= 0x01;
+    std::fs::write(&file, bytes).unwrap();
+    let o = unshard(&[
+        "verify",
+        out.to_str().unwrap(),
+        "--against",
+        "llama3/checkpoint/step-10",
+        "--base",
+        "llama3/base",
+    ]);
+    let said = text(&o);
+    assert_eq!(o.status.code(), Some(1), "{said}");
+    assert!(said.contains(&format!("tensor '{t}': 1 of")), "{said}");
+    assert!(said.contains("first at [1, 2]"), "{said}");
+}
