@@ -483,12 +483,12 @@ impl Torchtitan {
                 };
                 return Err(self.refuse(c, &why));
             }
-            if old && a == b {
-                return Err(self.refuse(
-                    c,
-                    "its experts are square, so the names of torchtitan <= 0.2 do not say whether each is [out, in] or transposed",
-                ));
-            }
+        }
+        if old && (a == b || self.heads.hidden.is_none()) {
+            return Err(self.refuse(
+                c,
+                "the names of torchtitan <= 0.2 do not say whether each expert is [out, in] or transposed, and its shape does not tell (square experts, or no hidden_size in config.json)",
+            ));
         }
         let mut out = Vec::new();
         for j in 0..e {
@@ -664,7 +664,7 @@ fn select_rows(
                 r.from, r.step, r.count, r.to
             ));
         }
-        covered += r.count;
+        covered = covered.saturating_add(r.count);
     }
     if covered != rows {
         return Err(format!("{covered} rows selected for {rows}"));
@@ -995,6 +995,17 @@ mod tests {
             .to_string();
         assert!(e.contains("'layers.0.moe.experts.w1' [2, 32, 6]"), "{e}");
         assert!(e.contains("transposed"), "{e}");
+        // Square experts under the old names: the layout cannot be told.
+        let square = checkpoint(
+            "c",
+            vec![tensor("layers.0.moe.experts.w2", DType::F32, &[2, 32, 32])],
+        );
+        let e = m
+            .map(crate::plan::mapping::candidates(&square), MapInputs::default())
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("'layers.0.moe.experts.w2' [2, 32, 32]"), "{e}");
+        assert!(e.contains("do not say whether"), "{e}");
     }
 
     #[test]
