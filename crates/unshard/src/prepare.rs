@@ -15,6 +15,7 @@ use crate::lora::{self, AdapterOptions, LoraFuse};
 use crate::options::{MergeOptions, UnsafePolicy, VerifyOptions};
 use crate::plan::conversion::ArchConversion;
 use crate::plan::megatron::Megatron;
+use crate::plan::torchtitan::Torchtitan;
 pub use crate::plan::Inputs;
 use crate::plan::{self, BaseView, Plan, PlanOptions};
 use crate::source::hf_dir::HfDir;
@@ -232,6 +233,11 @@ pub fn prepare<'a>(opts: impl Into<Sources<'a>>) -> Result<Prepared> {
     // Megatron-Core names and fused layouts become the base's Hugging Face names.
     let megatron = Arc::new(Megatron::for_config(view.config));
     plan_opts.mappings.push(megatron.clone());
+    // A torchtitan checkpoint is written under transformers' names of the base.
+    let titan = Torchtitan::for_config(view.config).map(Arc::new);
+    if let Some(t) = &titan {
+        plan_opts.mappings.push(t.clone());
+    }
     // A checkpoint in transformers' in-memory layout (packed experts) is written in
     // the layout of the base's files.
     let conversion = ArchConversion::for_config(view.config).map(Arc::new);
@@ -246,6 +252,9 @@ pub fn prepare<'a>(opts: impl Into<Sources<'a>>) -> Result<Prepared> {
         c.note(&mut plan.report);
     }
     megatron.note(&mut plan.report);
+    if let Some(t) = &titan {
+        t.note(&mut plan.report);
+    }
     if let Some(b) = &base {
         if b.dir.config.is_some() && !b.has_tokenizer() {
             plan.report.warnings.push(format!(

@@ -46,6 +46,7 @@ pub mod megatron;
 pub mod names;
 pub mod overlay;
 pub mod shard;
+pub mod torchtitan;
 
 pub use content::{Content, Expr, Leaf};
 pub use inputs::Inputs;
