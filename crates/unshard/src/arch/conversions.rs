@@ -85,6 +85,7 @@ fn table() -> Option<&'static Table> {
 }
 
 /// The model types the table lists, for tests and reports.
+#[cfg_attr(not(feature = "internals"), allow(dead_code))] // for the tests
 pub fn model_types() -> Vec<&'static str> {
     table()
         .map(|t| t.models.keys().map(String::as_str).collect())
