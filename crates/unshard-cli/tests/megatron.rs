@@ -11,24 +11,12 @@
 mod common;
 
 use std::path::Path;
-use std::process::{Command, Output};
+use std::process::Output;
 
-use common::{fixtures, model_names, names};
+use common::{fixtures, model_names, names, text};
 
 fn unshard<S: AsRef<std::ffi::OsStr>>(args: &[S]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_unshard"))
-        .args(args)
-        .current_dir(fixtures().join("megatron"))
-        .output()
-        .unwrap()
-}
-
-fn text(o: &Output) -> String {
-    format!(
-        "{}{}",
-        String::from_utf8_lossy(&o.stdout),
-        String::from_utf8_lossy(&o.stderr)
-    )
+    common::unshard_in(&fixtures().join("megatron"), args)
 }
 
 /// `(input, base, expected_dir)` of a case, relative to `fixtures/megatron/`.

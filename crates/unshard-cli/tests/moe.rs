@@ -14,24 +14,12 @@
 mod common;
 
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+use std::process::Output;
 
-use common::{fixtures, model_names, names};
+use common::{fixtures, model_names, names, text};
 
 fn unshard<S: AsRef<std::ffi::OsStr>>(args: &[S]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_unshard"))
-        .args(args)
-        .current_dir(fixtures())
-        .output()
-        .unwrap()
-}
-
-fn text(o: &Output) -> String {
-    format!(
-        "{}{}",
-        String::from_utf8_lossy(&o.stdout),
-        String::from_utf8_lossy(&o.stderr)
-    )
+    common::unshard_in(&fixtures(), args)
 }
 
 struct Case {

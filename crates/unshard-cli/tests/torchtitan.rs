@@ -14,28 +14,16 @@ mod common;
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+use std::process::Output;
 
-use common::{fixtures, model_names, names};
+use common::{fixtures, model_names, names, text};
 
 fn dir() -> PathBuf {
     fixtures().join("torchtitan")
 }
 
 fn unshard<S: AsRef<std::ffi::OsStr>>(args: &[S]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_unshard"))
-        .args(args)
-        .current_dir(dir())
-        .output()
-        .unwrap()
-}
-
-fn text(o: &Output) -> String {
-    format!(
-        "{}{}",
-        String::from_utf8_lossy(&o.stdout),
-        String::from_utf8_lossy(&o.stderr)
-    )
+    common::unshard_in(&dir(), args)
 }
 
 struct Case {

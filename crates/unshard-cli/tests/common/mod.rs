@@ -4,7 +4,25 @@
 pub mod s3;
 
 use std::path::{Path, PathBuf};
-use std::process::Command;
+use std::process::{Command, Output};
+
+/// Runs the `unshard` binary with `args` in `dir`.
+pub fn unshard_in<S: AsRef<std::ffi::OsStr>>(dir: &Path, args: &[S]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_unshard"))
+        .args(args)
+        .current_dir(dir)
+        .output()
+        .unwrap()
+}
+
+/// What a run printed, stdout then stderr.
+pub fn text(o: &Output) -> String {
+    format!(
+        "{}{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    )
+}
 
 /// The committed fixtures directory.
 pub fn fixtures() -> PathBuf {
