@@ -316,6 +316,102 @@ pub(crate) fn narrow(
     })
 }
 
+/// Rows a tensor gives an output tensor: `count` rows from source row `from`,
+/// every `step`-th, written from output row `to` on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Run {
+    pub(crate) from: u64,
+    pub(crate) step: u64,
+    pub(crate) count: u64,
+    pub(crate) to: u64,
+}
+
+/// The tensor of `rows` rows that `runs` take from `t` (each run's rows of each
+/// piece, the piece's row stride times the run's step), named `name`. A piece
+/// holding part of a run's rows gives the part it holds.
+pub(crate) fn select_rows(
+    t: &TensorSource,
+    runs: &[Run],
+    rows: u64,
+    name: &str,
+) -> std::result::Result<TensorSource, String> {
+    let Some((&src_rows, rest)) = t.shape.split_first() else {
+        return Err("a scalar has no rows to select".into());
+    };
+    let mut covered: u64 = 0;
+    for r in runs {
+        let last = r
+            .count
+            .checked_sub(1)
+            .and_then(|k| k.checked_mul(r.step))
+            .and_then(|x| x.checked_add(r.from));
+        let end = r.to.checked_add(r.count);
+        if r.step == 0 || last.is_none_or(|l| l >= src_rows) || end.is_none_or(|e| e > rows) {
+            return Err(format!(
+                "rows {} + {} x {} (to {}) do not fit its {src_rows} rows",
+                r.from, r.step, r.count, r.to
+            ));
+        }
+        covered = covered.saturating_add(r.count);
+    }
+    if covered != rows {
+        return Err(format!("{covered} rows selected for {rows}"));
+    }
+    let ndim = t.shape.len();
+    let mut pieces = Vec::new();
+    for p in &t.pieces {
+        if p.shape.len() != ndim || p.strides.len() != ndim || p.global_offset.len() != ndim {
+            return Err(format!(
+                "a piece of shape {:?} does not have its {ndim} dimension(s)",
+                p.shape
+            ));
+        }
+        let (g0, s0) = (p.global_offset[0], p.strides[0]);
+        let end = g0.saturating_add(p.shape[0]);
+        for r in runs {
+            // The run's rows `from + step * k` inside [g0, end): k in [lo, hi).
+            let lo = g0.saturating_sub(r.from).div_ceil(r.step);
+            let hi = end.saturating_sub(r.from).div_ceil(r.step).min(r.count);
+            if lo >= hi {
+                continue;
+            }
+            let first = r.from + r.step * lo;
+            let overflow = || format!("a piece at byte {} overflows", p.byte_offset);
+            let byte_offset = (first - g0)
+                .checked_mul(s0)
+                .and_then(|x| x.checked_mul(p.dtype.size() as u64))
+                .and_then(|x| x.checked_add(p.byte_offset))
+                .ok_or_else(overflow)?;
+            let mut shape = p.shape.clone();
+            shape[0] = hi - lo;
+            let mut strides = p.strides.clone();
+            strides[0] = s0.checked_mul(r.step).ok_or_else(overflow)?;
+            let mut at = p.global_offset.clone();
+            at[0] = r.to + lo;
+            pieces.push(Piece {
+                file: p.file,
+                byte_offset,
+                dtype: p.dtype,
+                shape,
+                strides,
+                global_offset: at,
+                big_endian: p.big_endian,
+            });
+        }
+    }
+    let mut shape = Vec::with_capacity(ndim);
+    shape.push(rows);
+    shape.extend_from_slice(rest);
+    Ok(TensorSource {
+        name: name.to_string(),
+        dtype: t.dtype,
+        shape,
+        pieces: pieces.into(),
+        storage: None,
+        layout: t.layout.clone(),
+    })
+}
+
 #[cfg(test)]
 #[allow(clippy::unwrap_used)]
 mod tests {

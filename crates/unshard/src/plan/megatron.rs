@@ -18,7 +18,7 @@ use std::sync::Mutex;
 
 use serde_json::{Map, Value};
 
-use super::conversion::narrow;
+use super::conversion::{narrow, select_rows, Run};
 use super::{Candidate, Content, MapInputs, Mapping, Report};
 use crate::arch::conversions::Region;
 use crate::error::{Error, Result};
@@ -533,32 +533,21 @@ fn take(
         len: std::iter::repeat_n(1, k).chain([len]).chain(src.shape[k + 1..].iter().copied()).collect(),
         kept: (k..ndim).collect(),
     };
+    let slice = narrow(src, &region(0, src.shape[k]), name).map_err(&fail)?;
     let Some(blocks) = blocks else {
-        return narrow(src, &region(0, src.shape[k]), name).map_err(fail);
+        return Ok(slice);
     };
-    let mut pieces = Vec::new();
-    let mut total = 0u64;
-    for b in blocks {
-        let t = narrow(src, &region(b.from, b.len), name).map_err(fail)?;
-        for p in t.pieces.iter() {
-            let mut p = p.clone();
-            if let Some(first) = p.global_offset.first_mut() {
-                *first += b.to;
-            }
-            pieces.push(p);
-        }
-        total = total.max(b.to + b.len);
-    }
-    let mut shape = vec![total];
-    shape.extend_from_slice(&src.shape[k + 1..]);
-    Ok(TensorSource {
-        name: name.to_string(),
-        dtype: src.dtype,
-        shape,
-        pieces: pieces.into(),
-        storage: None,
-        layout: src.layout.clone(),
-    })
+    let runs: Vec<Run> = blocks
+        .iter()
+        .map(|b| Run {
+            from: b.from,
+            step: 1,
+            count: b.len,
+            to: b.to,
+        })
+        .collect();
+    let rows = blocks.iter().map(|b| b.to + b.len).max().unwrap_or(0);
+    select_rows(&slice, &runs, rows, name).map_err(fail)
 }
 
 #[cfg(test)]
