@@ -147,15 +147,7 @@ impl Mapping for ArchConversion {
                             )
                         })?;
                         written += 1;
-                        out.push(Candidate {
-                            name,
-                            source_name: c.source_name.clone(),
-                            origin: c.origin,
-                            shape: t.shape.clone(),
-                            dtype: c.dtype,
-                            storage: None,
-                            content: Content::Copy(t),
-                        });
+                        out.push(c.part(name, t));
                     }
                 }
             }

@@ -64,6 +64,21 @@ impl Candidate {
         }
     }
 
+    /// A copy of part of this candidate's tensor: `t` (pieces of the same input,
+    /// rearranged by a mapping) under the output name `name`, quoting the same
+    /// source tensor in reports.
+    pub fn part(&self, name: String, t: TensorSource) -> Candidate {
+        Candidate {
+            name,
+            source_name: self.source_name.clone(),
+            origin: self.origin,
+            shape: t.shape.clone(),
+            dtype: self.dtype,
+            storage: None,
+            content: Content::Copy(t),
+        }
+    }
+
     /// A tensor computed by `expr`, attributed to `origin`; the expression is
     /// checked and gives the shape.
     pub fn computed(

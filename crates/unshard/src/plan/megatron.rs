@@ -203,15 +203,7 @@ impl Mapping for Megatron {
             };
             let name = unprefixed(&c.name).to_string();
             let emit = |out: &mut Vec<Candidate>, hf: String, t: TensorSource| {
-                out.push(Candidate {
-                    name: hf,
-                    source_name: c.source_name.clone(),
-                    origin: c.origin,
-                    shape: t.shape.clone(),
-                    dtype: c.dtype,
-                    storage: None,
-                    content: Content::Copy(t),
-                });
+                out.push(c.part(hf, t));
             };
             match name.as_str() {
                 "embedding.word_embeddings.weight" | "output_layer.weight" => {
@@ -350,15 +342,7 @@ fn layer_tensors(
 ) -> Result<()> {
     let p = format!("model.layers.{l}.");
     let mut push = |hf: String, t: TensorSource| {
-        out.push(Candidate {
-            name: hf,
-            source_name: c.source_name.clone(),
-            origin: c.origin,
-            shape: t.shape.clone(),
-            dtype: c.dtype,
-            storage: None,
-            content: Content::Copy(t),
-        });
+        out.push(c.part(hf, t));
     };
     let plain = match sub {
         "self_attention.linear_qkv.layer_norm_weight" | "input_layernorm.weight" => {

@@ -393,15 +393,7 @@ impl Torchtitan {
     fn selected(&self, c: &Candidate, runs: &[Run], rows: u64, name: String) -> Result<Candidate> {
         let src = self.source(c)?;
         let t = select_rows(src, runs, rows, &name).map_err(|why| self.refuse(c, &why))?;
-        Ok(Candidate {
-            name,
-            source_name: c.source_name.clone(),
-            origin: c.origin,
-            shape: t.shape.clone(),
-            dtype: c.dtype,
-            storage: None,
-            content: Content::Copy(t),
-        })
+        Ok(c.part(name, t))
     }
 
     /// q, k and v of a fused `wqkv`.
@@ -499,15 +491,7 @@ impl Torchtitan {
                 kept: vec![1, 2],
             };
             let t = narrow(src, &region, &name).map_err(|why| self.refuse(c, &why))?;
-            out.push(Candidate {
-                name,
-                source_name: c.source_name.clone(),
-                origin: c.origin,
-                shape: t.shape.clone(),
-                dtype: c.dtype,
-                storage: None,
-                content: Content::Copy(t),
-            });
+            out.push(c.part(name, t));
         }
         Ok(out)
     }
