@@ -93,48 +93,7 @@ pub fn parse_header(path: &Path, prefix: &[u8], len: u64) -> Result<Header> {
     }
     let text = std::str::from_utf8(&data[8..(8 + n) as usize])
         .map_err(|_| Error::corrupt(path, "the safetensors header is not UTF-8"))?;
-    let json: serde_json::Map<String, serde_json::Value> = serde_json::from_str(text.trim_end())
-        .map_err(|e| {
-            Error::corrupt(
-                path,
-                format!("the safetensors header is not a JSON object: {e}"),
-            )
-        })?;
-    let mut tensors = Vec::with_capacity(json.len());
-    let mut metadata = Vec::new();
-    for (name, v) in &json {
-        if name == "__metadata__" {
-            let m = v
-                .as_object()
-                .ok_or_else(|| Error::corrupt(path, "__metadata__ is not an object"))?;
-            for (k, v) in m {
-                let v = v.as_str().ok_or_else(|| {
-                    Error::corrupt(path, format!("__metadata__ value '{k}' is not a string"))
-                })?;
-                metadata.push((k.clone(), v.to_string()));
-            }
-            continue;
-        }
-        let bad = |msg: String| Error::bad_tensor(path, name, msg);
-        let dtype_s = v
-            .get("dtype")
-            .and_then(|d| d.as_str())
-            .ok_or_else(|| bad("no dtype".into()))?;
-        let dtype = DType::from_safetensors_name(dtype_s)
-            .ok_or_else(|| bad(format!("unsupported dtype {dtype_s}")))?;
-        let shape: Vec<u64> = v
-            .get("shape")
-            .and_then(|s| s.as_array())
-            .and_then(|a| a.iter().map(|d| d.as_u64()).collect())
-            .ok_or_else(|| bad("shape is not a list of non-negative ints".into()))?;
-        let offs: Vec<u64> = v
-            .get("data_offsets")
-            .and_then(|s| s.as_array())
-            .and_then(|a| a.iter().map(|d| d.as_u64()).collect())
-            .filter(|o: &Vec<u64>| o.len() == 2)
-            .ok_or_else(|| bad("data_offsets is not [begin, end]".into()))?;
-        tensors.push((name.clone(), dtype, shape, offs[0], offs[1]));
-    }
+    let (tensors, metadata) = json::parse(path, text)?;
     let mut order: Vec<usize> = (0..tensors.len()).collect();
     order.sort_by_key(|&i| (tensors[i].3, tensors[i].4));
     let mut expect = 0u64;
@@ -168,6 +127,201 @@ pub fn parse_header(path: &Path, prefix: &[u8], len: u64) -> Result<Header> {
         tensors,
         metadata,
     })
+}
+
+/// The header's JSON read straight into its entries, without building a JSON value
+/// tree first: a header of tens of thousands of tensors (a MoE model's per-expert
+/// weights) parses in a few milliseconds and a few allocations per tensor.
+mod json {
+    use std::fmt;
+    use std::path::Path;
+
+    use serde::de::{self, DeserializeSeed, IgnoredAny, MapAccess, Visitor};
+
+    use crate::dtype::DType;
+    use crate::error::{Error, Result};
+
+    type Entry = (String, DType, Vec<u64>, u64, u64);
+
+    /// What made the header unacceptable, with the tensor it concerns.
+    enum Fault {
+        File(String),
+        Tensor(String, String),
+    }
+
+    /// The entries in header order and the `__metadata__` pairs.
+    pub(super) fn parse(path: &Path, text: &str) -> Result<(Vec<Entry>, Vec<(String, String)>)> {
+        let mut fault = None;
+        let mut de = serde_json::Deserializer::from_str(text);
+        let parsed = Top { fault: &mut fault }
+            .deserialize(&mut de)
+            .and_then(|v| de.end().map(|()| v));
+        match (parsed, fault) {
+            (_, Some(Fault::Tensor(name, msg))) => Err(Error::bad_tensor(path, name, msg)),
+            (_, Some(Fault::File(msg))) => Err(Error::corrupt(path, msg)),
+            (Err(e), None) => Err(Error::corrupt(
+                path,
+                format!("the safetensors header is not a JSON object: {e}"),
+            )),
+            (Ok(v), None) => Ok(v),
+        }
+    }
+
+    fn fail<E: de::Error>(fault: &mut Option<Fault>, f: Fault) -> E {
+        let msg = match &f {
+            Fault::File(m) | Fault::Tensor(_, m) => m.clone(),
+        };
+        fault.get_or_insert(f);
+        E::custom(msg)
+    }
+
+    struct Top<'f> {
+        fault: &'f mut Option<Fault>,
+    }
+
+    impl<'de> DeserializeSeed<'de> for Top<'_> {
+        type Value = (Vec<Entry>, Vec<(String, String)>);
+        fn deserialize<D: de::Deserializer<'de>>(self, d: D) -> std::result::Result<Self::Value, D::Error> {
+            d.deserialize_map(self)
+        }
+    }
+
+    impl<'de> Visitor<'de> for Top<'_> {
+        type Value = (Vec<Entry>, Vec<(String, String)>);
+        fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+            f.write_str("a JSON object")
+        }
+        fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> std::result::Result<Self::Value, A::Error> {
+            let mut tensors: Vec<Entry> = Vec::new();
+            let mut metadata = Vec::new();
+            let mut seen = std::collections::HashSet::new();
+            while let Some(name) = map.next_key::<String>()? {
+                if !seen.insert(name.clone()) {
+                    let msg = "appears twice in the header".to_string();
+                    return Err(fail(self.fault, Fault::Tensor(name, msg)));
+                }
+                if name == "__metadata__" {
+                    metadata = map.next_value_seed(Meta { fault: self.fault })?;
+                    continue;
+                }
+                let entry = map.next_value_seed(Tensor {
+                    name: &name,
+                    fault: self.fault,
+                });
+                let (dtype, shape, begin, end) = match entry {
+                    Ok(e) => e,
+                    Err(e) if self.fault.is_some() => return Err(e),
+                    Err(e) => {
+                        let msg = format!("is not an object with dtype, shape and data_offsets ({e})");
+                        return Err(fail(self.fault, Fault::Tensor(name, msg)));
+                    }
+                };
+                tensors.push((name, dtype, shape, begin, end));
+            }
+            Ok((tensors, metadata))
+        }
+    }
+
+    struct Meta<'f> {
+        fault: &'f mut Option<Fault>,
+    }
+
+    impl<'de> DeserializeSeed<'de> for Meta<'_> {
+        type Value = Vec<(String, String)>;
+        fn deserialize<D: de::Deserializer<'de>>(self, d: D) -> std::result::Result<Self::Value, D::Error> {
+            d.deserialize_any(self)
+        }
+    }
+
+    impl<'de> Visitor<'de> for Meta<'_> {
+        type Value = Vec<(String, String)>;
+        fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+            f.write_str("an object of strings")
+        }
+        fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> std::result::Result<Self::Value, A::Error> {
+            let mut out = Vec::new();
+            while let Some(k) = map.next_key::<String>()? {
+                match map.next_value::<serde_json::Value>()? {
+                    serde_json::Value::String(v) => out.push((k, v)),
+                    _ => {
+                        let msg = format!("__metadata__ value '{k}' is not a string");
+                        return Err(fail(self.fault, Fault::File(msg)));
+                    }
+                }
+            }
+            Ok(out)
+        }
+        fn visit_seq<A: de::SeqAccess<'de>>(self, _: A) -> std::result::Result<Self::Value, A::Error> {
+            Err(self.not_object())
+        }
+        fn visit_str<E: de::Error>(self, _: &str) -> std::result::Result<Self::Value, E> {
+            Err(self.not_object())
+        }
+        fn visit_bool<E: de::Error>(self, _: bool) -> std::result::Result<Self::Value, E> {
+            Err(self.not_object())
+        }
+        fn visit_unit<E: de::Error>(self) -> std::result::Result<Self::Value, E> {
+            Err(self.not_object())
+        }
+    }
+
+    impl Meta<'_> {
+        fn not_object<E: de::Error>(self) -> E {
+            fail(self.fault, Fault::File("__metadata__ is not an object".into()))
+        }
+    }
+
+    struct Tensor<'a, 'f> {
+        name: &'a str,
+        fault: &'f mut Option<Fault>,
+    }
+
+    impl<'de> DeserializeSeed<'de> for Tensor<'_, '_> {
+        type Value = (DType, Vec<u64>, u64, u64);
+        fn deserialize<D: de::Deserializer<'de>>(self, d: D) -> std::result::Result<Self::Value, D::Error> {
+            d.deserialize_map(self)
+        }
+    }
+
+    impl<'de> Visitor<'de> for Tensor<'_, '_> {
+        type Value = (DType, Vec<u64>, u64, u64);
+        fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+            f.write_str("an object with dtype, shape and data_offsets")
+        }
+        fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> std::result::Result<Self::Value, A::Error> {
+            let name = self.name;
+            let fault = self.fault;
+            let mut bad = |msg: &str| fail::<A::Error>(fault, Fault::Tensor(name.into(), msg.into()));
+            let (mut dtype, mut shape, mut offsets) = (None, None, None);
+            while let Some(k) = map.next_key::<String>()? {
+                match k.as_str() {
+                    "dtype" => {
+                        let s = map.next_value::<String>().map_err(|_| bad("dtype is not a string"))?;
+                        let d = DType::from_safetensors_name(&s)
+                            .ok_or_else(|| bad(&format!("unsupported dtype {s}")))?;
+                        dtype = Some(d);
+                    }
+                    "shape" => {
+                        let v = map.next_value::<Vec<u64>>();
+                        shape = Some(v.map_err(|_| bad("shape is not a list of non-negative ints"))?);
+                    }
+                    "data_offsets" => {
+                        let v = map.next_value::<Vec<u64>>();
+                        offsets = Some(v.map_err(|_| bad("data_offsets is not [begin, end]"))?);
+                    }
+                    _ => {
+                        map.next_value::<IgnoredAny>()?;
+                    }
+                }
+            }
+            let dtype = dtype.ok_or_else(|| bad("no dtype"))?;
+            let shape = shape.ok_or_else(|| bad("shape is not a list of non-negative ints"))?;
+            match offsets.as_deref() {
+                Some(&[begin, end]) => Ok((dtype, shape, begin, end)),
+                _ => Err(bad("data_offsets is not [begin, end]")),
+            }
+        }
+    }
 }
 
 /// Describes every tensor of a safetensors file as a one-piece source.
@@ -347,6 +501,12 @@ mod tests {
             (r#"{"__metadata__":{"k":1}}"#, "'k' is not a string"),
             (r#"{"__metadata__":[]}"#, "__metadata__ is not an object"),
             ("[]", "not a JSON object"),
+            (
+                r#"{"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]},"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}}"#,
+                "appears twice",
+            ),
+            (r#"{"a":{"dtype":7,"shape":[1],"data_offsets":[0,4]}}"#, "dtype is not a string"),
+            (r#"{"a":[]}"#, "is not an object with dtype"),
         ] {
             let f = file(json, 0, 4);
             let e = err(&f, f.len() as u64);
