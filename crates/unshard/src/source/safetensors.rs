@@ -142,6 +142,7 @@ mod json {
     use crate::error::{Error, Result};
 
     type Entry = (String, DType, Vec<u64>, u64, u64);
+    type Parsed = (Vec<Entry>, Vec<(String, String)>);
 
     /// What made the header unacceptable, with the tensor it concerns.
     enum Fault {
@@ -150,7 +151,7 @@ mod json {
     }
 
     /// The entries in header order and the `__metadata__` pairs.
-    pub(super) fn parse(path: &Path, text: &str) -> Result<(Vec<Entry>, Vec<(String, String)>)> {
+    pub(super) fn parse(path: &Path, text: &str) -> Result<Parsed> {
         let mut fault = None;
         let mut de = serde_json::Deserializer::from_str(text);
         let parsed = Top { fault: &mut fault }
@@ -180,14 +181,14 @@ mod json {
     }
 
     impl<'de> DeserializeSeed<'de> for Top<'_> {
-        type Value = (Vec<Entry>, Vec<(String, String)>);
+        type Value = Parsed;
         fn deserialize<D: de::Deserializer<'de>>(self, d: D) -> std::result::Result<Self::Value, D::Error> {
             d.deserialize_map(self)
         }
     }
 
     impl<'de> Visitor<'de> for Top<'_> {
-        type Value = (Vec<Entry>, Vec<(String, String)>);
+        type Value = Parsed;
         fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
             f.write_str("a JSON object")
         }
