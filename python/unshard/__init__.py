@@ -23,10 +23,13 @@ from ._errors import (
     StrictMismatch,
     UnknownTensor,
     UnreadableCheckpoint,
+    UnsafePickle,
+    UnsafePickleWarning,
     UnshardError,
+    UnshardWarning,
     VerificationFailed,
 )
-from ._reports import DiffReport, MergeReport, Report, VerifyReport
+from ._reports import DiffReport, MergeReport, PartReport, Report, VerifyReport
 from ._unshard import __version__
 
 __all__ = [
@@ -37,6 +40,7 @@ __all__ = [
     "diff",
     "Report",
     "MergeReport",
+    "PartReport",
     "VerifyReport",
     "DiffReport",
     "UnshardError",
@@ -52,4 +56,7 @@ __all__ = [
     "VerificationFailed",
     "InvalidOption",
     "Cancelled",
+    "UnsafePickle",
+    "UnshardWarning",
+    "UnsafePickleWarning",
 ]

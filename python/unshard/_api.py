@@ -12,8 +12,8 @@ import os
 from typing import Any, Callable, Dict, Iterable, Optional, Union
 
 from . import _unshard as _native
-from ._errors import _from_native
-from ._reports import DiffReport, MergeReport, VerifyReport
+from ._errors import _emit_warnings, _from_native
+from ._reports import DiffReport, MergeReport, PartReport, VerifyReport
 
 PathLike = Union[str, "os.PathLike[str]"]
 ProgressArg = Union[bool, Callable[[int, int], Any], None]
@@ -93,6 +93,8 @@ def _merge_options(
     no_fuse: bool = False,
     no_manifest: bool = False,
     weights_only: bool = False,
+    refuse_unsafe: bool = False,
+    part: Optional[str] = None,
 ) -> str:
     if isinstance(rename, str):
         rename = [rename]
@@ -114,6 +116,8 @@ def _merge_options(
             "no_fuse": bool(no_fuse),
             "no_manifest": bool(no_manifest),
             "weights_only": bool(weights_only),
+            "refuse_unsafe": bool(refuse_unsafe),
+            "part": None if part is None else str(part),
         }
     )
 
@@ -138,8 +142,10 @@ def merge(
     no_fuse: bool = False,
     no_manifest: bool = False,
     weights_only: bool = False,
+    refuse_unsafe: bool = False,
+    part: Optional[str] = None,
     progress: ProgressArg = True,
-) -> MergeReport:
+) -> Union[MergeReport, PartReport]:
     """Merge a training checkpoint (onto a base model) into a Hugging Face model directory.
 
     Same job and options as ``unshard merge``: ``checkpoint`` is a torch.save file, a
@@ -158,11 +164,22 @@ def merge(
     ``base`` and none beside the checkpoint) the merge is refused, as transformers could
     not load its output, unless ``weights_only=True``.
 
+    Warnings (a pickle that would run code under ``torch.load``, NaN or inf values,
+    no tokenizer, ...) are emitted with :mod:`warnings` (:class:`UnshardWarning`,
+    :class:`UnsafePickleWarning`) and kept in ``report.warnings``, each with its
+    ``kind``, ``message``, ``tensor`` and ``file``. ``refuse_unsafe=True`` (or
+    ``strict=True``) refuses such a pickle instead, raising :class:`UnsafePickle`.
+
+    ``part="I/N"`` (or ``"auto"``, from torchrun's or Slurm's environment) writes only
+    part I of N of the shards, for a merge split over processes sharing the output's
+    filesystem; the last part to finish commits the output. It returns a
+    :class:`PartReport`.
+
     Returns a :class:`MergeReport`; raises :class:`UnshardError` subclasses.
     """
     opts = _merge_options(
         base, dtype, max_shard_size, strict, key, tag, rename, force, allow_overflow, verify, fail_on_nonfinite,
-        adapter, adapter_config, no_fuse, no_manifest, weights_only,
+        adapter, adapter_config, no_fuse, no_manifest, weights_only, refuse_unsafe, part,
     )
     data = _run(
         _native.merge,
@@ -172,6 +189,9 @@ def merge(
         progress=progress,
         desc="merging",
     )
+    if part is not None:
+        return PartReport(data)
+    _emit_warnings(data.get("warnings", []), stacklevel=2)
     return MergeReport(data)
 
 

@@ -7,7 +7,8 @@ the hint (``e.hint``, or ``None``) and a machine-readable ``e.kind``. Catch
 
 from __future__ import annotations
 
-from typing import Dict, Optional, Type
+import warnings
+from typing import Any, Dict, List, Optional, Type
 
 
 class UnshardError(Exception):
@@ -76,6 +77,25 @@ class Cancelled(UnshardError):
     """The work was cancelled."""
 
 
+class UnsafePickle(UnshardError):
+    """``refuse_unsafe=True`` (or ``strict=True``) and an input's pickle would run code
+    under ``torch.load`` (unshard ran none of it)."""
+
+
+class UnshardWarning(UserWarning):
+    """A warning from unshard about a merge's inputs or output (also in ``report.warnings``)."""
+
+
+class UnsafePickleWarning(UnshardWarning):
+    """An input's pickle would run code under ``torch.load`` (unshard ran none of it);
+    the message names each call."""
+
+
+_WARNING_BY_KIND: Dict[str, Type[UnshardWarning]] = {
+    "unsafe_pickle": UnsafePickleWarning,
+}
+
+
 _BY_KIND: Dict[str, Type[UnshardError]] = {
     "unreadable_checkpoint": UnreadableCheckpoint,
     "unknown_tensor": UnknownTensor,
@@ -89,6 +109,7 @@ _BY_KIND: Dict[str, Type[UnshardError]] = {
     "verification_failed": VerificationFailed,
     "usage": InvalidOption,
     "cancelled": Cancelled,
+    "unsafe_pickle": UnsafePickle,
 }
 
 
@@ -96,3 +117,10 @@ def _from_native(kind: str, message: str, hint: Optional[str]) -> UnshardError:
     """The exception for an error the extension module reported."""
     cls = _BY_KIND.get(kind, UnshardError)
     return cls(message, hint, kind)
+
+
+def _emit_warnings(report_warnings: List[Dict[str, Any]], stacklevel: int) -> None:
+    """Emits each of a report's warnings with :mod:`warnings` (the same words the CLI prints)."""
+    for w in report_warnings:
+        category = _WARNING_BY_KIND.get(w.get("kind", ""), UnshardWarning)
+        warnings.warn(w["message"], category, stacklevel=stacklevel + 1)

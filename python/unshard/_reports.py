@@ -50,6 +50,10 @@ class MergeReport(Report):
     """What a merge wrote, renamed, dropped, cast and took from the base."""
 
 
+class PartReport(Report):
+    """What one part of a split merge (``part="I/N"``) wrote, and whether it committed the output."""
+
+
 class VerifyReport(Report):
     """What ``verify`` checked; ``ok`` is True when the output holds the checkpoint."""
 

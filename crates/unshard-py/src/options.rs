@@ -10,8 +10,8 @@ use std::time::Duration;
 
 use serde::Deserialize;
 use unshard::{
-    AdapterOptions, Cancel, DiffOptions, Error, InspectOptions, MergeOptions, OpenOptions,
-    PlanOptions, Progress, RenameError, VerifyOptions,
+    AdapterOptions, Cancel, DiffOptions, Error, InspectOptions, MergeOptions, OpenOptions, Part,
+    PlanOptions, Progress, RenameError, UnsafePolicy, VerifyOptions,
 };
 
 use crate::job::Counters;
@@ -37,11 +37,17 @@ struct Kwargs {
     no_manifest: bool,
     #[serde(default)]
     weights_only: bool,
+    #[serde(default)]
+    refuse_unsafe: bool,
+    #[serde(default)]
+    part: Option<String>,
 }
 
 /// A merge (or the merge a `verify` re-derives), ready to run.
 pub struct MergeRequest {
     opts: MergeOptions,
+    /// `part=`: `I/N` or `auto`.
+    part: Option<String>,
 }
 
 impl MergeRequest {
@@ -67,6 +73,12 @@ impl MergeRequest {
                 fail_on_nonfinite: k.fail_on_nonfinite,
                 no_manifest: k.no_manifest,
                 weights_only: k.weights_only,
+                // As on the command line: `strict` refuses too. Python is told
+                // through the report's warnings, not a callback.
+                unsafe_pickles: UnsafePolicy {
+                    refuse: k.refuse_unsafe || k.strict,
+                    report: None,
+                },
                 adapter: AdapterOptions {
                     name: k.adapter,
                     config: k.adapter_config.map(PathBuf::from),
@@ -75,12 +87,38 @@ impl MergeRequest {
                 cancel: Cancel::new(),
                 ..MergeOptions::default()
             },
+            part: k.part,
         })
     }
 
     /// Runs the merge; the report as JSON.
     pub fn run(mut self, progress: &dyn Progress, cancel: &Cancel) -> Result<String, Error> {
         self.opts.cancel = cancel.clone();
+        if let Some(p) = &self.part {
+            let part = match p.as_str() {
+                "auto" => Part::from_env(|k| std::env::var(k).ok()),
+                p => Part::parse(p),
+            }
+            // The library words these for the command line's --part.
+            .map_err(|e| match e {
+                Error::Usage(m) => Error::Usage(
+                    m.replace("--part auto", "part='auto'")
+                        .replace("--part '", "part='"),
+                ),
+                e => e,
+            })?;
+            let o = unshard::merge_part(&self.opts, part, progress)?;
+            return to_json(&PartJson {
+                part: format!("{}/{}", part.index, part.count),
+                output: self.opts.output.display().to_string(),
+                shards: o.shards,
+                total_shards: o.plan.shards.len(),
+                committed: o.committed,
+                waiting_for: o.waiting_for,
+                plan_hash: o.plan_hash,
+                staging: o.staging.display().to_string(),
+            });
+        }
         let outcome = unshard::merge(&self.opts, progress)?;
         to_json(&outcome)
     }
@@ -92,6 +130,19 @@ impl MergeRequest {
         let report = unshard::verify(&opts, progress)?;
         to_json(&report)
     }
+}
+
+/// What one part of a split merge did, as `unshard.merge(..., part=)` returns it.
+#[derive(serde::Serialize)]
+struct PartJson {
+    part: String,
+    output: String,
+    shards: Vec<String>,
+    total_shards: usize,
+    committed: bool,
+    waiting_for: Vec<usize>,
+    plan_hash: String,
+    staging: String,
 }
 
 fn plan_options(k: &Kwargs) -> Result<PlanOptions, Error> {
@@ -221,6 +272,7 @@ pub fn kind_of(e: &Error) -> &'static str {
         Error::Overflow { .. } => "overflow",
         Error::Output { .. } => "output",
         Error::Usage(_) => "usage",
+        Error::Unsafe { .. } => "unsafe_pickle",
         Error::Interrupted => "cancelled",
         Error::Check { .. } => "verification_failed",
         _ => "error",

@@ -71,7 +71,7 @@ pub use error::{Error, NonFiniteTensor, Result, ShapeDiff};
 pub use inspect::{inspect, InspectReport, InspectedTensor, NonTensor};
 pub use lora::input::AdapterOptions;
 pub use manifest::{Manifest, MANIFEST};
-pub use merge::{merge, merge_into, parse_size, MergeOutcome};
+pub use merge::{merge, merge_into, parse_size, MergeOutcome, Warning, WarningKind};
 pub use options::{DiffOptions, InspectOptions, MergeOptions, UnsafePolicy, VerifyOptions};
 pub use parts::{merge_part, Part};
 pub use plan::{parse_rename, DtypeChoice, Origin, PlanOptions, RenameError};

@@ -17,6 +17,7 @@ use crate::manifest::{FileEntry, Manifest, MANIFEST};
 use crate::plan::{Origin, Plan};
 use crate::prepare::{Prepared, Sources};
 use crate::source;
+use crate::source::audit::UnsafeCall;
 use crate::verify::{self, VerifyReport};
 use crate::write::{self, Progress, Sink, StagingDir, WriteOptions, WriteSummary};
 
@@ -38,8 +39,105 @@ pub struct MergeOutcome {
     pub config_from: Option<PathBuf>,
     /// What the `verify` option found (always a pass: a failure is an error).
     pub verified: Option<VerifyReport>,
+    /// What the inputs' pickles would run under `torch.load` (unshard ran none of it).
+    pub unsafe_calls: Vec<UnsafeCall>,
     /// How long the merge took.
     pub elapsed: Duration,
+}
+
+/// What a [`Warning`] is about.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum WarningKind {
+    /// An input's pickle would run code under `torch.load` (unshard ran none of it).
+    UnsafePickle,
+    /// A tensor holds NaN or inf values in the checkpoint.
+    NonFinite,
+    /// Values overflowed to inf when cast to the output dtype.
+    Overflow,
+    /// Something about the output the user should check (no tokenizer, the base
+    /// model again, ...).
+    Merge,
+}
+
+/// One thing a merge found that may be wrong with its inputs or its output: what
+/// every front end shows (the CLI on stderr, Python through `warnings`).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct Warning {
+    /// What it is about.
+    pub kind: WarningKind,
+    /// The warning, in words (without a `warning:` prefix).
+    pub message: String,
+    /// The output tensor it is about, if one.
+    pub tensor: Option<String>,
+    /// The input file it is about, if one.
+    pub file: Option<String>,
+}
+
+impl MergeOutcome {
+    /// Everything the merge warns about, unsafe pickle calls first (one warning per
+    /// file, naming each call), then per-tensor non-finite values and overflows,
+    /// then what planning found.
+    pub fn warnings(&self) -> Vec<Warning> {
+        let mut out = unsafe_warnings(&self.unsafe_calls);
+        for (t, s) in self.plan.tensors.iter().zip(&self.write.stats) {
+            if s.nan > 0 || s.inf > 0 {
+                out.push(Warning {
+                    kind: WarningKind::NonFinite,
+                    message: format!(
+                        "tensor '{}' holds {} NaN and {} inf value(s) in the checkpoint",
+                        t.name, s.nan, s.inf
+                    ),
+                    tensor: Some(t.name.clone()),
+                    file: None,
+                });
+            }
+            if s.overflow > 0 {
+                out.push(Warning {
+                    kind: WarningKind::Overflow,
+                    message: format!(
+                        "tensor '{}': {} value(s) overflowed to inf in {}",
+                        t.name, s.overflow, t.dtype
+                    ),
+                    tensor: Some(t.name.clone()),
+                    file: None,
+                });
+            }
+        }
+        out.extend(self.plan.report.warnings.iter().map(|w| Warning {
+            kind: WarningKind::Merge,
+            message: w.clone(),
+            tensor: None,
+            file: None,
+        }));
+        out
+    }
+}
+
+/// One [`WarningKind::UnsafePickle`] warning per file, listing each call as
+/// [`UnsafeCall::describe`] words it.
+fn unsafe_warnings(calls: &[UnsafeCall]) -> Vec<Warning> {
+    let mut out = Vec::new();
+    let mut i = 0;
+    while let Some(first) = calls.get(i) {
+        let same = calls[i..]
+            .iter()
+            .take_while(|c| c.path == first.path)
+            .count();
+        let listed: Vec<String> = calls[i..i + same].iter().map(|c| c.describe()).collect();
+        let file = first.path.display().to_string();
+        out.push(Warning {
+            kind: WarningKind::UnsafePickle,
+            message: format!(
+                "{file}: its pickle would run code under torch.load (unshard ran none of it): {}",
+                listed.join("; ")
+            ),
+            tensor: None,
+            file: Some(file),
+        });
+        i += same;
+    }
+    out
 }
 
 /// A [`MergeOutcome`] as JSON: what a user or a script needs, not the plan's
@@ -56,7 +154,8 @@ struct MergeJson {
     renamed: Vec<(String, String)>,
     dropped: Vec<(String, String)>,
     casts: Vec<(DType, DType, usize)>,
-    warnings: Vec<String>,
+    warnings: Vec<Warning>,
+    unsafe_calls: Vec<UnsafeCall>,
     nonfinite: Vec<NonFinite>,
     files: Vec<String>,
     bytes_written: u64,
@@ -84,6 +183,7 @@ impl From<MergeOutcome> for MergeJson {
                 overflow: t.overflow,
             })
             .collect();
+        let warnings = o.warnings();
         let r = o.plan.report;
         MergeJson {
             checkpoint_format: o.checkpoint_format.id(),
@@ -101,7 +201,8 @@ impl From<MergeOutcome> for MergeJson {
             renamed: r.renamed,
             dropped: r.dropped,
             casts: r.casts,
-            warnings: r.warnings,
+            warnings,
+            unsafe_calls: o.unsafe_calls,
             nonfinite,
             files: o.write.files,
             bytes_written: o.write.bytes_written,
@@ -263,7 +364,8 @@ pub fn merge_into(
     if !opts.no_manifest {
         // Written last, into the same staging: committed with the rest or not at all.
         let files = FileEntry::of_written(&summary.files, &summary.digests);
-        let bytes = Manifest::new(opts, ckpt.format.id(), plan.dtype, files).to_bytes();
+        let calls = crate::prepare::unsafe_calls(&ckpt, base.as_ref());
+        let bytes = Manifest::new(opts, ckpt.format.id(), plan.dtype, files, &calls).to_bytes();
         sink.write_file(MANIFEST, &bytes)?;
         summary.files.push(MANIFEST.into());
         summary.digests.push(write::FileDigest::of_bytes(&bytes));
@@ -282,6 +384,7 @@ pub fn merge_into(
         checkpoint_notes: ckpt.notes.clone(),
         config_from,
         verified,
+        unsafe_calls: crate::prepare::unsafe_calls(&ckpt, base.as_ref()),
         elapsed: started.elapsed(),
     })
 }

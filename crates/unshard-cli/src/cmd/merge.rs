@@ -4,7 +4,7 @@
 use std::io::Write;
 use std::path::PathBuf;
 
-use unshard::{MergeOptions, MergeOutcome, OpenOptions, Origin, Part};
+use unshard::{MergeOptions, MergeOutcome, OpenOptions, Origin, Part, WarningKind};
 
 use crate::text::{human_bytes, list_some};
 
@@ -268,27 +268,13 @@ fn print_summary(w: &mut dyn Write, opts: &MergeOptions, o: &MergeOutcome) -> st
 }
 
 /// The warnings about the written model (non-finite values, overflows, what the
-/// plan found suspicious): printed even under --quiet.
+/// plan found suspicious): printed even under --quiet. Unsafe pickle calls were
+/// printed when the inputs were opened (see `unsafe_report`).
 fn print_warnings(w: &mut dyn Write, o: &MergeOutcome) -> std::io::Result<()> {
-    let plan = &o.plan;
-    for (t, s) in plan.tensors.iter().zip(&o.write.stats) {
-        if s.nan > 0 || s.inf > 0 {
-            writeln!(
-                w,
-                "warning: tensor '{}' holds {} NaN and {} inf value(s) in the checkpoint",
-                t.name, s.nan, s.inf
-            )?;
+    for x in o.warnings() {
+        if x.kind != WarningKind::UnsafePickle {
+            writeln!(w, "warning: {}", x.message)?;
         }
-        if s.overflow > 0 {
-            writeln!(
-                w,
-                "warning: tensor '{}': {} value(s) overflowed to inf in {}",
-                t.name, s.overflow, t.dtype
-            )?;
-        }
-    }
-    for x in &plan.report.warnings {
-        writeln!(w, "warning: {x}")?;
     }
     Ok(())
 }
