@@ -209,7 +209,7 @@ def inspect(
 
 def verify(
     output: PathLike,
-    against: PathLike,
+    against: Optional[PathLike] = None,
     *,
     base: Optional[PathLike] = None,
     dtype: str = "auto",
@@ -218,25 +218,29 @@ def verify(
     key: Optional[str] = None,
     tag: Optional[str] = None,
     rename: Iterable[str] = (),
-    allow_overflow: bool = False,
     adapter: Optional[str] = None,
     adapter_config: Optional[PathLike] = None,
     no_fuse: bool = False,
+    refuse_unsafe: bool = False,
     progress: ProgressArg = False,
 ) -> VerifyReport:
     """Check that ``output`` holds exactly what merging ``against`` with these options gives.
 
-    Pass the options the merge ran with. Returns a :class:`VerifyReport` whose ``ok``
-    is False when anything differs (it does not raise for a mismatch).
+    As ``unshard verify``: when ``output`` holds the ``unshard.json`` its merge wrote,
+    ``verify(output)`` needs nothing else (the checkpoint and every option left at its
+    default are taken from it; ``report.from_manifest`` lists them), and the files are
+    also held to its checksums. Otherwise pass ``against`` and the options the merge
+    ran with. Returns a :class:`VerifyReport` whose ``ok`` is False when anything
+    differs (it does not raise for a mismatch).
     """
     opts = _merge_options(
-        base, dtype, max_shard_size, strict, key, tag, rename, False, allow_overflow, False, False,
-        adapter, adapter_config, no_fuse,
+        base, dtype, max_shard_size, strict, key, tag, rename, False, False, False, False,
+        adapter, adapter_config, no_fuse, refuse_unsafe=refuse_unsafe,
     )
     data = _run(
         _native.verify,
         _path(output, "output"),
-        _path(against, "against"),
+        "" if against is None else _path(against, "against"),
         opts,
         progress=progress,
         desc="verifying",
@@ -244,11 +248,12 @@ def verify(
     return VerifyReport(data)
 
 
-def diff(a: PathLike, b: PathLike, *, progress: ProgressArg = False) -> DiffReport:
+def diff(a: PathLike, b: PathLike, *, refuse_unsafe: bool = False, progress: ProgressArg = False) -> DiffReport:
     """Compare two checkpoints or model directories tensor by tensor.
 
     Returns a :class:`DiffReport` (``identical`` is True when names, dtypes, shapes
-    and values all agree; NaN matches NaN).
+    and values all agree; NaN matches NaN). ``refuse_unsafe=True`` raises
+    :class:`UnsafePickle` for an input whose pickle would run code under ``torch.load``.
     """
-    data = _run(_native.diff, _path(a, "a"), _path(b, "b"), progress=progress, desc="comparing")
+    data = _run(_native.diff, _path(a, "a"), _path(b, "b"), bool(refuse_unsafe), progress=progress, desc="comparing")
     return DiffReport(data)

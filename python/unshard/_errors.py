@@ -33,6 +33,22 @@ class UnreadableCheckpoint(UnshardError):
     """The input cannot be read: missing, corrupt, an unknown format, or incomplete."""
 
 
+class WrongInput(UnreadableCheckpoint):
+    """The path is a part of a checkpoint (a ``.metadata`` file, one rank's file) or the
+    folder around one, not the checkpoint itself; the hint names what to pass."""
+
+
+class PlanError(UnshardError):
+    """The merge cannot be done as asked: the base cannot be found (a path that does
+    not exist, a Hub id not in the local cache), there is no config.json to write (pass
+    ``base=``, or ``weights_only=True``), or the checkpoint does not fit the base."""
+
+
+class AdapterError(UnshardError):
+    """A LoRA/DoRA adapter cannot be fused as the keywords stand (``adapter=``,
+    ``adapter_config=``, ``base=``, ``no_fuse=``); the hint says which to change."""
+
+
 class UnknownTensor(UnshardError):
     """Checkpoint tensors that the base model does not have."""
 
@@ -110,6 +126,9 @@ _BY_KIND: Dict[str, Type[UnshardError]] = {
     "usage": InvalidOption,
     "cancelled": Cancelled,
     "unsafe_pickle": UnsafePickle,
+    "wrong_input": WrongInput,
+    "plan": PlanError,
+    "adapter": AdapterError,
 }
 
 
