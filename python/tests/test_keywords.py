@@ -141,3 +141,24 @@ def test_part_writes_its_share_and_the_last_commits(tmp_path):
     with pytest.raises(unshard.InvalidOption) as info:
         unshard.merge(ckpt, tmp_path / "x", base=base, part="2/2", progress=False)
     assert "part='2/2'" in str(info.value) and "--part" not in str(info.value)
+
+
+def test_reports_are_typed_and_say_what_matters(tmp_path):
+    import typing
+
+    out = tmp_path / "out"
+    report = unshard.merge(FIXTURES / "ckpt/llama_policy.pt", out, base=FIXTURES / "models/llama-bf16", progress=False)
+    # Declared fields are the fields the report has (type checkers see what Python gets).
+    for cls, rep in [
+        (unshard.MergeReport, report),
+        (unshard.VerifyReport, unshard.verify(out)),
+        (unshard.DiffReport, unshard.diff(out, FIXTURES / "models/llama-bf16")),
+        (unshard.InspectReport, unshard.inspect(out)),
+    ]:
+        assert isinstance(rep, cls)
+        declared = set(typing.get_type_hints(cls))
+        assert declared == set(rep.to_dict()), (cls.__name__, declared ^ set(rep.to_dict()))
+    r = repr(report)
+    assert str(out) in r and f"{report.tensors_written} tensors" in r and f"{len(report.files)} files" in r, r
+    assert repr(unshard.inspect(out)).startswith("InspectReport(path=")
+    assert unshard.inspect(out).to_dict()["total_tensors"] == report.tensors_written

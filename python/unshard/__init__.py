@@ -32,7 +32,16 @@ from ._errors import (
     UnshardWarning,
     VerificationFailed,
 )
-from ._reports import DiffReport, MergeReport, PartReport, Report, VerifyReport
+from ._reports import (
+    DiffReport,
+    InspectReport,
+    MergeReport,
+    MergeWarning,
+    PartReport,
+    Report,
+    UnsafeCall,
+    VerifyReport,
+)
 from ._unshard import __version__
 
 __all__ = [
@@ -46,6 +55,9 @@ __all__ = [
     "PartReport",
     "VerifyReport",
     "DiffReport",
+    "InspectReport",
+    "MergeWarning",
+    "UnsafeCall",
     "UnshardError",
     "UnreadableCheckpoint",
     "UnknownTensor",

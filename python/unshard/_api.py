@@ -13,7 +13,7 @@ from typing import Any, Callable, Dict, Iterable, Optional, Union
 
 from . import _unshard as _native
 from ._errors import _emit_warnings, _from_native
-from ._reports import DiffReport, MergeReport, PartReport, VerifyReport
+from ._reports import DiffReport, InspectReport, MergeReport, PartReport, VerifyReport
 
 PathLike = Union[str, "os.PathLike[str]"]
 ProgressArg = Union[bool, Callable[[int, int], Any], None]
@@ -197,14 +197,15 @@ def merge(
 
 def inspect(
     path: PathLike, *, key: Optional[str] = None, tag: Optional[str] = None, stats: bool = False
-) -> Dict[str, Any]:
+) -> InspectReport:
     """What a checkpoint, safetensors file or model directory holds.
 
-    Returns the object ``unshard inspect --json`` prints (format, key, tensors with
-    names, dtypes, shapes and sizes, the non-tensor entries, notes; with
-    ``stats=True`` each tensor's mean, std, min, max and non-finite counts).
+    Returns an :class:`InspectReport`: the fields ``unshard inspect --json`` prints
+    (format, key, tensors with names, dtypes, shapes and sizes, the non-tensor
+    entries, notes, the calls its pickles would run; with ``stats=True`` each
+    tensor's mean, std, min, max and non-finite counts); ``to_dict()`` gives them all.
     """
-    return _run(_native.inspect, _path(path, "path"), key, tag, bool(stats))
+    return InspectReport(_run(_native.inspect, _path(path, "path"), key, tag, bool(stats)))
 
 
 def verify(

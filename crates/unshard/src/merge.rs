@@ -25,6 +25,8 @@ use crate::write::{self, Progress, Sink, StagingDir, WriteOptions, WriteSummary}
 #[derive(Clone, Debug, Serialize)]
 #[serde(into = "MergeJson")]
 pub struct MergeOutcome {
+    /// Where the output was written.
+    pub output: PathBuf,
     /// What was written and why (names, dtypes, shards, the planning report).
     pub plan: Plan,
     /// What writing saw (per-tensor NaN/inf/overflow counts, files).
@@ -144,6 +146,7 @@ fn unsafe_warnings(calls: &[UnsafeCall]) -> Vec<Warning> {
 /// byte layout.
 #[derive(Serialize)]
 struct MergeJson {
+    output: String,
     checkpoint_format: &'static str,
     checkpoint_key: Option<String>,
     notes: Vec<String>,
@@ -186,6 +189,7 @@ impl From<MergeOutcome> for MergeJson {
         let warnings = o.warnings();
         let r = o.plan.report;
         MergeJson {
+            output: o.output.display().to_string(),
             checkpoint_format: o.checkpoint_format.id(),
             checkpoint_key: o.checkpoint_key,
             notes: o.checkpoint_notes.into_iter().chain(r.notes).collect(),
@@ -377,6 +381,7 @@ pub fn merge_into(
         _ => None,
     };
     Ok(MergeOutcome {
+        output: opts.output.clone(),
         plan,
         write: summary,
         checkpoint_format: ckpt.format,
