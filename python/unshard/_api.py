@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import os
+import sys
+import time
 from typing import Any, Callable, Dict, Iterable, Optional, Union
 
 from . import _unshard as _native
@@ -48,6 +50,72 @@ class _TqdmProgress:
             self._bar.close()
 
 
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"  # pragma: no cover
+
+
+class _LineProgress:
+    """Plain lines on stderr, one per tenth of the work (and the last): for logs and
+    notebooks, where a bar redrawn in place would print a line per update."""
+
+    def __init__(self, desc: str, stream: Any):
+        self._desc = desc
+        self._stream = stream
+        self._next = 0
+        self._started = time.monotonic()
+
+    def __call__(self, done: int, total: int) -> None:
+        if total <= 0:
+            return
+        pct = min(100, done * 100 // total)
+        if pct < self._next:
+            return
+        self._next = pct // 10 * 10 + 10
+        secs = time.monotonic() - self._started
+        print(f"unshard: {self._desc} {pct}% ({_human(done)} of {_human(total)}, {secs:.0f} s)",
+              file=self._stream, flush=True)
+
+    def close(self) -> None:
+        pass
+
+
+class _TtyBar:
+    """A bar redrawn in place on a terminal's stderr."""
+
+    WIDTH = 30
+
+    def __init__(self, desc: str, stream: Any):
+        self._desc = desc
+        self._stream = stream
+        self._drawn = False
+
+    def __call__(self, done: int, total: int) -> None:
+        if total <= 0:
+            return
+        frac = min(1.0, done / total)
+        fill = int(frac * self.WIDTH)
+        bar = "#" * fill + "-" * (self.WIDTH - fill)
+        self._stream.write(f"\r{self._desc} [{bar}] {frac * 100:3.0f}% {_human(done)}/{_human(total)}")
+        self._stream.flush()
+        self._drawn = True
+
+    def close(self) -> None:
+        if self._drawn:
+            self._stream.write("\n")
+            self._stream.flush()
+
+
+def _is_tty(stream: Any) -> bool:
+    try:
+        return bool(stream.isatty())
+    except (AttributeError, ValueError):
+        return False
+
+
 def _progress_callback(progress: ProgressArg, desc: str) -> Optional[Callable[[int, int], Any]]:
     if progress is None or progress is False:
         return None
@@ -55,7 +123,10 @@ def _progress_callback(progress: ProgressArg, desc: str) -> Optional[Callable[[i
         try:
             from tqdm.auto import tqdm
         except ImportError:
-            return None
+            stream = sys.stderr
+            if stream is None:
+                return None
+            return _TtyBar(desc, stream) if _is_tty(stream) else _LineProgress(desc, stream)
         return _TqdmProgress(tqdm, desc)
     if callable(progress):
         return progress
@@ -153,7 +224,9 @@ def merge(
     input the CLI reads, DeepSpeed ZeRO folders too: ``tag`` picks a tag other than
     ``latest``'s); ``base`` the Hugging Face directory training started from.
     The output appears complete or not at all. ``progress`` is True (a tqdm bar when
-    tqdm is installed), False, or a callable ``progress(done_bytes, total_bytes)``.
+    tqdm is installed; else a bar on a terminal's stderr, or a line per tenth of the
+    work where stderr is not a terminal: logs, notebooks), False, or a callable
+    ``progress(done_bytes, total_bytes)``.
 
     A LoRA/DoRA adapter (a peft adapter directory, or a training checkpoint of a
     peft-wrapped model) is fused into ``base``; ``adapter`` picks one of several named
