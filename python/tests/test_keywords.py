@@ -18,6 +18,7 @@ CLI_ONLY = {
     "help": "Python has help()",
     "version": "unshard.__version__",
     "quiet": "Python prints no summary; progress=False silences progress",
+    "verbose": "a longer text summary; Python's report holds every rename and every tensor from the base",
     "json": "Python returns the report as an object (report.to_dict())",
     "output": "the output is the second positional argument",
     "all": "diff's text lists only differing tensors unless --all; Python's report holds them all",

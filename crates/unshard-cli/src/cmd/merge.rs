@@ -72,6 +72,11 @@ pub struct MergeArgs {
     #[arg(long, short)]
     quiet: bool,
 
+    /// A longer summary: every renamed tensor and every tensor taken from the base
+    /// (the summary lists the first few).
+    #[arg(long, short, conflicts_with_all = ["quiet", "json"])]
+    verbose: bool,
+
     // --json: the merge report on stdout instead of the summary on stderr;
     // warnings still go to stderr.
     #[command(flatten)]
@@ -178,7 +183,7 @@ pub fn run(args: MergeArgs) -> anyhow::Result<Status> {
     // --quiet silences what was done, never what may be wrong with the result.
     text::write_escaped(&mut err, |w| match args.quiet || args.json.json {
         true => print_warnings(w, &outcome),
-        false => print_summary(w, &opts, &outcome),
+        false => print_summary(w, &opts, &outcome, args.verbose),
     })?;
     err.flush()?;
     if args.json.json {
@@ -194,7 +199,12 @@ pub fn run(args: MergeArgs) -> anyhow::Result<Status> {
 }
 
 /// The report after a successful merge.
-fn print_summary(w: &mut dyn Write, opts: &MergeOptions, o: &MergeReport) -> std::io::Result<()> {
+fn print_summary(
+    w: &mut dyn Write,
+    opts: &MergeOptions,
+    o: &MergeReport,
+    verbose: bool,
+) -> std::io::Result<()> {
     let at = o
         .checkpoint_key
         .as_deref()
@@ -223,14 +233,22 @@ fn print_summary(w: &mut dyn Write, opts: &MergeOptions, o: &MergeReport) -> std
         o.from_checkpoint,
         o.from_base.len()
     )?;
-    if let Some((a, b)) = o.renamed.first() {
+    if verbose {
+        for (a, b) in &o.renamed {
+            writeln!(w, "renamed: {a} -> {b}")?;
+        }
+    } else if let Some((a, b)) = o.renamed.first() {
         let more = if o.renamed.len() > 1 { ", ..." } else { "" };
         writeln!(w, "renamed: {} ({a} -> {b}{more})", o.renamed.len())?;
     }
     for (name, why) in &o.dropped {
         writeln!(w, "dropped: {name} ({why})")?;
     }
-    if !o.from_base.is_empty() {
+    if verbose {
+        for name in &o.from_base {
+            writeln!(w, "from base: {name}")?;
+        }
+    } else if !o.from_base.is_empty() {
         writeln!(w, "from base: {}", list_some(&o.from_base, 6))?;
     }
     for (from, to, n) in &o.casts {
