@@ -599,3 +599,34 @@ fn a_single_rank_file_is_refused_with_a_pointer_to_the_directory() {
     );
     assert_left_nothing(tmp.path());
 }
+
+/// An output whose directory cannot be written: the message names the output and
+/// its directory, not the internal staging name, and says what to do.
+#[test]
+fn an_unwritable_output_directory_is_named_with_a_hint() {
+    let tmp = tempfile::tempdir().unwrap();
+    let ckpt = fixtures().join("ckpt/llama_policy.pt");
+    let base = fixtures().join("models/llama-bf16");
+    // /proc takes no new directories, even for root.
+    let o = unshard(
+        &[
+            "merge",
+            ckpt.to_str().unwrap(),
+            "/proc/unshard-out",
+            "--base",
+            base.to_str().unwrap(),
+        ],
+        tmp.path(),
+    );
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("/proc/unshard-out: cannot write into /proc"),
+        "{err}"
+    );
+    assert!(
+        err.contains("hint: choose an output in a directory you can write to"),
+        "{err}"
+    );
+    assert!(!err.contains("unshard-tmp"), "{err}");
+}
