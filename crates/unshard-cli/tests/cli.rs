@@ -525,3 +525,34 @@ fn merge_verbose_lists_every_rename() {
         "{short}"
     );
 }
+
+/// Where to put the completion script: `unshard completions --help` and the README
+/// give the same commands, for bash, zsh and fish.
+#[test]
+fn completion_advice_is_the_same_in_help_and_readme() {
+    let help = stdout(&unshard(&["completions", "--help"]));
+    let readme =
+        std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("../../README.md"))
+            .unwrap();
+    let advice: Vec<&str> = help
+        .lines()
+        .map(str::trim)
+        .filter(|l| {
+            ["bash:", "zsh:", "fish:"]
+                .iter()
+                .any(|s| l.starts_with(s) && l.contains("unshard completions "))
+        })
+        .collect();
+    for shell in ["bash", "zsh", "fish"] {
+        assert!(
+            advice.iter().any(|l| l.starts_with(&format!("{shell}:"))),
+            "{shell}: {help}"
+        );
+    }
+    for line in advice {
+        assert!(
+            readme.lines().any(|l| l.trim() == line),
+            "README lacks: {line}"
+        );
+    }
+}
