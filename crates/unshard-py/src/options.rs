@@ -86,7 +86,6 @@ impl MergeRequest {
                     no_fuse: k.no_fuse,
                 },
                 cancel: Cancel::new(),
-                ..MergeOptions::default()
             },
             part: k.part,
         })
@@ -247,7 +246,6 @@ pub fn diff(
                 report: None,
             },
             cancel: cancel.clone(),
-            ..DiffOptions::default()
         },
         progress,
     )?;

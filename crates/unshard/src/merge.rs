@@ -111,7 +111,7 @@ pub struct Warning {
 /// file, naming each call), then per-tensor non-finite values and overflows,
 /// then what planning found.
 fn warnings(plan: &Plan, stats: &[ConvertStats], unsafe_calls: &[UnsafeCall]) -> Vec<Warning> {
-    let mut out = unsafe_warnings(&unsafe_calls);
+    let mut out = unsafe_warnings(unsafe_calls);
     for (t, s) in plan.tensors.iter().zip(stats) {
         if s.nan > 0 || s.inf > 0 {
             out.push(Warning {
