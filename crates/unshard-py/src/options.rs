@@ -112,7 +112,7 @@ impl MergeRequest {
                 part: format!("{}/{}", part.index, part.count),
                 output: self.opts.output.display().to_string(),
                 shards: o.shards,
-                total_shards: o.plan.shards.len(),
+                total_shards: o.total_shards,
                 committed: o.committed,
                 waiting_for: o.waiting_for,
                 plan_hash: o.plan_hash,

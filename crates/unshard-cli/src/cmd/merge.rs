@@ -149,7 +149,7 @@ pub fn run(args: MergeArgs) -> anyhow::Result<Status> {
                     w,
                     "{p}: wrote {} of {} shard(s) ({})",
                     o.shards.len(),
-                    o.plan.shards.len(),
+                    o.total_shards,
                     list_some(&o.shards, 4)
                 )?;
                 if o.committed {

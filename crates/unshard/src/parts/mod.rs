@@ -59,8 +59,8 @@ use shared_dir::PartDir;
 /// What one part did.
 #[derive(Debug)]
 pub struct PartOutcome {
-    /// The whole merge's plan (every part computes it).
-    pub plan: Plan,
+    /// How many shards the whole merge writes (every part plans them all).
+    pub total_shards: usize,
     /// The plan's hash, which names the staging directory.
     pub plan_hash: String,
     /// The shards this part wrote.
@@ -173,7 +173,7 @@ pub fn merge_part(opts: &MergeOptions, part: Part, progress: &dyn Progress) -> R
             committed = true;
         }
         return Ok(PartOutcome {
-            plan,
+            total_shards: plan.shards.len(),
             plan_hash: hash,
             shards,
             committed,
@@ -216,7 +216,7 @@ pub fn merge_part(opts: &MergeOptions, part: Part, progress: &dyn Progress) -> R
         committed = true;
     }
     Ok(PartOutcome {
-        plan,
+        total_shards: plan.shards.len(),
         plan_hash: hash,
         shards,
         committed,
