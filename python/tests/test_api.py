@@ -243,3 +243,62 @@ def test_several_adapters_need_a_name(tmp_path):
     assert not (tmp_path / "out").exists()
     unshard.merge(two, tmp_path / "out", base=FIXTURES / "models/llama-bf16", adapter="second", progress=False)
     assert not unshard.diff(tmp_path / "out", FIXTURES / "models/llama-bf16").identical
+
+
+def test_progress_without_tqdm_prints_lines_where_stderr_is_not_a_terminal(tmp_path, slow_engine, monkeypatch,
+                                                                            capfd):
+    import re
+    import sys
+
+    # As in a fresh venv: no tqdm.
+    monkeypatch.setitem(sys.modules, "tqdm", None)
+    monkeypatch.setitem(sys.modules, "tqdm.auto", None)
+    report = unshard.merge(FIXTURES / "ckpt/llama_policy.pt", tmp_path / "out",
+                           base=FIXTURES / "models/llama-bf16-sharded", max_shard_size="100KB")
+    lines = capfd.readouterr().err.splitlines()
+    got = [re.fullmatch(r"unshard: merging (\d+)% \((.+) of (.+), \d+ s\)", line) for line in lines]
+    assert got and all(got), lines
+    pcts = [int(m.group(1)) for m in got]
+    # A line per tenth at most, in order, ending with the whole.
+    assert pcts == sorted(pcts) and len(pcts) <= 11 and len(pcts) >= 2, pcts
+    assert pcts[-1] == 100 and got[-1].group(2) == got[-1].group(3)
+    assert report.tensors_written
+    # progress=False: silent.
+    unshard.merge(FIXTURES / "ckpt/llama_policy.pt", tmp_path / "quiet", base=FIXTURES / "models/llama-bf16-sharded",
+                  progress=False)
+    assert capfd.readouterr().err == ""
+
+
+def test_progress_without_tqdm_draws_a_bar_on_a_terminal(monkeypatch):
+    import io
+
+    import unshard._api as api
+
+    class Tty(io.StringIO):
+        def isatty(self):
+            return True
+
+    tty = Tty()
+    monkeypatch.setattr(api.sys, "stderr", tty)
+    monkeypatch.setitem(__import__("sys").modules, "tqdm.auto", None)
+    bar = api._progress_callback(True, "merging")
+    for done in (0, 512, 1024):
+        bar(done, 1024)
+    bar.close()
+    text = tty.getvalue()
+    assert text.count("\r") == 3 and text.endswith("100% 1.0 KiB/1.0 KiB\n"), repr(text)
+
+
+def test_progress_lines_come_once_per_tenth(monkeypatch):
+    import io
+
+    import unshard._api as api
+
+    log = io.StringIO()  # not a terminal
+    monkeypatch.setattr(api.sys, "stderr", log)
+    monkeypatch.setitem(__import__("sys").modules, "tqdm.auto", None)
+    lines = api._progress_callback(True, "merging")
+    for done in range(0, 1001):
+        lines(done, 1000)
+    pcts = [int(line.split()[2].rstrip("%")) for line in log.getvalue().splitlines()]
+    assert pcts == list(range(0, 101, 10)), pcts

@@ -69,4 +69,4 @@ def test_inspect_json_from_the_console_script_matches_the_api():
 
     res = console("inspect", "--json", FIXTURES / "ckpt/llama_policy.pt")
     assert res.returncode == 0, res.stderr
-    assert json.loads(res.stdout) == unshard.inspect(FIXTURES / "ckpt/llama_policy.pt")
+    assert json.loads(res.stdout) == unshard.inspect(FIXTURES / "ckpt/llama_policy.pt").to_dict()

@@ -23,10 +23,25 @@ from ._errors import (
     StrictMismatch,
     UnknownTensor,
     UnreadableCheckpoint,
+    UnsafePickle,
+    WrongInput,
+    PlanError,
+    AdapterError,
+    UnsafePickleWarning,
     UnshardError,
+    UnshardWarning,
     VerificationFailed,
 )
-from ._reports import DiffReport, MergeReport, Report, VerifyReport
+from ._reports import (
+    DiffReport,
+    InspectReport,
+    MergeReport,
+    MergeWarning,
+    PartReport,
+    Report,
+    UnsafeCall,
+    VerifyReport,
+)
 from ._unshard import __version__
 
 __all__ = [
@@ -37,8 +52,12 @@ __all__ = [
     "diff",
     "Report",
     "MergeReport",
+    "PartReport",
     "VerifyReport",
     "DiffReport",
+    "InspectReport",
+    "MergeWarning",
+    "UnsafeCall",
     "UnshardError",
     "UnreadableCheckpoint",
     "UnknownTensor",
@@ -52,4 +71,10 @@ __all__ = [
     "VerificationFailed",
     "InvalidOption",
     "Cancelled",
+    "UnsafePickle",
+    "WrongInput",
+    "PlanError",
+    "AdapterError",
+    "UnshardWarning",
+    "UnsafePickleWarning",
 ]

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import json
 import os
+import sys
+import time
 from typing import Any, Callable, Dict, Iterable, Optional, Union
 
 from . import _unshard as _native
-from ._errors import _from_native
-from ._reports import DiffReport, MergeReport, VerifyReport
+from ._errors import _emit_warnings, _from_native
+from ._reports import DiffReport, InspectReport, MergeReport, PartReport, VerifyReport
 
 PathLike = Union[str, "os.PathLike[str]"]
 ProgressArg = Union[bool, Callable[[int, int], Any], None]
@@ -48,6 +50,72 @@ class _TqdmProgress:
             self._bar.close()
 
 
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"  # pragma: no cover
+
+
+class _LineProgress:
+    """Plain lines on stderr, one per tenth of the work (and the last): for logs and
+    notebooks, where a bar redrawn in place would print a line per update."""
+
+    def __init__(self, desc: str, stream: Any):
+        self._desc = desc
+        self._stream = stream
+        self._next = 0
+        self._started = time.monotonic()
+
+    def __call__(self, done: int, total: int) -> None:
+        if total <= 0:
+            return
+        pct = min(100, done * 100 // total)
+        if pct < self._next:
+            return
+        self._next = pct // 10 * 10 + 10
+        secs = time.monotonic() - self._started
+        print(f"unshard: {self._desc} {pct}% ({_human(done)} of {_human(total)}, {secs:.0f} s)",
+              file=self._stream, flush=True)
+
+    def close(self) -> None:
+        pass
+
+
+class _TtyBar:
+    """A bar redrawn in place on a terminal's stderr."""
+
+    WIDTH = 30
+
+    def __init__(self, desc: str, stream: Any):
+        self._desc = desc
+        self._stream = stream
+        self._drawn = False
+
+    def __call__(self, done: int, total: int) -> None:
+        if total <= 0:
+            return
+        frac = min(1.0, done / total)
+        fill = int(frac * self.WIDTH)
+        bar = "#" * fill + "-" * (self.WIDTH - fill)
+        self._stream.write(f"\r{self._desc} [{bar}] {frac * 100:3.0f}% {_human(done)}/{_human(total)}")
+        self._stream.flush()
+        self._drawn = True
+
+    def close(self) -> None:
+        if self._drawn:
+            self._stream.write("\n")
+            self._stream.flush()
+
+
+def _is_tty(stream: Any) -> bool:
+    try:
+        return bool(stream.isatty())
+    except (AttributeError, ValueError):
+        return False
+
+
 def _progress_callback(progress: ProgressArg, desc: str) -> Optional[Callable[[int, int], Any]]:
     if progress is None or progress is False:
         return None
@@ -55,7 +123,10 @@ def _progress_callback(progress: ProgressArg, desc: str) -> Optional[Callable[[i
         try:
             from tqdm.auto import tqdm
         except ImportError:
-            return None
+            stream = sys.stderr
+            if stream is None:
+                return None
+            return _TtyBar(desc, stream) if _is_tty(stream) else _LineProgress(desc, stream)
         return _TqdmProgress(tqdm, desc)
     if callable(progress):
         return progress
@@ -93,6 +164,8 @@ def _merge_options(
     no_fuse: bool = False,
     no_manifest: bool = False,
     weights_only: bool = False,
+    refuse_unsafe: bool = False,
+    part: Optional[str] = None,
 ) -> str:
     if isinstance(rename, str):
         rename = [rename]
@@ -114,6 +187,8 @@ def _merge_options(
             "no_fuse": bool(no_fuse),
             "no_manifest": bool(no_manifest),
             "weights_only": bool(weights_only),
+            "refuse_unsafe": bool(refuse_unsafe),
+            "part": None if part is None else str(part),
         }
     )
 
@@ -138,8 +213,10 @@ def merge(
     no_fuse: bool = False,
     no_manifest: bool = False,
     weights_only: bool = False,
+    refuse_unsafe: bool = False,
+    part: Optional[str] = None,
     progress: ProgressArg = True,
-) -> MergeReport:
+) -> Union[MergeReport, PartReport]:
     """Merge a training checkpoint (onto a base model) into a Hugging Face model directory.
 
     Same job and options as ``unshard merge``: ``checkpoint`` is a torch.save file, a
@@ -147,7 +224,9 @@ def merge(
     input the CLI reads, DeepSpeed ZeRO folders too: ``tag`` picks a tag other than
     ``latest``'s); ``base`` the Hugging Face directory training started from.
     The output appears complete or not at all. ``progress`` is True (a tqdm bar when
-    tqdm is installed), False, or a callable ``progress(done_bytes, total_bytes)``.
+    tqdm is installed; else a bar on a terminal's stderr, or a line per tenth of the
+    work where stderr is not a terminal: logs, notebooks), False, or a callable
+    ``progress(done_bytes, total_bytes)``.
 
     A LoRA/DoRA adapter (a peft adapter directory, or a training checkpoint of a
     peft-wrapped model) is fused into ``base``; ``adapter`` picks one of several named
@@ -158,11 +237,22 @@ def merge(
     ``base`` and none beside the checkpoint) the merge is refused, as transformers could
     not load its output, unless ``weights_only=True``.
 
+    Warnings (a pickle that would run code under ``torch.load``, NaN or inf values,
+    no tokenizer, ...) are emitted with :mod:`warnings` (:class:`UnshardWarning`,
+    :class:`UnsafePickleWarning`) and kept in ``report.warnings``, each with its
+    ``kind``, ``message``, ``tensor`` and ``file``. ``refuse_unsafe=True`` (or
+    ``strict=True``) refuses such a pickle instead, raising :class:`UnsafePickle`.
+
+    ``part="I/N"`` (or ``"auto"``, from torchrun's or Slurm's environment) writes only
+    part I of N of the shards, for a merge split over processes sharing the output's
+    filesystem; the last part to finish commits the output. It returns a
+    :class:`PartReport`.
+
     Returns a :class:`MergeReport`; raises :class:`UnshardError` subclasses.
     """
     opts = _merge_options(
         base, dtype, max_shard_size, strict, key, tag, rename, force, allow_overflow, verify, fail_on_nonfinite,
-        adapter, adapter_config, no_fuse, no_manifest, weights_only,
+        adapter, adapter_config, no_fuse, no_manifest, weights_only, refuse_unsafe, part,
     )
     data = _run(
         _native.merge,
@@ -172,24 +262,28 @@ def merge(
         progress=progress,
         desc="merging",
     )
+    if part is not None:
+        return PartReport(data)
+    _emit_warnings(data.get("warnings", []), stacklevel=2)
     return MergeReport(data)
 
 
 def inspect(
     path: PathLike, *, key: Optional[str] = None, tag: Optional[str] = None, stats: bool = False
-) -> Dict[str, Any]:
+) -> InspectReport:
     """What a checkpoint, safetensors file or model directory holds.
 
-    Returns the object ``unshard inspect --json`` prints (format, key, tensors with
-    names, dtypes, shapes and sizes, the non-tensor entries, notes; with
-    ``stats=True`` each tensor's mean, std, min, max and non-finite counts).
+    Returns an :class:`InspectReport`: the fields ``unshard inspect --json`` prints
+    (format, key, tensors with names, dtypes, shapes and sizes, the non-tensor
+    entries, notes, the calls its pickles would run; with ``stats=True`` each
+    tensor's mean, std, min, max and non-finite counts); ``to_dict()`` gives them all.
     """
-    return _run(_native.inspect, _path(path, "path"), key, tag, bool(stats))
+    return InspectReport(_run(_native.inspect, _path(path, "path"), key, tag, bool(stats)))
 
 
 def verify(
     output: PathLike,
-    against: PathLike,
+    against: Optional[PathLike] = None,
     *,
     base: Optional[PathLike] = None,
     dtype: str = "auto",
@@ -198,25 +292,29 @@ def verify(
     key: Optional[str] = None,
     tag: Optional[str] = None,
     rename: Iterable[str] = (),
-    allow_overflow: bool = False,
     adapter: Optional[str] = None,
     adapter_config: Optional[PathLike] = None,
     no_fuse: bool = False,
+    refuse_unsafe: bool = False,
     progress: ProgressArg = False,
 ) -> VerifyReport:
     """Check that ``output`` holds exactly what merging ``against`` with these options gives.
 
-    Pass the options the merge ran with. Returns a :class:`VerifyReport` whose ``ok``
-    is False when anything differs (it does not raise for a mismatch).
+    As ``unshard verify``: when ``output`` holds the ``unshard.json`` its merge wrote,
+    ``verify(output)`` needs nothing else (the checkpoint and every option left at its
+    default are taken from it; ``report.from_manifest`` lists them), and the files are
+    also held to its checksums. Otherwise pass ``against`` and the options the merge
+    ran with. Returns a :class:`VerifyReport` whose ``ok`` is False when anything
+    differs (it does not raise for a mismatch).
     """
     opts = _merge_options(
-        base, dtype, max_shard_size, strict, key, tag, rename, False, allow_overflow, False, False,
-        adapter, adapter_config, no_fuse,
+        base, dtype, max_shard_size, strict, key, tag, rename, False, False, False, False,
+        adapter, adapter_config, no_fuse, refuse_unsafe=refuse_unsafe,
     )
     data = _run(
         _native.verify,
         _path(output, "output"),
-        _path(against, "against"),
+        "" if against is None else _path(against, "against"),
         opts,
         progress=progress,
         desc="verifying",
@@ -224,11 +322,12 @@ def verify(
     return VerifyReport(data)
 
 
-def diff(a: PathLike, b: PathLike, *, progress: ProgressArg = False) -> DiffReport:
+def diff(a: PathLike, b: PathLike, *, refuse_unsafe: bool = False, progress: ProgressArg = False) -> DiffReport:
     """Compare two checkpoints or model directories tensor by tensor.
 
     Returns a :class:`DiffReport` (``identical`` is True when names, dtypes, shapes
-    and values all agree; NaN matches NaN).
+    and values all agree; NaN matches NaN). ``refuse_unsafe=True`` raises
+    :class:`UnsafePickle` for an input whose pickle would run code under ``torch.load``.
     """
-    data = _run(_native.diff, _path(a, "a"), _path(b, "b"), progress=progress, desc="comparing")
+    data = _run(_native.diff, _path(a, "a"), _path(b, "b"), bool(refuse_unsafe), progress=progress, desc="comparing")
     return DiffReport(data)

@@ -7,7 +7,8 @@ the hint (``e.hint``, or ``None``) and a machine-readable ``e.kind``. Catch
 
 from __future__ import annotations
 
-from typing import Dict, Optional, Type
+import warnings
+from typing import Any, Dict, List, Optional, Type
 
 
 class UnshardError(Exception):
@@ -30,6 +31,22 @@ class UnshardError(Exception):
 
 class UnreadableCheckpoint(UnshardError):
     """The input cannot be read: missing, corrupt, an unknown format, or incomplete."""
+
+
+class WrongInput(UnreadableCheckpoint):
+    """The path is a part of a checkpoint (a ``.metadata`` file, one rank's file) or the
+    folder around one, not the checkpoint itself; the hint names what to pass."""
+
+
+class PlanError(UnshardError):
+    """The merge cannot be done as asked: the base cannot be found (a path that does
+    not exist, a Hub id not in the local cache), there is no config.json to write (pass
+    ``base=``, or ``weights_only=True``), or the checkpoint does not fit the base."""
+
+
+class AdapterError(UnshardError):
+    """A LoRA/DoRA adapter cannot be fused as the keywords stand (``adapter=``,
+    ``adapter_config=``, ``base=``, ``no_fuse=``); the hint says which to change."""
 
 
 class UnknownTensor(UnshardError):
@@ -76,6 +93,25 @@ class Cancelled(UnshardError):
     """The work was cancelled."""
 
 
+class UnsafePickle(UnshardError):
+    """``refuse_unsafe=True`` (or ``strict=True``) and an input's pickle would run code
+    under ``torch.load`` (unshard ran none of it)."""
+
+
+class UnshardWarning(UserWarning):
+    """A warning from unshard about a merge's inputs or output (also in ``report.warnings``)."""
+
+
+class UnsafePickleWarning(UnshardWarning):
+    """An input's pickle would run code under ``torch.load`` (unshard ran none of it);
+    the message names each call."""
+
+
+_WARNING_BY_KIND: Dict[str, Type[UnshardWarning]] = {
+    "unsafe_pickle": UnsafePickleWarning,
+}
+
+
 _BY_KIND: Dict[str, Type[UnshardError]] = {
     "unreadable_checkpoint": UnreadableCheckpoint,
     "unknown_tensor": UnknownTensor,
@@ -89,6 +125,10 @@ _BY_KIND: Dict[str, Type[UnshardError]] = {
     "verification_failed": VerificationFailed,
     "usage": InvalidOption,
     "cancelled": Cancelled,
+    "unsafe_pickle": UnsafePickle,
+    "wrong_input": WrongInput,
+    "plan": PlanError,
+    "adapter": AdapterError,
 }
 
 
@@ -96,3 +136,10 @@ def _from_native(kind: str, message: str, hint: Optional[str]) -> UnshardError:
     """The exception for an error the extension module reported."""
     cls = _BY_KIND.get(kind, UnshardError)
     return cls(message, hint, kind)
+
+
+def _emit_warnings(report_warnings: List[Dict[str, Any]], stacklevel: int) -> None:
+    """Emits each of a report's warnings with :mod:`warnings` (the same words the CLI prints)."""
+    for w in report_warnings:
+        category = _WARNING_BY_KIND.get(w.get("kind", ""), UnshardWarning)
+        warnings.warn(w["message"], category, stacklevel=stacklevel + 1)

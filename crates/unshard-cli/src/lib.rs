@@ -75,7 +75,16 @@ enum Command {
     /// constructor) is listed as recognised, not unsafe. Exits 1 if anything unsafe is
     /// listed (or a file cannot be read fully), 0 if every file is clean.
     Scan(cmd::scan::ScanArgs),
-    /// Print a shell completion script: `unshard completions bash > /etc/bash_completion.d/unshard`.
+    /// Print a shell completion script for bash, zsh, fish, elvish or powershell.
+    ///
+    /// Install it where your shell looks (then open a new shell):
+    ///
+    ///   bash: unshard completions bash > ~/.local/share/bash-completion/completions/unshard
+    ///
+    ///   zsh:  unshard completions zsh > ~/.zfunc/_unshard  (with fpath+=~/.zfunc in ~/.zshrc)
+    ///
+    ///   fish: unshard completions fish > ~/.config/fish/completions/unshard.fish
+    #[command(verbatim_doc_comment)]
     Completions(cmd::completions::CompletionsArgs),
     /// Print a man page (roff), made from these help texts: `unshard man | man -l -`.
     Man(cmd::man::ManArgs),

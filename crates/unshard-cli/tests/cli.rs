@@ -471,3 +471,88 @@ fn names_from_files_are_escaped_in_text_and_exact_in_json() {
     assert!(err.contains("no-such-\\x1b[2J-file.pt"), "{err:?}");
     assert!(!err.contains('\x1b'), "{err:?}");
 }
+
+/// `inspect -q` keeps the format and totals and drops the per-tensor table.
+#[test]
+fn inspect_quiet_drops_the_table() {
+    let full = stdout(&unshard(&["inspect", "ckpt/llama_policy.pt"]));
+    let o = unshard(&["inspect", "ckpt/llama_policy.pt", "-q"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let quiet = stdout(&o);
+    assert!(full.contains("model.embed_tokens.weight"), "{full}");
+    assert!(!quiet.contains("model.embed_tokens.weight"), "{quiet}");
+    let totals = full.lines().find(|l| l.contains(" parameters, ")).unwrap();
+    assert!(quiet.contains(totals), "{quiet}");
+    assert_eq!(quiet.lines().next(), full.lines().next());
+}
+
+/// `merge -v` lists every renamed tensor, where the summary shows the first.
+#[test]
+fn merge_verbose_lists_every_rename() {
+    let tmp = tempfile::tempdir().unwrap();
+    let args = |out: &str, extra: &[&str]| -> Output {
+        let out = tmp.path().join(out);
+        let mut a = vec![
+            "merge",
+            "ckpt/llama_fsdp_prefixed.pt",
+            out.to_str().unwrap(),
+            "--base",
+            "models/llama-bf16",
+        ];
+        a.extend(extra);
+        unshard(&a)
+    };
+    let json = args("j", &["--json"]);
+    assert!(json.status.success(), "{}", stderr(&json));
+    let report: serde_json::Value = serde_json::from_slice(&json.stdout).unwrap();
+    let renamed = report["renamed"].as_array().unwrap();
+    assert!(renamed.len() > 1);
+    let v = args("v", &["-v"]);
+    let err = stderr(&v);
+    assert!(v.status.success(), "{err}");
+    for pair in renamed {
+        let line = format!(
+            "renamed: {} -> {}",
+            pair[0].as_str().unwrap(),
+            pair[1].as_str().unwrap()
+        );
+        assert!(err.lines().any(|l| l == line), "{line} missing from {err}");
+    }
+    let short = stderr(&args("s", &[]));
+    assert_eq!(
+        short.lines().filter(|l| l.starts_with("renamed: ")).count(),
+        1,
+        "{short}"
+    );
+}
+
+/// Where to put the completion script: `unshard completions --help` and the README
+/// give the same commands, for bash, zsh and fish.
+#[test]
+fn completion_advice_is_the_same_in_help_and_readme() {
+    let help = stdout(&unshard(&["completions", "--help"]));
+    let readme =
+        std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("../../README.md"))
+            .unwrap();
+    let advice: Vec<&str> = help
+        .lines()
+        .map(str::trim)
+        .filter(|l| {
+            ["bash:", "zsh:", "fish:"]
+                .iter()
+                .any(|s| l.starts_with(s) && l.contains("unshard completions "))
+        })
+        .collect();
+    for shell in ["bash", "zsh", "fish"] {
+        assert!(
+            advice.iter().any(|l| l.starts_with(&format!("{shell}:"))),
+            "{shell}: {help}"
+        );
+    }
+    for line in advice {
+        assert!(
+            readme.lines().any(|l| l.trim() == line),
+            "README lacks: {line}"
+        );
+    }
+}

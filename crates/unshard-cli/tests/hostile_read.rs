@@ -88,6 +88,52 @@ fn merge_warns_about_every_payload_writes_the_weights_and_refuses_when_asked() {
         let bytes = std::fs::read(out.join("model.safetensors")).unwrap();
         let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
         assert_eq!(st.tensor("w").unwrap().data(), &f32s(w)[..], "{file}");
+        // Recorded in the output's unshard.json, each call with its file.
+        let manifest: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(out.join("unshard.json")).unwrap()).unwrap();
+        let recorded = manifest["unsafe_calls"].as_array().unwrap();
+        let abs = std::fs::canonicalize(input).unwrap();
+        for want in c["callables"].as_array().unwrap() {
+            assert!(
+                recorded.iter().any(|r| {
+                    r["callable"]
+                        .as_str()
+                        .unwrap()
+                        .contains(want.as_str().unwrap())
+                        && Path::new(r["file"].as_str().unwrap()) == abs
+                }),
+                "{file}: {want}: {recorded:?}"
+            );
+        }
+        // And in `--json`'s warnings, as data naming the file.
+        let o = unshard(
+            &[
+                "merge",
+                input,
+                "-o",
+                cwd.path().join("json").to_str().unwrap(),
+                "--weights-only",
+                "--json",
+            ],
+            cwd.path(),
+        );
+        assert!(o.status.success(), "{file}");
+        let report: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+        let unsafe_warning = report["warnings"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|w| w["kind"] == "unsafe_pickle")
+            .unwrap_or_else(|| panic!("{file}: {}", report["warnings"]));
+        assert_eq!(unsafe_warning["file"], input, "{file}");
+        for want in c["callables"].as_array().unwrap() {
+            let want = want.as_str().unwrap();
+            assert!(
+                unsafe_warning["message"].as_str().unwrap().contains(want),
+                "{file}: {want}: {unsafe_warning}"
+            );
+        }
+        std::fs::remove_dir_all(cwd.path().join("json")).unwrap();
 
         for flag in ["--refuse-unsafe", "--strict"] {
             let refused = cwd.path().join("refused");

@@ -12,7 +12,7 @@ use std::collections::BTreeSet;
 use std::path::Path;
 use std::process::{Command, Output};
 
-use common::fixtures;
+use common::{f32_safetensors, fixtures};
 
 fn unshard(args: &[&str]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_unshard"))
@@ -498,6 +498,38 @@ fn an_adapter_without_a_base_asks_for_one() {
     assert!(
         stderr.contains("no base model to fuse it into") && stderr.contains("--base"),
         "{stderr}"
+    );
+    assert!(!out.exists());
+}
+
+/// One stray `lora_A` tensor makes a checkpoint an adapter input; the refusal for
+/// the missing adapter config names that tensor.
+#[test]
+fn a_lone_lora_a_tensor_is_named_in_the_refusal() {
+    let tmp = tempfile::tempdir().unwrap();
+    let ckpt = tmp.path().join("run").join("model.safetensors");
+    std::fs::create_dir(ckpt.parent().unwrap()).unwrap();
+    let stray = "model.layers.0.self_attn.q_proj.lora_A.weight";
+    f32_safetensors(
+        &ckpt,
+        &[
+            ("model.embed_tokens.weight", &[1.0, 2.0]),
+            (stray, &[0.5, 0.5]),
+        ],
+    );
+    let out = tmp.path().join("out");
+    let o = unshard(&[
+        "merge",
+        ckpt.to_str().unwrap(),
+        out.to_str().unwrap(),
+        "--weights-only",
+    ]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(1), "{err}");
+    assert!(err.contains("no adapter_config.json"), "{err}");
+    assert!(
+        err.contains(&format!("because of tensor '{stray}'")),
+        "{err}"
     );
     assert!(!out.exists());
 }

@@ -599,3 +599,96 @@ fn a_single_rank_file_is_refused_with_a_pointer_to_the_directory() {
     );
     assert_left_nothing(tmp.path());
 }
+
+/// An output whose directory cannot be written: the message names the output and
+/// its directory, not the internal staging name, and says what to do.
+#[test]
+fn an_unwritable_output_directory_is_named_with_a_hint() {
+    let tmp = tempfile::tempdir().unwrap();
+    let ckpt = fixtures().join("ckpt/llama_policy.pt");
+    let base = fixtures().join("models/llama-bf16");
+    // /proc takes no new directories, even for root.
+    let o = unshard(
+        &[
+            "merge",
+            ckpt.to_str().unwrap(),
+            "/proc/unshard-out",
+            "--base",
+            base.to_str().unwrap(),
+        ],
+        tmp.path(),
+    );
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("/proc/unshard-out: cannot write into /proc"),
+        "{err}"
+    );
+    assert!(
+        err.contains("hint: choose an output in a directory you can write to"),
+        "{err}"
+    );
+    assert!(!err.contains("unshard-tmp"), "{err}");
+}
+
+/// A folder holding a DeepSpeed checkpoint folder (`ckpt/latest`) among other
+/// things points to that folder.
+#[test]
+fn a_folder_around_a_deepspeed_checkpoint_points_to_it() {
+    let tmp = tempfile::tempdir().unwrap();
+    let run = tmp.path().join("run");
+    let ckpt = run.join("ckpt");
+    let src = fixtures().join("deepspeed/llama_bf16_optimizer_w2");
+    for entry in walkdir(&src) {
+        let to = ckpt.join(entry.strip_prefix(&src).unwrap());
+        std::fs::create_dir_all(to.parent().unwrap()).unwrap();
+        std::fs::copy(&entry, &to).unwrap();
+    }
+    std::fs::write(run.join("notes.txt"), "lr 1e-5").unwrap();
+    std::fs::create_dir(run.join("logs")).unwrap();
+    let out = tmp.path().join("out");
+    let o = unshard(
+        &[
+            "merge",
+            run.to_str().unwrap(),
+            out.to_str().unwrap(),
+            "--weights-only",
+        ],
+        tmp.path(),
+    );
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains(&format!(
+            "hint: pass the checkpoint folder: {}",
+            ckpt.display()
+        )),
+        "{err}"
+    );
+    assert!(!out.exists());
+    // What the hint names merges.
+    let o = unshard(
+        &[
+            "merge",
+            ckpt.to_str().unwrap(),
+            out.to_str().unwrap(),
+            "--weights-only",
+        ],
+        tmp.path(),
+    );
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+}
+
+/// Every file under `dir`.
+fn walkdir(dir: &Path) -> Vec<std::path::PathBuf> {
+    let mut out = Vec::new();
+    for e in std::fs::read_dir(dir).unwrap() {
+        let p = e.unwrap().path();
+        if p.is_dir() {
+            out.extend(walkdir(&p));
+        } else {
+            out.push(p);
+        }
+    }
+    out
+}

@@ -27,7 +27,11 @@ fn to_py(e: &unshard::Error) -> PyErr {
         message.push_str(&format!("\n  caused by: {s}"));
         source = s.source();
     }
-    NativeError::new_err((options::kind_of(e), message, options::hint_of(e)))
+    NativeError::new_err((
+        options::kind_of(e),
+        options::keywords(&message),
+        options::hint_of(e),
+    ))
 }
 
 /// Runs the `unshard` command line with `argv` (argv[0] is the program name) and
@@ -104,14 +108,17 @@ fn verify(
 
 /// Compares two inputs; see `unshard.diff`.
 #[pyfunction]
-#[pyo3(signature = (a, b, progress))]
+#[pyo3(signature = (a, b, refuse_unsafe, progress))]
 fn diff(
     py: Python<'_>,
     a: String,
     b: String,
+    refuse_unsafe: bool,
     progress: Option<Bound<'_, PyAny>>,
 ) -> PyResult<String> {
-    run_json(py, progress, |p, c| options::diff(&a, &b, p, c))
+    run_json(py, progress, |p, c| {
+        options::diff(&a, &b, refuse_unsafe, p, c)
+    })
 }
 
 /// The module.

@@ -400,6 +400,11 @@ impl Error {
             Error::Io { source, .. } if source.raw_os_error() == Some(libc::ENOSPC) => {
                 Some("the disk is full; free space or choose another output".into())
             }
+            Error::Io { source, op, path } if source.kind() == std::io::ErrorKind::PermissionDenied => Some(format!(
+                "you may not {op} {}: check its owner and mode (`ls -ld {}`), or run as a user who may",
+                path.display(),
+                path.display()
+            )),
             Error::Io { source, .. } if source.raw_os_error() == Some(libc::EMFILE) => Some(
                 "input files beyond the limit on open files are opened on demand, but the output and the merge itself need a few more; raise the limit on open files (`ulimit -n`)"
                     .into(),
@@ -500,5 +505,32 @@ impl AdapterRemedy {
             AdapterRemedy::NotAnAdapter(o) => Some(o),
             _ => None,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Error;
+
+    #[test]
+    fn permission_denied_names_the_file_and_what_to_do() {
+        let e = Error::io(
+            "open",
+            "/data/ckpt/policy.pt",
+            std::io::Error::from(std::io::ErrorKind::PermissionDenied),
+        );
+        assert_eq!(e.to_string(), "cannot open /data/ckpt/policy.pt");
+        let hint = e.hint().unwrap_or_default();
+        assert!(
+            hint.contains("you may not open /data/ckpt/policy.pt")
+                && hint.contains("ls -ld /data/ckpt/policy.pt"),
+            "{hint}"
+        );
+        let other = Error::io(
+            "open",
+            "/x",
+            std::io::Error::from(std::io::ErrorKind::NotFound),
+        );
+        assert_eq!(other.hint(), None);
     }
 }

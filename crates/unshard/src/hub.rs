@@ -74,11 +74,15 @@ pub fn resolve_base(base: &Path) -> Result<Option<PathBuf>> {
 pub fn resolve_in(cache: &Path, repo: &str, rev: Option<&str>) -> Result<PathBuf> {
     let dir = cache.join(format!("models--{}", repo.replace('/', "--")));
     if !dir.is_dir() {
-        return Err(not_cached(
+        let mut e = not_cached(
             repo,
             rev,
             &format!("it is not in the Hugging Face cache {}", cache.display()),
-        ));
+        );
+        if let (Some(near), Error::Plan { hint: Some(h), .. }) = (closest_cached(cache, repo), &mut e) {
+            *h = format!("did you mean {near} (in the cache)? Otherwise, {h}");
+        }
+        return Err(e);
     }
     let want = rev.unwrap_or("main");
     let commit = match std::fs::read_to_string(dir.join("refs").join(want)) {
@@ -126,6 +130,41 @@ fn list(dir: &Path) -> Vec<String> {
     v
 }
 
+/// The cached model id nearest `repo` (a typo: a few letters off, or another
+/// case), if one is near enough.
+fn closest_cached(cache: &Path, repo: &str) -> Option<String> {
+    let want = repo.to_lowercase();
+    let limit = (want.chars().count() / 5).clamp(1, 3);
+    list(cache)
+        .iter()
+        .filter_map(|d| d.strip_prefix("models--"))
+        .filter_map(|d| d.split_once("--").map(|(o, n)| format!("{o}/{n}")))
+        .map(|id| (edit_distance(&want, &id.to_lowercase()), id))
+        .filter(|(d, _)| *d <= limit)
+        .min()
+        .map(|(_, id)| id)
+}
+
+/// Levenshtein distance, by characters.
+fn edit_distance(a: &str, b: &str) -> usize {
+    let b: Vec<char> = b.chars().collect();
+    let mut row: Vec<usize> = (0..=b.len()).collect();
+    for (i, ca) in a.chars().enumerate() {
+        let mut prev = row[0];
+        row[0] = i + 1;
+        for (j, cb) in b.iter().enumerate() {
+            let cur = row[j + 1];
+            row[j + 1] = if ca == *cb {
+                prev
+            } else {
+                1 + prev.min(cur).min(row[j])
+            };
+            prev = cur;
+        }
+    }
+    row[b.len()]
+}
+
 fn not_cached(repo: &str, rev: Option<&str>, why: &str) -> Error {
     let at = rev.map(|r| format!(" --revision {r}")).unwrap_or_default();
     Error::plan(
@@ -139,6 +178,29 @@ fn not_cached(repo: &str, rev: Option<&str>, why: &str) -> Error {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_typo_gets_the_nearest_cached_id() {
+        let cache = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+        for d in ["models--Qwen--Qwen2.5-0.5B", "models--meta-llama--Llama-3.2-1B", "datasets--a--b"] {
+            std::fs::create_dir(cache.path().join(d)).unwrap_or_else(|e| panic!("{e}"));
+        }
+        let hint = |repo: &str| {
+            resolve_in(cache.path(), repo, None)
+                .err()
+                .and_then(|e| e.hint())
+                .unwrap_or_default()
+        };
+        assert!(
+            hint("Qwen/Qwen2.5-05B").starts_with("did you mean Qwen/Qwen2.5-0.5B (in the cache)?"),
+            "{}",
+            hint("Qwen/Qwen2.5-05B")
+        );
+        assert!(hint("meta-llama/llama-3.2-1b").starts_with("did you mean meta-llama/Llama-3.2-1B"));
+        // Nothing near: the download advice alone.
+        assert!(hint("google/gemma-2b").starts_with("unshard does not download"));
+        assert_eq!(edit_distance("kitten", "sitting"), 3);
+    }
 
     #[test]
     fn model_ids_are_org_slash_name_with_an_optional_revision() {

@@ -31,8 +31,8 @@
 //!     cancel: cancel.clone(),
 //!     ..MergeOptions::default()
 //! };
-//! let outcome = unshard::merge(&opts, &NoProgress)?;
-//! println!("{}", serde_json::to_string_pretty(&outcome).unwrap_or_default());
+//! let report = unshard::merge(&opts, &NoProgress)?;
+//! println!("{}", serde_json::to_string_pretty(&report).unwrap_or_default());
 //! let report = unshard::verify(&VerifyOptions::of_merge(&opts, &opts.output), &NoProgress)?;
 //! assert!(report.is_ok());
 //! # Ok::<(), unshard::Error>(())
@@ -71,7 +71,7 @@ pub use error::{Error, NonFiniteTensor, Result, ShapeDiff};
 pub use inspect::{inspect, InspectReport, InspectedTensor, NonTensor};
 pub use lora::input::AdapterOptions;
 pub use manifest::{Manifest, MANIFEST};
-pub use merge::{merge, merge_into, parse_size, MergeOutcome};
+pub use merge::{merge, merge_into, parse_size, MergeReport, Warning, WarningKind};
 pub use options::{DiffOptions, InspectOptions, MergeOptions, UnsafePolicy, VerifyOptions};
 pub use parts::{merge_part, Part};
 pub use plan::{parse_rename, DtypeChoice, Origin, PlanOptions, RenameError};

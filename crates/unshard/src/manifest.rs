@@ -25,6 +25,7 @@ use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::options::{MergeOptions, VerifyOptions};
 use crate::plan::DtypeChoice;
+use crate::source::audit::UnsafeCall;
 use crate::write::{FileDigest, WINDOW_BYTES};
 
 pub use crate::source::hf_dir::MANIFEST;
@@ -45,6 +46,40 @@ pub struct Manifest {
     pub checksum: Checksum,
     /// Every file the merge wrote (this one aside), in the order written.
     pub files: Vec<FileEntry>,
+    /// What the inputs' pickles would run under `torch.load` (unshard ran none of
+    /// it): empty for clean inputs.
+    #[serde(default)]
+    pub unsafe_calls: Vec<RecordedCall>,
+}
+
+/// One call an input's pickle would make under `torch.load`, as recorded.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+pub struct RecordedCall {
+    /// The file holding the pickle.
+    pub file: String,
+    /// The archive entry (or legacy pickle) holding it.
+    pub entry: String,
+    /// The callable's full name (`posix.system`).
+    pub callable: String,
+    /// The opcode that calls it.
+    pub route: String,
+    /// Byte offset of that opcode inside the entry.
+    pub offset: usize,
+    /// `dangerous` or `unknown`.
+    pub verdict: String,
+}
+
+impl RecordedCall {
+    fn of(c: &UnsafeCall) -> RecordedCall {
+        RecordedCall {
+            file: absolute(&c.path),
+            entry: c.entry.clone(),
+            callable: c.callable.clone(),
+            route: c.route.clone(),
+            offset: c.offset,
+            verdict: c.verdict.as_str().into(),
+        }
+    }
 }
 
 /// The inputs of a merge, local paths made absolute.
@@ -113,6 +148,7 @@ impl Manifest {
         checkpoint_format: &str,
         dtype_written: Option<DType>,
         files: Vec<FileEntry>,
+        unsafe_calls: &[UnsafeCall],
     ) -> Manifest {
         let p = &opts.plan;
         Manifest {
@@ -147,6 +183,7 @@ impl Manifest {
                 block_size: WINDOW_BYTES,
             },
             files,
+            unsafe_calls: unsafe_calls.iter().map(RecordedCall::of).collect(),
         }
     }
 

@@ -17,35 +17,165 @@ use crate::manifest::{FileEntry, Manifest, MANIFEST};
 use crate::plan::{Origin, Plan};
 use crate::prepare::{Prepared, Sources};
 use crate::source;
+use crate::source::audit::UnsafeCall;
 use crate::verify::{self, VerifyReport};
-use crate::write::{self, Progress, Sink, StagingDir, WriteOptions, WriteSummary};
+use crate::digest::hex;
+use crate::error::NonFiniteTensor;
+use crate::dtype::ConvertStats;
+use crate::write::{self, Progress, Sink, StagingDir, WriteOptions};
 
-/// What a merge did.
+/// What a merge did: what the command line's summary and `merge --json` show,
+/// and what Python's `MergeReport` holds.
 #[derive(Clone, Debug, Serialize)]
 #[serde(into = "MergeJson")]
-pub struct MergeOutcome {
-    /// What was written and why (names, dtypes, shards, the planning report).
-    pub plan: Plan,
-    /// What writing saw (per-tensor NaN/inf/overflow counts, files).
-    pub write: WriteSummary,
+pub struct MergeReport {
+    /// Where the output was written.
+    pub output: PathBuf,
     /// The checkpoint's format.
     pub checkpoint_format: source::Format,
     /// Where in the checkpoint the tensors were found.
     pub checkpoint_key: Option<String>,
     /// What the reader noticed (skipped optimizer state...).
     pub checkpoint_notes: Vec<String>,
+    /// What planning noticed (conversions, fused layouts...).
+    pub notes: Vec<String>,
     /// Where the config came from, if not from the `base` option.
     pub config_from: Option<PathBuf>,
+    /// Tensors written.
+    pub tensors_written: usize,
+    /// Of those, how many came from the checkpoint.
+    pub from_checkpoint: usize,
+    /// Output names taken from the base.
+    pub from_base: Vec<String>,
+    /// `(checkpoint name, output name)` of each renamed tensor.
+    pub renamed: Vec<(String, String)>,
+    /// `(checkpoint name, why)` of each tensor left out.
+    pub dropped: Vec<(String, String)>,
+    /// `(from, to, how many tensors)` of each cast.
+    pub casts: Vec<(DType, DType, usize)>,
+    /// What may be wrong with the inputs or the output (see [`Warning`]).
+    pub warnings: Vec<Warning>,
+    /// What the inputs' pickles would run under `torch.load` (unshard ran none of it).
+    pub unsafe_calls: Vec<UnsafeCall>,
+    /// Tensors holding NaN or inf, or that overflowed when cast.
+    pub nonfinite: Vec<NonFiniteTensor>,
+    /// Every file written, relative to the output, in the order written.
+    pub files: Vec<String>,
+    /// The BLAKE3 checksum (hexadecimal) of each of `files`, where one was taken
+    /// (for `unshard.json` or the `verify` option).
+    pub checksums: Vec<Option<String>>,
+    /// Bytes written, all files.
+    pub bytes_written: u64,
+    /// Bytes of tensor data written.
+    pub tensor_bytes: u64,
+    /// Safetensors shards written.
+    pub shards: usize,
+    /// Staging directories of interrupted runs that were removed.
+    pub cleaned: Vec<PathBuf>,
     /// What the `verify` option found (always a pass: a failure is an error).
     pub verified: Option<VerifyReport>,
     /// How long the merge took.
     pub elapsed: Duration,
 }
 
-/// A [`MergeOutcome`] as JSON: what a user or a script needs, not the plan's
+/// What a [`Warning`] is about.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum WarningKind {
+    /// An input's pickle would run code under `torch.load` (unshard ran none of it).
+    UnsafePickle,
+    /// A tensor holds NaN or inf values in the checkpoint.
+    NonFinite,
+    /// Values overflowed to inf when cast to the output dtype.
+    Overflow,
+    /// Something about the output the user should check (no tokenizer, the base
+    /// model again, ...).
+    Merge,
+}
+
+/// One thing a merge found that may be wrong with its inputs or its output: what
+/// every front end shows (the CLI on stderr, Python through `warnings`).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct Warning {
+    /// What it is about.
+    pub kind: WarningKind,
+    /// The warning, in words (without a `warning:` prefix).
+    pub message: String,
+    /// The output tensor it is about, if one.
+    pub tensor: Option<String>,
+    /// The input file it is about, if one.
+    pub file: Option<String>,
+}
+
+/// Everything the merge warns about, unsafe pickle calls first (one warning per
+/// file, naming each call), then per-tensor non-finite values and overflows,
+/// then what planning found.
+fn warnings(plan: &Plan, stats: &[ConvertStats], unsafe_calls: &[UnsafeCall]) -> Vec<Warning> {
+    let mut out = unsafe_warnings(unsafe_calls);
+    for (t, s) in plan.tensors.iter().zip(stats) {
+        if s.nan > 0 || s.inf > 0 {
+            out.push(Warning {
+                kind: WarningKind::NonFinite,
+                message: format!(
+                    "tensor '{}' holds {} NaN and {} inf value(s) in the checkpoint",
+                    t.name, s.nan, s.inf
+                ),
+                tensor: Some(t.name.clone()),
+                file: None,
+            });
+        }
+        if s.overflow > 0 {
+            out.push(Warning {
+                kind: WarningKind::Overflow,
+                message: format!(
+                    "tensor '{}': {} value(s) overflowed to inf in {}",
+                    t.name, s.overflow, t.dtype
+                ),
+                tensor: Some(t.name.clone()),
+                file: None,
+            });
+        }
+    }
+    out.extend(plan.report.warnings.iter().map(|w| Warning {
+        kind: WarningKind::Merge,
+        message: w.clone(),
+        tensor: None,
+        file: None,
+    }));
+    out
+}
+
+/// One [`WarningKind::UnsafePickle`] warning per file, listing each call as
+/// [`UnsafeCall::describe`] words it.
+fn unsafe_warnings(calls: &[UnsafeCall]) -> Vec<Warning> {
+    let mut out = Vec::new();
+    let mut i = 0;
+    while let Some(first) = calls.get(i) {
+        let same = calls[i..]
+            .iter()
+            .take_while(|c| c.path == first.path)
+            .count();
+        let listed: Vec<String> = calls[i..i + same].iter().map(|c| c.describe()).collect();
+        let file = first.path.display().to_string();
+        out.push(Warning {
+            kind: WarningKind::UnsafePickle,
+            message: format!(
+                "{file}: its pickle would run code under torch.load (unshard ran none of it): {}",
+                listed.join("; ")
+            ),
+            tensor: None,
+            file: Some(file),
+        });
+        i += same;
+    }
+    out
+}
+
+/// A [`MergeReport`] as JSON: what a user or a script needs, not the plan's
 /// byte layout.
 #[derive(Serialize)]
 struct MergeJson {
+    output: String,
     checkpoint_format: &'static str,
     checkpoint_key: Option<String>,
     notes: Vec<String>,
@@ -56,7 +186,8 @@ struct MergeJson {
     renamed: Vec<(String, String)>,
     dropped: Vec<(String, String)>,
     casts: Vec<(DType, DType, usize)>,
-    warnings: Vec<String>,
+    warnings: Vec<Warning>,
+    unsafe_calls: Vec<UnsafeCall>,
     nonfinite: Vec<NonFinite>,
     files: Vec<String>,
     bytes_written: u64,
@@ -73,38 +204,34 @@ struct NonFinite {
     overflow: u64,
 }
 
-impl From<MergeOutcome> for MergeJson {
-    fn from(o: MergeOutcome) -> Self {
-        let nonfinite = verify::nonfinite_tensors(&o.plan, &o.write.stats)
-            .into_iter()
-            .map(|t| NonFinite {
-                tensor: t.name,
-                nan: t.nan,
-                inf: t.inf,
-                overflow: t.overflow,
-            })
-            .collect();
-        let r = o.plan.report;
+impl From<MergeReport> for MergeJson {
+    fn from(o: MergeReport) -> Self {
         MergeJson {
+            output: o.output.display().to_string(),
             checkpoint_format: o.checkpoint_format.id(),
             checkpoint_key: o.checkpoint_key,
-            notes: o.checkpoint_notes.into_iter().chain(r.notes).collect(),
+            notes: o.checkpoint_notes.into_iter().chain(o.notes).collect(),
             config_from: o.config_from.map(|p| p.display().to_string()),
-            tensors_written: o.plan.tensors.len(),
-            from_checkpoint: o
-                .plan
-                .tensors
-                .iter()
-                .filter(|t| t.origin == Origin::Checkpoint)
-                .count(),
-            from_base: r.from_base,
-            renamed: r.renamed,
-            dropped: r.dropped,
-            casts: r.casts,
-            warnings: r.warnings,
-            nonfinite,
-            files: o.write.files,
-            bytes_written: o.write.bytes_written,
+            tensors_written: o.tensors_written,
+            from_checkpoint: o.from_checkpoint,
+            from_base: o.from_base,
+            renamed: o.renamed,
+            dropped: o.dropped,
+            casts: o.casts,
+            warnings: o.warnings,
+            unsafe_calls: o.unsafe_calls,
+            nonfinite: o
+                .nonfinite
+                .into_iter()
+                .map(|t| NonFinite {
+                    tensor: t.name,
+                    nan: t.nan,
+                    inf: t.inf,
+                    overflow: t.overflow,
+                })
+                .collect(),
+            files: o.files,
+            bytes_written: o.bytes_written,
             verified: o.verified,
             seconds: o.elapsed.as_secs_f64(),
         }
@@ -113,22 +240,22 @@ impl From<MergeOutcome> for MergeJson {
 
 /// Runs a whole merge into the local directory `opts.output`: written into a
 /// staging directory beside it, renamed into place when complete.
-pub fn merge(opts: &MergeOptions, progress: &dyn Progress) -> Result<MergeOutcome> {
+pub fn merge(opts: &MergeOptions, progress: &dyn Progress) -> Result<MergeReport> {
     if source::fs::is_url(&opts.output) {
         return merge_to_bucket(opts, progress);
     }
     // Output problems are cheap to find: report them before reading anything.
     let cleaned = write::check_output(&opts.output, &write_options(opts))?;
     let open_sink = || -> Result<Box<dyn Sink>> { Ok(Box::new(StagingDir::create(&opts.output)?)) };
-    let mut outcome = merge_into(opts, progress, &open_sink)?;
-    outcome.write.cleaned = cleaned;
-    Ok(outcome)
+    let mut report = merge_into(opts, progress, &open_sink)?;
+    report.cleaned = cleaned;
+    Ok(report)
 }
 
 /// A merge into object storage (see [`crate::write::bucket`]): the output prefix is
 /// checked before anything is read, and written by a [`crate::write::bucket::BucketSink`].
 #[cfg(feature = "remote")]
-fn merge_to_bucket(opts: &MergeOptions, progress: &dyn Progress) -> Result<MergeOutcome> {
+fn merge_to_bucket(opts: &MergeOptions, progress: &dyn Progress) -> Result<MergeReport> {
     use crate::write::bucket::{check_output, BucketSink};
     if opts.verify {
         // Refused before any work: the output has no local copy to read back.
@@ -143,7 +270,7 @@ fn merge_to_bucket(opts: &MergeOptions, progress: &dyn Progress) -> Result<Merge
 }
 
 #[cfg(not(feature = "remote"))]
-fn merge_to_bucket(opts: &MergeOptions, _: &dyn Progress) -> Result<MergeOutcome> {
+fn merge_to_bucket(opts: &MergeOptions, _: &dyn Progress) -> Result<MergeReport> {
     Err(Error::Unsupported {
         path: opts.output.clone(),
         what: "writing to object storage in this build".into(),
@@ -191,7 +318,7 @@ pub fn merge_into(
     opts: &MergeOptions,
     progress: &dyn Progress,
     open_sink: &dyn Fn() -> Result<Box<dyn Sink>>,
-) -> Result<MergeOutcome> {
+) -> Result<MergeReport> {
     let started = Instant::now();
     // A checkpoint of thousands of ranks takes seconds to open: say what is going on.
     progress.stage(&format!("reading {}", opts.checkpoint.display()));
@@ -263,7 +390,8 @@ pub fn merge_into(
     if !opts.no_manifest {
         // Written last, into the same staging: committed with the rest or not at all.
         let files = FileEntry::of_written(&summary.files, &summary.digests);
-        let bytes = Manifest::new(opts, ckpt.format.id(), plan.dtype, files).to_bytes();
+        let calls = crate::prepare::unsafe_calls(&ckpt, base.as_ref());
+        let bytes = Manifest::new(opts, ckpt.format.id(), plan.dtype, files, &calls).to_bytes();
         sink.write_file(MANIFEST, &bytes)?;
         summary.files.push(MANIFEST.into());
         summary.digests.push(write::FileDigest::of_bytes(&bytes));
@@ -274,13 +402,37 @@ pub fn merge_into(
         (None, Some(b)) => Some(b.dir.path.clone()),
         _ => None,
     };
-    Ok(MergeOutcome {
-        plan,
-        write: summary,
+    let unsafe_calls = crate::prepare::unsafe_calls(&ckpt, base.as_ref());
+    Ok(MergeReport {
+        output: opts.output.clone(),
         checkpoint_format: ckpt.format,
         checkpoint_key: ckpt.key.clone(),
         checkpoint_notes: ckpt.notes.clone(),
+        notes: plan.report.notes.clone(),
         config_from,
+        tensors_written: plan.tensors.len(),
+        from_checkpoint: plan
+            .tensors
+            .iter()
+            .filter(|t| t.origin == Origin::Checkpoint)
+            .count(),
+        from_base: plan.report.from_base.clone(),
+        renamed: plan.report.renamed.clone(),
+        dropped: plan.report.dropped.clone(),
+        casts: plan.report.casts.clone(),
+        warnings: warnings(&plan, &summary.stats, &unsafe_calls),
+        unsafe_calls,
+        nonfinite: verify::nonfinite_tensors(&plan, &summary.stats),
+        checksums: summary
+            .digests
+            .iter()
+            .map(|d| d.tree().map(|t| hex(&t)))
+            .collect(),
+        files: summary.files,
+        bytes_written: summary.bytes_written,
+        tensor_bytes: plan.total_size,
+        shards: plan.shards.len(),
+        cleaned: summary.cleaned,
         verified,
         elapsed: started.elapsed(),
     })

@@ -19,6 +19,7 @@ use crate::plan::torchtitan::Torchtitan;
 pub use crate::plan::Inputs;
 use crate::plan::{self, BaseView, Plan, PlanOptions};
 use crate::source::hf_dir::HfDir;
+use crate::source::audit::UnsafeCall;
 use crate::source::{self, Checkpoint, OpenOptions};
 
 /// The opened inputs and the plan, ready to write or to verify against.
@@ -274,9 +275,15 @@ pub fn prepare<'a>(opts: impl Into<Sources<'a>>) -> Result<Prepared> {
 /// Reports what the checkpoint's and the base's pickles would run under
 /// `torch.load`, and refuses them if asked to.
 fn check_unsafe(policy: UnsafePolicy, ckpt: &Checkpoint, base: Option<&Base>) -> Result<()> {
+    crate::source::audit::apply_policy(policy, &unsafe_calls(ckpt, base))
+}
+
+/// What the checkpoint's and the base's pickles would run under `torch.load`
+/// (unshard runs none of it): what a merge reports and records in `unshard.json`.
+pub fn unsafe_calls(ckpt: &Checkpoint, base: Option<&Base>) -> Vec<UnsafeCall> {
     let mut calls = ckpt.unsafe_calls.clone();
     if let Some(w) = base.and_then(|b| b.weights.as_ref()) {
         calls.extend(w.unsafe_calls.iter().cloned());
     }
-    crate::source::audit::apply_policy(policy, &calls)
+    calls
 }

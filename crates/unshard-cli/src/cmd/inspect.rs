@@ -28,6 +28,11 @@ pub struct InspectArgs {
     /// Also show mean, std, min and max of every tensor (reads all the values).
     #[arg(long)]
     stats: bool,
+
+    /// No per-tensor table: the format, the totals, the non-tensor entries, notes
+    /// and what a pickle would run (never silenced).
+    #[arg(long, short, conflicts_with_all = ["json", "stats"])]
+    quiet: bool,
 }
 
 pub fn run(args: InspectArgs) -> anyhow::Result<Status> {
@@ -48,7 +53,7 @@ pub fn run(args: InspectArgs) -> anyhow::Result<Status> {
         writeln!(out)?;
     } else {
         text::write_escaped(&mut out, |w| {
-            print_table(w, &report)?;
+            print_table(w, &report, args.quiet)?;
             if args.stats {
                 print_stats(w, &report)?;
             }
@@ -92,7 +97,7 @@ fn print_stats(w: &mut dyn Write, r: &InspectReport) -> std::io::Result<()> {
     Ok(())
 }
 
-fn print_table(w: &mut dyn Write, ckpt: &InspectReport) -> std::io::Result<()> {
+fn print_table(w: &mut dyn Write, ckpt: &InspectReport, quiet: bool) -> std::io::Result<()> {
     let at = match &ckpt.key {
         Some(k) => format!(", tensors under '{k}'"),
         None => String::new(),
@@ -105,12 +110,14 @@ fn print_table(w: &mut dyn Write, ckpt: &InspectReport) -> std::io::Result<()> {
         .map(|t| format!("{:?}", t.shape))
         .collect();
     let shape_w = shapes.iter().map(String::len).max().unwrap_or(5).max(5);
-    writeln!(
-        w,
-        "  {:name_w$}  {:8}  {:shape_w$}  {:>10}",
-        "name", "dtype", "shape", "size"
-    )?;
-    for (t, shape) in ckpt.tensors.iter().zip(&shapes) {
+    if !quiet {
+        writeln!(
+            w,
+            "  {:name_w$}  {:8}  {:shape_w$}  {:>10}",
+            "name", "dtype", "shape", "size"
+        )?;
+    }
+    for (t, shape) in ckpt.tensors.iter().zip(&shapes).filter(|_| !quiet) {
         write!(
             w,
             "  {:name_w$}  {:8}  {:shape_w$}  {:>10}",

@@ -4,7 +4,7 @@
 use std::io::Write;
 use std::path::PathBuf;
 
-use unshard::{MergeOptions, MergeOutcome, OpenOptions, Origin, Part};
+use unshard::{MergeOptions, MergeReport, OpenOptions, Part, WarningKind};
 
 use crate::text::{human_bytes, list_some};
 
@@ -71,6 +71,11 @@ pub struct MergeArgs {
     /// about a pickle that would run code included).
     #[arg(long, short)]
     quiet: bool,
+
+    /// A longer summary: every renamed tensor and every tensor taken from the base
+    /// (the summary lists the first few).
+    #[arg(long, short, conflicts_with_all = ["quiet", "json"])]
+    verbose: bool,
 
     // --json: the merge report on stdout instead of the summary on stderr;
     // warnings still go to stderr.
@@ -144,7 +149,7 @@ pub fn run(args: MergeArgs) -> anyhow::Result<Status> {
                     w,
                     "{p}: wrote {} of {} shard(s) ({})",
                     o.shards.len(),
-                    o.plan.shards.len(),
+                    o.total_shards,
                     list_some(&o.shards, 4)
                 )?;
                 if o.committed {
@@ -178,7 +183,7 @@ pub fn run(args: MergeArgs) -> anyhow::Result<Status> {
     // --quiet silences what was done, never what may be wrong with the result.
     text::write_escaped(&mut err, |w| match args.quiet || args.json.json {
         true => print_warnings(w, &outcome),
-        false => print_summary(w, &opts, &outcome),
+        false => print_summary(w, &opts, &outcome, args.verbose),
     })?;
     err.flush()?;
     if args.json.json {
@@ -194,14 +199,12 @@ pub fn run(args: MergeArgs) -> anyhow::Result<Status> {
 }
 
 /// The report after a successful merge.
-fn print_summary(w: &mut dyn Write, opts: &MergeOptions, o: &MergeOutcome) -> std::io::Result<()> {
-    let plan = &o.plan;
-    let r = &plan.report;
-    let from_ckpt = plan
-        .tensors
-        .iter()
-        .filter(|t| t.origin == Origin::Checkpoint)
-        .count();
+fn print_summary(
+    w: &mut dyn Write,
+    opts: &MergeOptions,
+    o: &MergeReport,
+    verbose: bool,
+) -> std::io::Result<()> {
     let at = o
         .checkpoint_key
         .as_deref()
@@ -225,31 +228,40 @@ fn print_summary(w: &mut dyn Write, opts: &MergeOptions, o: &MergeOutcome) -> st
     }
     writeln!(
         w,
-        "tensors: {} written, {from_ckpt} from the checkpoint, {} from the base",
-        plan.tensors.len(),
-        r.from_base.len()
+        "tensors: {} written, {} from the checkpoint, {} from the base",
+        o.tensors_written,
+        o.from_checkpoint,
+        o.from_base.len()
     )?;
-    if let Some((a, b)) = r.renamed.first() {
-        let more = if r.renamed.len() > 1 { ", ..." } else { "" };
-        writeln!(w, "renamed: {} ({a} -> {b}{more})", r.renamed.len())?;
+    if verbose {
+        for (a, b) in &o.renamed {
+            writeln!(w, "renamed: {a} -> {b}")?;
+        }
+    } else if let Some((a, b)) = o.renamed.first() {
+        let more = if o.renamed.len() > 1 { ", ..." } else { "" };
+        writeln!(w, "renamed: {} ({a} -> {b}{more})", o.renamed.len())?;
     }
-    for (name, why) in &r.dropped {
+    for (name, why) in &o.dropped {
         writeln!(w, "dropped: {name} ({why})")?;
     }
-    if !r.from_base.is_empty() {
-        writeln!(w, "from base: {}", list_some(&r.from_base, 6))?;
+    if verbose {
+        for name in &o.from_base {
+            writeln!(w, "from base: {name}")?;
+        }
+    } else if !o.from_base.is_empty() {
+        writeln!(w, "from base: {}", list_some(&o.from_base, 6))?;
     }
-    for (from, to, n) in &r.casts {
+    for (from, to, n) in &o.casts {
         writeln!(w, "cast: {n} tensor(s) {from} -> {to}")?;
     }
-    for n in &r.notes {
+    for n in &o.notes {
         writeln!(w, "note: {n}")?;
     }
     print_warnings(w, o)?;
     if let Some(v) = &o.verified {
         writeln!(w, "verified: {}", v.summary())?;
     }
-    for c in &o.write.cleaned {
+    for c in &o.cleaned {
         writeln!(
             w,
             "note: removed {} left by an interrupted run",
@@ -260,35 +272,21 @@ fn print_summary(w: &mut dyn Write, opts: &MergeOptions, o: &MergeOutcome) -> st
     writeln!(
         w,
         "wrote {} in {} shard(s) to {} in {secs:.2} s ({}/s)",
-        human_bytes(plan.total_size),
-        plan.shards.len(),
+        human_bytes(o.tensor_bytes),
+        o.shards,
         opts.output.display(),
-        human_bytes((plan.total_size as f64 / secs.max(1e-9)) as u64)
+        human_bytes((o.tensor_bytes as f64 / secs.max(1e-9)) as u64)
     )
 }
 
 /// The warnings about the written model (non-finite values, overflows, what the
-/// plan found suspicious): printed even under --quiet.
-fn print_warnings(w: &mut dyn Write, o: &MergeOutcome) -> std::io::Result<()> {
-    let plan = &o.plan;
-    for (t, s) in plan.tensors.iter().zip(&o.write.stats) {
-        if s.nan > 0 || s.inf > 0 {
-            writeln!(
-                w,
-                "warning: tensor '{}' holds {} NaN and {} inf value(s) in the checkpoint",
-                t.name, s.nan, s.inf
-            )?;
+/// plan found suspicious): printed even under --quiet. Unsafe pickle calls were
+/// printed when the inputs were opened (see `unsafe_report`).
+fn print_warnings(w: &mut dyn Write, o: &MergeReport) -> std::io::Result<()> {
+    for x in &o.warnings {
+        if x.kind != WarningKind::UnsafePickle {
+            writeln!(w, "warning: {}", x.message)?;
         }
-        if s.overflow > 0 {
-            writeln!(
-                w,
-                "warning: tensor '{}': {} value(s) overflowed to inf in {}",
-                t.name, s.overflow, t.dtype
-            )?;
-        }
-    }
-    for x in &plan.report.warnings {
-        writeln!(w, "warning: {x}")?;
     }
     Ok(())
 }

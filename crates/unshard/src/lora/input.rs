@@ -8,7 +8,7 @@ use super::locate;
 use super::names;
 use super::resolve::{resolve, Resolved};
 use super::{AdapterOption, AdapterRemedy};
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::plan::strip_wrappers;
 use crate::source::{self, Checkpoint, OpenOptions};
 
@@ -105,8 +105,34 @@ pub fn from_checkpoint(
     base: Option<&Path>,
     opts: &AdapterOptions,
 ) -> Result<AdapterInput> {
-    let config_path =
-        locate::config_for_checkpoint(&checkpoint.path, base, opts.config.as_deref())?;
+    let config_path = locate::config_for_checkpoint(
+        &checkpoint.path,
+        base,
+        opts.config.as_deref(),
+    )
+    .map_err(|e| match e {
+        // Say which tensors made it an adapter: one stray `lora_A` may be a mistake.
+        Error::Adapter { msg, remedy } => {
+            let peft: Vec<&str> = checkpoint
+                .tensors
+                .iter()
+                .filter(|t| names::looks_like_peft(&strip_wrappers(&t.name)))
+                .map(|t| t.name.as_str())
+                .collect();
+            let more = match peft.len() {
+                0 | 1 => String::new(),
+                n => format!(" and {} more", n - 1),
+            };
+            let msg = match peft.first() {
+                Some(first) => format!(
+                    "{msg}; it is read as a LoRA adapter because of tensor '{first}'{more} (a peft LoRA name)"
+                ),
+                None => msg,
+            };
+            Error::Adapter { msg, remedy }
+        }
+        e => e,
+    })?;
     let config = AdapterConfig::read(&config_path)?;
     let resolved = resolve(&checkpoint, config, None, opts.name.as_deref())?;
     Ok(AdapterInput {

@@ -51,6 +51,7 @@ use crate::manifest::{FileEntry, Manifest, MANIFEST};
 use crate::merge::MergeOptions;
 use crate::plan::Plan;
 use crate::prepare::{prepare, Prepared};
+use crate::source::audit::UnsafeCall;
 use crate::source::{fs, Checkpoint};
 use crate::write::{self, Progress, WriteOptions};
 use shared_dir::PartDir;
@@ -58,8 +59,8 @@ use shared_dir::PartDir;
 /// What one part did.
 #[derive(Debug)]
 pub struct PartOutcome {
-    /// The whole merge's plan (every part computes it).
-    pub plan: Plan,
+    /// How many shards the whole merge writes (every part plans them all).
+    pub total_shards: usize,
     /// The plan's hash, which names the staging directory.
     pub plan_hash: String,
     /// The shards this part wrote.
@@ -116,6 +117,7 @@ pub fn merge_part(opts: &MergeOptions, part: Part, progress: &dyn Progress) -> R
         adapter,
     } = prepare(opts)?;
     crate::merge::check_loadable(opts, &plan)?;
+    let calls = crate::prepare::unsafe_calls(&ckpt, base.as_ref());
     let inputs = Prepared::inputs_of(&ckpt, base.as_ref());
     let hash = plan_hash(&plan, inputs, opts, part.count);
     let sizes: Vec<u64> = plan.shards.iter().map(|s| s.file_size).collect();
@@ -159,7 +161,7 @@ pub fn merge_part(opts: &MergeOptions, part: Part, progress: &dyn Progress) -> R
                 let sink = meeting.commit_sink()?;
                 let small = write::write_into(&last, inputs, &sink, &extra, &write::NoProgress)?;
                 if !opts.no_manifest {
-                    let bytes = manifest(opts, &ckpt, &plan, meeting.checksums()?, &small);
+                    let bytes = manifest(opts, &ckpt, &plan, meeting.checksums()?, &small, &calls);
                     write::Sink::write_file(&sink, MANIFEST, &bytes)?;
                 }
                 write::Sink::commit(Box::new(sink))?;
@@ -171,7 +173,7 @@ pub fn merge_part(opts: &MergeOptions, part: Part, progress: &dyn Progress) -> R
             committed = true;
         }
         return Ok(PartOutcome {
-            plan,
+            total_shards: plan.shards.len(),
             plan_hash: hash,
             shards,
             committed,
@@ -199,7 +201,7 @@ pub fn merge_part(opts: &MergeOptions, part: Part, progress: &dyn Progress) -> R
         // The last part: index, config and the base's small files, then the rename.
         let small = write::write_into(&last, inputs, &dir, &extra, &write::NoProgress)?;
         if !opts.no_manifest {
-            let bytes = manifest(opts, &ckpt, &plan, shard_checksums(dir.path())?, &small);
+            let bytes = manifest(opts, &ckpt, &plan, shard_checksums(dir.path())?, &small, &calls);
             write::write_file(&dir.path().join(MANIFEST), &bytes)?;
         }
         if let Some(a) = adapter.as_deref().filter(|a| a.no_fuse()) {
@@ -214,7 +216,7 @@ pub fn merge_part(opts: &MergeOptions, part: Part, progress: &dyn Progress) -> R
         committed = true;
     }
     Ok(PartOutcome {
-        plan,
+        total_shards: plan.shards.len(),
         plan_hash: hash,
         shards,
         committed,
@@ -250,10 +252,11 @@ fn manifest(
     plan: &Plan,
     shards: Vec<FileEntry>,
     small: &write::WriteSummary,
+    unsafe_calls: &[UnsafeCall],
 ) -> Vec<u8> {
     let mut files = in_plan_order(plan, shards);
     files.extend(FileEntry::of_written(&small.files, &small.digests));
-    Manifest::new(opts, ckpt.format.id(), plan.dtype, files).to_bytes()
+    Manifest::new(opts, ckpt.format.id(), plan.dtype, files, unsafe_calls).to_bytes()
 }
 
 /// Every shard's entry for `unshard.json`, in the plan's order, from those the

@@ -67,7 +67,42 @@ pub fn wrong_input(path: &Path) -> Option<Error> {
             ),
         ));
     }
+    // A folder with a DeepSpeed checkpoint (`latest`) or a DCP directory
+    // (`.metadata`) one level down, among other things.
+    let inside = checkpoint_subdirs(path);
+    if let Some(first) = inside.first() {
+        let listed: Vec<String> = inside.iter().map(|p| p.display().to_string()).collect();
+        let hint = match inside.len() {
+            1 => format!("pass the checkpoint folder: {}", first.display()),
+            _ => format!(
+                "pass one of the checkpoint folders: {}",
+                crate::text::list_some(&listed, 8)
+            ),
+        };
+        return Some(wrong(
+            format!(
+                "not a checkpoint, but a folder holding {}",
+                crate::text::list_some(&listed, 8)
+            ),
+            hint,
+        ));
+    }
     None
+}
+
+/// Subdirectories of `path` that hold a DeepSpeed `latest` file or a DCP
+/// `.metadata`, by name.
+fn checkpoint_subdirs(path: &Path) -> Vec<PathBuf> {
+    let mut v: Vec<PathBuf> = std::fs::read_dir(path)
+        .map(|r| {
+            r.filter_map(|e| e.ok())
+                .map(|e| e.path())
+                .filter(|p| p.join("latest").is_file() || p.join(".metadata").is_file())
+                .collect()
+        })
+        .unwrap_or_default();
+    v.sort();
+    v
 }
 
 /// `(N, name)` of the subdirectories named `<prefix>N`, by N ascending.

@@ -129,11 +129,20 @@ fn absolute(p: &Path) -> PathBuf {
 /// Creates the staging directory for `out`.
 pub fn create_staging(out: &Path) -> Result<Staging> {
     let parent = parent_of(out);
-    std::fs::create_dir_all(&parent)
-        .map_err(|e| Error::io("create the output's parent directory", &parent, e))?;
+    // The output is written beside itself and renamed into place: a failure here
+    // is about the output's directory, not the internal staging name.
+    let unwritable = |e: std::io::Error| Error::Output {
+        path: out.to_path_buf(),
+        msg: format!("cannot write into {}: {e}", parent.display()),
+        hint: Some(
+            "choose an output in a directory you can write to, or fix that directory's permissions (`ls -ld` shows them)"
+                .into(),
+        ),
+    };
+    std::fs::create_dir_all(&parent).map_err(unwritable)?;
     let path = parent.join(format!("{}{}", staging_prefix(out), std::process::id()));
     let _ = std::fs::remove_dir_all(&path);
-    std::fs::create_dir(&path).map_err(|e| Error::io("create the staging directory", &path, e))?;
+    std::fs::create_dir(&path).map_err(unwritable)?;
     Ok(Staging {
         path,
         committed: false,
