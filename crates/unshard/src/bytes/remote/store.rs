@@ -22,6 +22,7 @@ use object_store::path::Path as Key;
 use object_store::{ClientConfigKey, ObjectStore, ObjectStoreExt, ObjectStoreScheme, RetryConfig};
 
 use crate::error::{Error, Result};
+use crate::text;
 
 /// An object (or a prefix) in a store.
 #[derive(Clone)]
@@ -111,9 +112,12 @@ pub fn locate(p: &Path) -> Result<Location> {
     let url = url::Url::parse(trimmed).map_err(|e| bad_url(p, &e.to_string()))?;
     let (scheme, key) = ObjectStoreScheme::parse(&url).map_err(|e| bad_url(p, &e.to_string()))?;
     let base = &url[..url::Position::BeforePath];
+    // Clients are known by the URL without its user info, which the client built
+    // from the first URL keeps for its requests; every URL shown is without it.
+    let shown_base = text::without_secrets(base);
     let stores = STORES.get_or_init(Default::default);
     let mut stores = stores.lock().unwrap_or_else(|e| e.into_inner());
-    let client = match stores.get(base) {
+    let client = match stores.get(&shown_base) {
         Some(c) => c.clone(),
         None => {
             install_crypto();
@@ -158,11 +162,14 @@ pub fn locate(p: &Path) -> Result<Location> {
                 _ => return Err(bad_url(p, "not an object store URL")),
             };
             let client = built.map_err(|e| Error::Unsupported {
-                path: p.to_path_buf(),
-                what: format!("this object store configuration ({e})"),
+                path: shown(p),
+                what: format!(
+                    "this object store configuration ({})",
+                    text::scrub(&e.to_string())
+                ),
                 hint: Some(credentials_hint().into()),
             })?;
-            stores.insert(base.to_string(), client.clone());
+            stores.insert(shown_base, client.clone());
             client
         }
     };
@@ -170,8 +177,16 @@ pub fn locate(p: &Path) -> Result<Location> {
         store: client.store,
         multipart: client.multipart,
         key,
-        url: PathBuf::from(trimmed),
+        url: PathBuf::from(text::without_secrets(trimmed)),
     })
+}
+
+/// `p` as it may be shown: a URL without its user info and query.
+pub fn shown(p: &Path) -> PathBuf {
+    match p.to_str().and_then(text::redact_url) {
+        Some(clean) => PathBuf::from(clean),
+        None => p.to_path_buf(),
+    }
 }
 
 /// An S3 client builder from the `AWS_*` variables, completed by the AWS profile
@@ -200,7 +215,7 @@ pub fn credentials_hint() -> &'static str {
 
 fn bad_url(p: &Path, why: &str) -> Error {
     Error::Unsupported {
-        path: p.to_path_buf(),
+        path: shown(p),
         what: format!("this URL ({why})"),
         hint: Some("write object storage locations as s3://bucket/key, gs://bucket/key, az://container/key or https://host/path".into()),
     }
@@ -254,7 +269,7 @@ pub fn io_error(op: &'static str, url: &Path, e: object_store::Error) -> Error {
         | object_store::Error::Unauthenticated { .. } => io::ErrorKind::PermissionDenied,
         _ => io::ErrorKind::Other,
     };
-    Error::io(op, url, io::Error::new(kind, e))
+    Error::io(op, &shown(url), io::Error::new(kind, text::scrub(&e.to_string())))
 }
 
 /// What a listing found directly under a prefix: objects with their sizes, and
