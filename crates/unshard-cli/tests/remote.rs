@@ -120,6 +120,87 @@ fn a_torch_save_file_and_an_hf_base_from_a_bucket_merge_as_from_disk() {
     );
 }
 
+/// One checkpoint of every family the readers know (the same list as the library's
+/// in-memory store test, `bytes::remote::tests::FAMILIES`): `(test name,
+/// checkpoint, base, extra arguments)`, relative to fixtures/.
+const FAMILIES: &[(&str, &str, Option<&str>, &[&str])] = &[
+    (
+        "fam-pt",
+        "ckpt/llama_policy.pt",
+        Some("models/llama-bf16"),
+        &[],
+    ),
+    (
+        "fam-dcp",
+        "sharded/llama_w2_dcp",
+        Some("models/llama-bf16"),
+        &[],
+    ),
+    (
+        "fam-ranks",
+        "sharded/llama_w2_ranks",
+        Some("models/llama-bf16"),
+        &[],
+    ),
+    (
+        "fam-ds-z2",
+        "deepspeed/llama_z2_fp16_w3_aligned",
+        Some("deepspeed/base/llama12-fp16"),
+        &[],
+    ),
+    (
+        "fam-ds-z3",
+        "deepspeed/llama_z3_bf16_w2",
+        Some("deepspeed/base/llama-bf16"),
+        &[],
+    ),
+    (
+        "fam-ds-tag",
+        "deepspeed/llama_z3_bf16_w2/global_step1",
+        Some("deepspeed/base/llama-bf16"),
+        &[],
+    ),
+    ("fam-ds-trainer", "deepspeed/llama_trainer_z3_w2", None, &[]),
+    (
+        "fam-lora",
+        "lora/adapters/llama_lora",
+        Some("models/llama-bf16"),
+        &[],
+    ),
+    (
+        "fam-megatron",
+        "megatron/ckpt/llama_tp2",
+        Some("megatron/base/llama"),
+        &[],
+    ),
+    (
+        "fam-titan",
+        "torchtitan/llama3/checkpoint/step-10",
+        Some("torchtitan/llama3/base"),
+        &[],
+    ),
+    (
+        "fam-moe-pt",
+        "moe/mixtral/policy.pt",
+        Some("moe/mixtral/base"),
+        &["--key", "state"],
+    ),
+    (
+        "fam-moe-dcp",
+        "moe/mixtral/dcp",
+        Some("moe/mixtral/base"),
+        &[],
+    ),
+];
+
+#[test]
+#[ignore = "needs moto_server on UNSHARD_TEST_S3_ENDPOINT (see docs/testing.md)"]
+fn every_fixture_family_from_a_bucket_merges_as_from_disk() {
+    for (name, ckpt, base, extra) in FAMILIES {
+        merge_both_ways(name, ckpt, *base, extra);
+    }
+}
+
 #[test]
 #[ignore = "needs moto_server on UNSHARD_TEST_S3_ENDPOINT (see docs/testing.md)"]
 fn a_sharded_hf_base_and_small_shards_from_a_bucket() {
@@ -687,4 +768,90 @@ fn a_killed_upload_is_reported_as_a_stale_run_and_replaced_with_force() {
         ["out/model.safetensors", "out/unshard.json"],
         "only the new output remains"
     );
+}
+
+/// User info and a query in the URLs (a password, a presigned URL's signature) are
+/// in no output file, not in stdout or stderr, whether the merge succeeds or
+/// fails, and not in an output written to the bucket.
+#[test]
+#[ignore = "needs moto_server on UNSHARD_TEST_S3_ENDPOINT (see docs/testing.md)"]
+fn secrets_in_urls_are_never_printed_or_written() {
+    const SECRETS: [&str; 2] = ["PASSWORD1234", "SIGNATURE5678"];
+    let with_secrets = |url: String| {
+        format!(
+            "{}?X-Amz-Signature=SIGNATURE5678",
+            url.replacen("s3://", "s3://AKID:PASSWORD1234@", 1)
+        )
+    };
+    let clean = |what: &str, text: &str| {
+        for s in SECRETS {
+            assert!(!text.contains(s), "{what} holds {s}:\n{text}");
+        }
+    };
+    let ep = endpoint("secrets");
+    let b = Bucket::create(&ep, &bucket_name("secrets"));
+    let fx = fixtures();
+    b.upload(&fx.join("ckpt/llama_policy.pt"), "ckpt/llama_policy.pt");
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("out");
+    let base = fx.join("models/llama-bf16");
+    let o = run(
+        Some(&b),
+        &[
+            "merge",
+            &with_secrets(b.url("ckpt/llama_policy.pt")),
+            "--base",
+            base.to_str().unwrap(),
+            "-o",
+            out.to_str().unwrap(),
+        ],
+    );
+    clean("stderr", &String::from_utf8_lossy(&o.stderr));
+    clean("stdout", &ok(&o));
+    for n in names(&out) {
+        clean(
+            &n,
+            &String::from_utf8_lossy(&std::fs::read(out.join(&n)).unwrap()),
+        );
+    }
+    let m: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(out.join("unshard.json")).unwrap()).unwrap();
+    assert_eq!(m["inputs"]["checkpoint"], b.url("ckpt/llama_policy.pt"));
+    assert!(m["inputs"]["urls_redacted"].is_string(), "{m}");
+
+    // To the bucket, and a failure naming a missing object.
+    let o = run(
+        Some(&b),
+        &[
+            "merge",
+            &with_secrets(b.url("ckpt/llama_policy.pt")),
+            "--base",
+            base.to_str().unwrap(),
+            "-o",
+            &with_secrets(b.url("out")),
+        ],
+    );
+    clean("stderr", &String::from_utf8_lossy(&o.stderr));
+    clean("stdout", &ok(&o));
+    let dl = tmp.path().join("dl");
+    download(&b, "out", &dl);
+    for n in names(&dl) {
+        clean(
+            &n,
+            &String::from_utf8_lossy(&std::fs::read(dl.join(&n)).unwrap()),
+        );
+    }
+    let o = run(
+        Some(&b),
+        &[
+            "merge",
+            &with_secrets(b.url("ckpt/missing.pt")),
+            "-o",
+            tmp.path().join("x").to_str().unwrap(),
+        ],
+    );
+    assert!(!o.status.success());
+    let err = String::from_utf8_lossy(&o.stderr);
+    clean("stderr", &err);
+    assert!(err.contains(&b.url("ckpt/missing.pt")), "{err}");
 }

@@ -80,3 +80,32 @@ pub fn scrub(message: &str) -> String {
     out.push_str(rest);
     out
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn user_info_query_and_fragment_leave_a_url() {
+        let cases = [
+            ("https://user:pw@host:8080/a/b?X-Amz-Signature=s#f", Some("https://host:8080/a/b")),
+            ("s3://bucket/key?versionId=1", Some("s3://bucket/key")),
+            ("https://host/a@b/c", None),
+            ("s3://bucket/key", None),
+            ("/local/dir?x", None),
+            ("az://u@container?sig=1", Some("az://container")),
+        ];
+        for (given, want) in cases {
+            assert_eq!(redact_url(given).as_deref(), want, "{given}");
+        }
+    }
+
+    #[test]
+    fn urls_inside_a_message_are_scrubbed() {
+        let m = "error sending request for url (https://u:SECRET@h/x?sig=SECRET2): refused, see s3://b/k";
+        assert_eq!(
+            scrub(m),
+            "error sending request for url (https://h/x): refused, see s3://b/k"
+        );
+    }
+}

@@ -311,14 +311,45 @@ impl Drop for BucketSink {
             undo.written.clear();
         }
         let (store, multipart) = (self.dest.store.clone(), self.multipart.clone());
-        block_on(async move {
+        // Each request is retried as long as any (`UNSHARD_RETRY_SECONDS`), so a
+        // cleanup that starts during an outage still completes when it ends.
+        let left = block_on(async move {
+            let mut left = Vec::new();
             for (key, id) in &undo.open {
-                let _ = multipart.abort_multipart(key, id).await;
+                if let Err(e) = multipart.abort_multipart(key, id).await {
+                    left.push(format!(
+                        "the open multipart upload {id} of {key} ({}); abort it with `aws s3api abort-multipart-upload --bucket BUCKET --key {key} --upload-id {id}`, or let a lifecycle rule for incomplete uploads remove it",
+                        crate::text::scrub(&e.to_string())
+                    ));
+                }
             }
             for key in &undo.written {
-                let _ = store.delete(key).await;
+                if let Err(e) = store.delete(key).await {
+                    if !matches!(e, object_store::Error::NotFound { .. }) {
+                        left.push(format!(
+                            "the object {key} ({}); delete it with `aws s3 rm s3://BUCKET/{key}` or your store's console",
+                            crate::text::scrub(&e.to_string())
+                        ));
+                    }
+                }
             }
+            left
         });
+        if !left.is_empty() {
+            // A drop has no caller to return this to, and leaving objects behind
+            // unannounced is worse than a line on stderr.
+            #[allow(clippy::print_stderr)]
+            {
+                eprintln!(
+                    "warning: the failed run's cleanup in {} could not remove {} item(s):",
+                    self.dest.url.display(),
+                    left.len()
+                );
+                for l in &left {
+                    eprintln!("  - {l}");
+                }
+            }
+        }
     }
 }
 

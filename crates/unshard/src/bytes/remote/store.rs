@@ -49,14 +49,33 @@ impl Location {
     }
 }
 
-/// Requests retried on connection errors and 5xx answers: at most 4 times and for
-/// at most 30 s, so a server gone for good fails the run in seconds rather than the
-/// crate's default 3 minutes, while a throttled or briefly unreachable one recovers.
+/// How long a request keeps being retried after connection errors and 5xx
+/// answers, by default: long enough to outlast a server restart or a network
+/// outage of tens of seconds on a long upload.
+pub const RETRY_SECONDS: u64 = 120;
+
+/// [`RETRY_SECONDS`], or `UNSHARD_RETRY_SECONDS` when set (0 to 3600; 0 retries
+/// nothing).
+pub fn retry_seconds() -> u64 {
+    std::env::var("UNSHARD_RETRY_SECONDS")
+        .ok()
+        .and_then(|v| v.trim().parse::<u64>().ok())
+        .map_or(RETRY_SECONDS, |n| n.min(3600))
+}
+
+/// Requests (reads, each part of an upload, deletes) retried on connection errors
+/// and 5xx answers for [`retry_seconds`], waiting 0.1 s, 0.2 s, ... up to 5 s between
+/// tries, so a server back after an outage is used again within 5 s.
 fn retry() -> RetryConfig {
+    let secs = retry_seconds();
     RetryConfig {
-        max_retries: 4,
-        retry_timeout: Duration::from_secs(30),
-        ..RetryConfig::default()
+        max_retries: if secs == 0 { 0 } else { 1000 },
+        retry_timeout: Duration::from_secs(secs),
+        backoff: object_store::BackoffConfig {
+            init_backoff: Duration::from_millis(100),
+            max_backoff: Duration::from_secs(5),
+            base: 2.0,
+        },
     }
 }
 
@@ -149,9 +168,11 @@ pub fn locate(p: &Path) -> Result<Location> {
                     .with_retry(retry())
                     .build()
                     .map(both),
+                // A URL that says http:// asks for plain HTTP: allowed, as curl does.
                 ObjectStoreScheme::Http => TIMEOUTS
                     .iter()
                     .fold(HttpBuilder::new(), |b, &(k, v)| b.with_config(k, v))
+                    .with_config(ClientConfigKey::AllowHttp, (url.scheme() == "http").to_string())
                     .with_url(base)
                     .with_retry(retry())
                     .build()
@@ -269,7 +290,14 @@ pub fn io_error(op: &'static str, url: &Path, e: object_store::Error) -> Error {
         | object_store::Error::Unauthenticated { .. } => io::ErrorKind::PermissionDenied,
         _ => io::ErrorKind::Other,
     };
-    Error::io(op, &shown(url), io::Error::new(kind, text::scrub(&e.to_string())))
+    let mut msg = text::scrub(&e.to_string());
+    if msg.contains("URL scheme is not allowed") {
+        // An S3/GCS/Azure endpoint given as http:// (a local test server).
+        msg.push_str(
+            "; the endpoint is plain http://: set AWS_ALLOW_HTTP=true to allow it (or use https://)",
+        );
+    }
+    Error::io(op, &shown(url), io::Error::new(kind, msg))
 }
 
 /// What a listing found directly under a prefix: objects with their sizes, and

@@ -251,3 +251,56 @@ fn every_fixture_family_merges_from_a_store_as_from_disk() {
     }
     assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
+
+/// A URL given with user info and a query (a presigned URL's signature) is read,
+/// and neither appears in any file of the output; `unshard.json` says the URL was
+/// recorded without them.
+#[test]
+fn secrets_in_a_url_are_never_written() {
+    let mem = Arc::new(InMemory::new());
+    store::register("s3://secret-urls", mem.clone());
+    let fixtures = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures");
+    upload(&mem, &fixtures.join("ckpt/llama_policy.pt"), "ckpt/policy.pt");
+    let dir = tempfile::tempdir().unwrap();
+    let output = dir.path().join("out");
+    let opts = MergeOptions {
+        checkpoint: "s3://AKIDUSER:PASSWORD1234@secret-urls/ckpt/policy.pt?X-Amz-Signature=SIGNATURE5678".into(),
+        base: Some(fixtures.join("models/llama-bf16")),
+        output: output.clone(),
+        ..MergeOptions::default()
+    };
+    merge(&opts, &NoProgress).unwrap();
+    let files = tree(&output);
+    assert!(files.contains_key("model.safetensors"));
+    for (name, bytes) in &files {
+        let text = String::from_utf8_lossy(bytes);
+        for secret in ["PASSWORD1234", "SIGNATURE5678", "AKIDUSER"] {
+            assert!(!text.contains(secret), "{name} holds {secret}");
+        }
+    }
+    let manifest: serde_json::Value =
+        serde_json::from_slice(&files["unshard.json"]).unwrap();
+    assert_eq!(
+        manifest["inputs"]["checkpoint"],
+        "s3://secret-urls/ckpt/policy.pt"
+    );
+    assert!(manifest["inputs"]["urls_redacted"].is_string(), "{manifest}");
+}
+
+/// An error about a missing object names its URL without the user info or query.
+#[test]
+fn an_error_names_the_url_without_its_secrets() {
+    let mem = Arc::new(InMemory::new());
+    store::register("s3://secret-errors", mem);
+    let dir = tempfile::tempdir().unwrap();
+    let opts = MergeOptions {
+        checkpoint: "s3://U:PASSWORD1234@secret-errors/none/policy.pt?sig=SIGNATURE5678".into(),
+        output: dir.path().join("out"),
+        weights_only: true,
+        ..MergeOptions::default()
+    };
+    let e = merge(&opts, &NoProgress).unwrap_err();
+    let shown = format!("{e} {e:?}");
+    assert!(shown.contains("s3://secret-errors/none/policy.pt"), "{shown}");
+    assert!(!shown.contains("PASSWORD1234") && !shown.contains("SIGNATURE5678"), "{shown}");
+}
