@@ -855,3 +855,184 @@ fn secrets_in_urls_are_never_printed_or_written() {
     clean("stderr", &err);
     assert!(err.contains(&b.url("ckpt/missing.pt")), "{err}");
 }
+
+/// A TCP proxy in front of the test server that can be taken down: while down it
+/// cuts every open connection and closes each new one at once, as a server being
+/// restarted or a broken network path does.
+struct Proxy {
+    port: u16,
+    down: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    open: std::sync::Arc<std::sync::Mutex<Vec<std::net::TcpStream>>>,
+}
+
+impl Proxy {
+    fn start(target: &str) -> Proxy {
+        use std::net::{TcpListener, TcpStream};
+        use std::sync::atomic::Ordering;
+        let target = target.trim_start_matches("http://").to_string();
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let p = Proxy {
+            port,
+            down: Default::default(),
+            open: Default::default(),
+        };
+        let (down, open) = (p.down.clone(), p.open.clone());
+        std::thread::spawn(move || {
+            for client in listener.incoming().flatten() {
+                if down.load(Ordering::SeqCst) {
+                    let _ = client.shutdown(std::net::Shutdown::Both);
+                    continue;
+                }
+                let Ok(server) = TcpStream::connect(&target) else {
+                    continue;
+                };
+                {
+                    let mut open = open.lock().unwrap();
+                    open.push(client.try_clone().unwrap());
+                    open.push(server.try_clone().unwrap());
+                }
+                for (mut from, mut to) in [
+                    (client.try_clone().unwrap(), server.try_clone().unwrap()),
+                    (server, client),
+                ] {
+                    std::thread::spawn(move || {
+                        let _ = std::io::copy(&mut from, &mut to);
+                        let _ = to.shutdown(std::net::Shutdown::Both);
+                        let _ = from.shutdown(std::net::Shutdown::Both);
+                    });
+                }
+            }
+        });
+        p
+    }
+
+    fn endpoint(&self) -> String {
+        format!("http://127.0.0.1:{}", self.port)
+    }
+
+    /// Down for `d`, then up again; returns at once.
+    fn outage(&self, d: Duration) {
+        use std::sync::atomic::Ordering;
+        self.down.store(true, Ordering::SeqCst);
+        for s in self.open.lock().unwrap().drain(..) {
+            let _ = s.shutdown(std::net::Shutdown::Both);
+        }
+        let down = self.down.clone();
+        std::thread::spawn(move || {
+            std::thread::sleep(d);
+            down.store(false, Ordering::SeqCst);
+        });
+    }
+}
+
+/// The server unreachable for 10 s in the middle of a multipart upload: every
+/// request is retried until it is back, and the output is the same as a local
+/// merge's.
+#[test]
+#[ignore = "needs moto_server on UNSHARD_TEST_S3_ENDPOINT (see docs/testing.md)"]
+fn a_ten_second_outage_during_an_upload_is_survived() {
+    let ep = endpoint("outage");
+    let b = Bucket::create(&ep, &bucket_name("outage"));
+    let proxy = Proxy::start(&ep);
+    let inputs = tempfile::tempdir().unwrap();
+    let ckpt = big_checkpoint(inputs.path(), 24);
+    let args = |out: &str| -> Vec<String> {
+        [
+            "merge",
+            ckpt.to_str().unwrap(),
+            "--weights-only",
+            "--dtype",
+            "bfloat16",
+            "-o",
+            out,
+        ]
+        .map(str::to_string)
+        .to_vec()
+    };
+    let local = inputs.path().join("local");
+    ok(&run(
+        None,
+        &args(local.to_str().unwrap())
+            .iter()
+            .map(String::as_str)
+            .collect::<Vec<_>>(),
+    ));
+    let mut cmd = Command::new(bin());
+    b.env(&mut cmd);
+    let child = cmd
+        .args(args(&b.url("out")))
+        .env("AWS_ENDPOINT_URL", proxy.endpoint())
+        .env("UNSHARD_TEST_WINDOW_DELAY_MS", "1000")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let start = Instant::now();
+    while b.get("out/.unshard-run.json").is_none() {
+        assert!(start.elapsed() < Duration::from_secs(60), "no run manifest");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    std::thread::sleep(Duration::from_millis(1500));
+    let outage = Instant::now();
+    proxy.outage(Duration::from_secs(10));
+    let o = child.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{:?}\n{err}", o.status);
+    assert!(
+        outage.elapsed() >= Duration::from_secs(10),
+        "the merge ended {:?} into the outage: it did not write during it",
+        outage.elapsed()
+    );
+    let dl = inputs.path().join("dl");
+    download(&b, "out", &dl);
+    same_dirs(&local, &dl);
+}
+
+/// An outage longer than the retries (`UNSHARD_RETRY_SECONDS=2`): the merge fails,
+/// and its cleanup, which cannot reach the server either, says what it left and
+/// the command that removes it.
+#[test]
+#[ignore = "needs moto_server on UNSHARD_TEST_S3_ENDPOINT (see docs/testing.md)"]
+fn an_outage_longer_than_the_retries_fails_and_says_what_it_left() {
+    let ep = endpoint("long-outage");
+    let b = Bucket::create(&ep, &bucket_name("long-outage"));
+    let proxy = Proxy::start(&ep);
+    let inputs = tempfile::tempdir().unwrap();
+    let ckpt = big_checkpoint(inputs.path(), 24);
+    let mut cmd = Command::new(bin());
+    b.env(&mut cmd);
+    let child = cmd
+        .args([
+            "merge",
+            ckpt.to_str().unwrap(),
+            "--weights-only",
+            "--dtype",
+            "bfloat16",
+            "-o",
+            &b.url("out"),
+        ])
+        .env("AWS_ENDPOINT_URL", proxy.endpoint())
+        .env("UNSHARD_RETRY_SECONDS", "2")
+        .env("UNSHARD_TEST_WINDOW_DELAY_MS", "1000")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let start = Instant::now();
+    while b.get("out/.unshard-run.json").is_none() {
+        assert!(start.elapsed() < Duration::from_secs(60), "no run manifest");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    std::thread::sleep(Duration::from_millis(1500));
+    proxy.outage(Duration::from_secs(20));
+    let o = child.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(1), "{err}");
+    assert!(err.contains("could not remove"), "{err}");
+    assert!(
+        err.contains("abort-multipart-upload") || err.contains("aws s3 rm"),
+        "{err}"
+    );
+    assert!(err.contains(&bucket_name("long-outage")), "{err}");
+}

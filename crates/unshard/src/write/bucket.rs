@@ -311,6 +311,13 @@ impl Drop for BucketSink {
             undo.written.clear();
         }
         let (store, multipart) = (self.dest.store.clone(), self.multipart.clone());
+        // `scheme://bucket`, and the bucket's name, for the commands printed below.
+        let url = self.dest.url.to_string_lossy().into_owned();
+        let bucket = url
+            .split_once("://")
+            .map_or("BUCKET", |(_, rest)| rest.split('/').next().unwrap_or("BUCKET"))
+            .to_string();
+        let (bucket_a, bucket_b) = (bucket.clone(), bucket);
         // Each request is retried as long as any (`UNSHARD_RETRY_SECONDS`), so a
         // cleanup that starts during an outage still completes when it ends.
         let left = block_on(async move {
@@ -318,7 +325,7 @@ impl Drop for BucketSink {
             for (key, id) in &undo.open {
                 if let Err(e) = multipart.abort_multipart(key, id).await {
                     left.push(format!(
-                        "the open multipart upload {id} of {key} ({}); abort it with `aws s3api abort-multipart-upload --bucket BUCKET --key {key} --upload-id {id}`, or let a lifecycle rule for incomplete uploads remove it",
+                        "the open multipart upload {id} of {key} ({}); abort it with `aws s3api abort-multipart-upload --bucket {bucket_a} --key {key} --upload-id {id}` (S3), or let a lifecycle rule for incomplete uploads remove it",
                         crate::text::scrub(&e.to_string())
                     ));
                 }
@@ -327,7 +334,7 @@ impl Drop for BucketSink {
                 if let Err(e) = store.delete(key).await {
                     if !matches!(e, object_store::Error::NotFound { .. }) {
                         left.push(format!(
-                            "the object {key} ({}); delete it with `aws s3 rm s3://BUCKET/{key}` or your store's console",
+                            "the object {key} ({}); delete it with `aws s3 rm s3://{bucket_b}/{key}` (S3) or your store's console",
                             crate::text::scrub(&e.to_string())
                         ));
                     }
