@@ -548,8 +548,17 @@ fn an_output_written_to_a_bucket_equals_the_local_one() {
         String::from_utf8_lossy(&o.stderr)
     );
 
-    // Writing again needs --force; with it, objects of the old output that the new
-    // one lacks are gone.
+    // Writing again needs --force; with it, objects of the old output (listed in
+    // its unshard.json) that the new one lacks are gone, and an object no output
+    // lists is refused by name and kept.
+    let mut m: serde_json::Value =
+        serde_json::from_slice(&b.get("out/unshard.json").unwrap()).unwrap();
+    m["files"]
+        .as_array_mut()
+        .unwrap()
+        .push(serde_json::json!({"name": "old-shard.safetensors", "size": 3, "checksum": null}));
+    b.put("out/unshard.json", serde_json::to_vec(&m).unwrap());
+    b.put("out/old-shard.safetensors", b"old".to_vec());
     b.put("out/stale-file.txt", b"old".to_vec());
     let a = args(&b.url("out"));
     let o = run(Some(&b), &a.iter().map(|s| s.as_str()).collect::<Vec<_>>());
@@ -561,11 +570,20 @@ fn an_output_written_to_a_bucket_equals_the_local_one() {
     );
     let mut a = args(&b.url("out"));
     a.push("--force".into());
+    let o = run(Some(&b), &a.iter().map(|s| s.as_str()).collect::<Vec<_>>());
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("stale-file.txt") && !err.contains("old-shard"),
+        "{err}"
+    );
+    assert!(b.get("out/stale-file.txt").is_some());
+    b.delete("out/stale-file.txt");
     ok(&run(
         Some(&b),
         &a.iter().map(|s| s.as_str()).collect::<Vec<_>>(),
     ));
-    assert!(b.get("out/stale-file.txt").is_none());
+    assert!(b.get("out/old-shard.safetensors").is_none());
     let again = tmp.path().join("again");
     download(&b, "out", &again);
     same_dirs(&local, &again);
@@ -1035,4 +1053,56 @@ fn an_outage_longer_than_the_retries_fails_and_says_what_it_left() {
         "{err}"
     );
     assert!(err.contains(&bucket_name("long-outage")), "{err}");
+}
+
+/// `--force` replaces an earlier unshard output (the files its `unshard.json` lists)
+/// and refuses, naming them, objects no unshard output wrote, at a prefix or at the
+/// bucket's root; they are left in place.
+#[test]
+#[ignore = "needs moto_server on UNSHARD_TEST_S3_ENDPOINT (see docs/testing.md)"]
+fn force_replaces_only_what_unshard_wrote() {
+    let ep = endpoint("force-own");
+    let b = Bucket::create(&ep, &bucket_name("force-own"));
+    let fx = fixtures();
+    let ckpt = fx.join("ckpt/llama_policy.pt");
+    let base = fx.join("models/llama-bf16");
+    let merge_to = |out: &str| {
+        run(
+            Some(&b),
+            &[
+                "merge",
+                ckpt.to_str().unwrap(),
+                "--base",
+                base.to_str().unwrap(),
+                "-o",
+                out,
+                "--force",
+            ],
+        )
+    };
+    // An earlier output is replaced.
+    ok(&merge_to(&b.url("out")));
+    ok(&merge_to(&b.url("out")));
+    assert!(b.get("out/unshard.json").is_some());
+    // An object beside it that no unshard.json lists is named and kept.
+    b.put("out/notes.txt", b"mine".to_vec());
+    let o = merge_to(&b.url("out"));
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("notes.txt") && err.contains("not part of"),
+        "{err}"
+    );
+    assert_eq!(b.get("out/notes.txt").unwrap(), b"mine");
+    assert!(
+        b.get("out/config.json").is_some(),
+        "the earlier output is left whole"
+    );
+    // At the bucket's root: every other object is foreign.
+    let root = format!("s3://{}", bucket_name("force-own"));
+    let o = merge_to(&root);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(1), "{err}");
+    assert!(err.contains("out/notes.txt"), "{err}");
+    assert_eq!(b.get("out/notes.txt").unwrap(), b"mine");
 }
