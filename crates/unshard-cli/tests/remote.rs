@@ -1106,3 +1106,77 @@ fn force_replaces_only_what_unshard_wrote() {
     assert!(err.contains("out/notes.txt"), "{err}");
     assert_eq!(b.get("out/notes.txt").unwrap(), b"mine");
 }
+
+/// The WebDAV server `.ci/run` starts (wsgidav) serving fixtures/ at
+/// `UNSHARD_TEST_WEBDAV_ENDPOINT`.
+fn webdav() -> String {
+    std::env::var("UNSHARD_TEST_WEBDAV_ENDPOINT").unwrap_or_else(|_| {
+        panic!("no WebDAV test server: start wsgidav serving fixtures/ and set UNSHARD_TEST_WEBDAV_ENDPOINT=http://127.0.0.1:PORT (docs/testing.md; .ci/run does this)")
+    })
+}
+
+/// Every fixture family read over plain http:// from a WebDAV server (which answers
+/// HEAD on a directory with 200 and 0 bytes: directories are listed first),
+/// checkpoint and base, merges as from disk.
+#[test]
+#[ignore = "needs a WebDAV server on UNSHARD_TEST_WEBDAV_ENDPOINT (see docs/testing.md)"]
+fn every_fixture_family_over_webdav_merges_as_from_disk() {
+    let dav = webdav();
+    let fx = fixtures();
+    for (name, ckpt, base, extra) in FAMILIES {
+        let tmp = tempfile::tempdir().unwrap();
+        let (local, remote) = (tmp.path().join("local"), tmp.path().join("remote"));
+        let merge = |ckpt: String, base: Option<String>, out: &Path| {
+            let mut a: Vec<String> = vec!["merge".into(), ckpt];
+            if let Some(b) = base {
+                a.extend(["--base".into(), b]);
+            }
+            a.extend(extra.iter().map(|s| s.to_string()));
+            a.extend(["-o".into(), out.to_str().unwrap().into()]);
+            let o = run(None, &a.iter().map(String::as_str).collect::<Vec<_>>());
+            assert!(
+                o.status.success(),
+                "{name}: {}",
+                String::from_utf8_lossy(&o.stderr)
+            );
+        };
+        merge(
+            fx.join(ckpt).to_str().unwrap().into(),
+            base.map(|b| fx.join(b).to_str().unwrap().to_string()),
+            &local,
+        );
+        merge(
+            format!("{dav}/{ckpt}"),
+            base.map(|b| format!("{dav}/{b}")),
+            &remote,
+        );
+        same_dirs(&local, &remote);
+    }
+}
+
+/// An S3 endpoint given as http:// without AWS_ALLOW_HTTP is refused, and the
+/// error names the variable.
+#[test]
+#[ignore = "needs moto_server on UNSHARD_TEST_S3_ENDPOINT (see docs/testing.md)"]
+fn s3_over_plain_http_without_the_opt_in_names_it() {
+    let ep = endpoint("no-allow-http");
+    let b = Bucket::create(&ep, &bucket_name("no-allow-http"));
+    b.upload(&fixtures().join("ckpt/llama_policy.pt"), "p.pt");
+    let tmp = tempfile::tempdir().unwrap();
+    let mut cmd = Command::new(bin());
+    b.env(&mut cmd);
+    let o = cmd
+        .args([
+            "merge",
+            &b.url("p.pt"),
+            "-o",
+            tmp.path().join("o").to_str().unwrap(),
+        ])
+        .env_remove("AWS_ALLOW_HTTP")
+        .env("UNSHARD_RETRY_SECONDS", "1")
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(1), "{err}");
+    assert!(err.contains("AWS_ALLOW_HTTP=true"), "{err}");
+}

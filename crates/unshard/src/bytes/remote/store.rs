@@ -291,7 +291,14 @@ pub fn io_error(op: &'static str, url: &Path, e: object_store::Error) -> Error {
         _ => io::ErrorKind::Other,
     };
     let mut msg = text::scrub(&e.to_string());
-    if msg.contains("URL scheme is not allowed") {
+    let mut chain = String::new();
+    let mut cause: Option<&dyn std::error::Error> = Some(&e);
+    while let Some(c) = cause {
+        chain.push_str(&c.to_string());
+        chain.push('\n');
+        cause = c.source();
+    }
+    if chain.contains("URL scheme is not allowed") {
         // An S3/GCS/Azure endpoint given as http:// (a local test server).
         msg.push_str(
             "; the endpoint is plain http://: set AWS_ALLOW_HTTP=true to allow it (or use https://)",
