@@ -304,7 +304,7 @@ pub fn io_error(op: &'static str, url: &Path, e: object_store::Error) -> Error {
             "; the endpoint is plain http://: set AWS_ALLOW_HTTP=true to allow it (or use https://)",
         );
     }
-    Error::io(op, &shown(url), io::Error::new(kind, msg))
+    Error::io(op, shown(url), io::Error::new(kind, msg))
 }
 
 /// What a listing found directly under a prefix: objects with their sizes, and
