@@ -120,6 +120,87 @@ fn a_torch_save_file_and_an_hf_base_from_a_bucket_merge_as_from_disk() {
     );
 }
 
+/// One checkpoint of every family the readers know (the same list as the library's
+/// in-memory store test, `bytes::remote::tests::FAMILIES`): `(test name,
+/// checkpoint, base, extra arguments)`, relative to fixtures/.
+const FAMILIES: &[(&str, &str, Option<&str>, &[&str])] = &[
+    (
+        "fam-pt",
+        "ckpt/llama_policy.pt",
+        Some("models/llama-bf16"),
+        &[],
+    ),
+    (
+        "fam-dcp",
+        "sharded/llama_w2_dcp",
+        Some("models/llama-bf16"),
+        &[],
+    ),
+    (
+        "fam-ranks",
+        "sharded/llama_w2_ranks",
+        Some("models/llama-bf16"),
+        &[],
+    ),
+    (
+        "fam-ds-z2",
+        "deepspeed/llama_z2_fp16_w3_aligned",
+        Some("deepspeed/base/llama12-fp16"),
+        &[],
+    ),
+    (
+        "fam-ds-z3",
+        "deepspeed/llama_z3_bf16_w2",
+        Some("deepspeed/base/llama-bf16"),
+        &[],
+    ),
+    (
+        "fam-ds-tag",
+        "deepspeed/llama_z3_bf16_w2/global_step1",
+        Some("deepspeed/base/llama-bf16"),
+        &[],
+    ),
+    ("fam-ds-trainer", "deepspeed/llama_trainer_z3_w2", None, &[]),
+    (
+        "fam-lora",
+        "lora/adapters/llama_lora",
+        Some("models/llama-bf16"),
+        &[],
+    ),
+    (
+        "fam-megatron",
+        "megatron/ckpt/llama_tp2",
+        Some("megatron/base/llama"),
+        &[],
+    ),
+    (
+        "fam-titan",
+        "torchtitan/llama3/checkpoint/step-10",
+        Some("torchtitan/llama3/base"),
+        &[],
+    ),
+    (
+        "fam-moe-pt",
+        "moe/mixtral/policy.pt",
+        Some("moe/mixtral/base"),
+        &["--key", "state"],
+    ),
+    (
+        "fam-moe-dcp",
+        "moe/mixtral/dcp",
+        Some("moe/mixtral/base"),
+        &[],
+    ),
+];
+
+#[test]
+#[ignore = "needs moto_server on UNSHARD_TEST_S3_ENDPOINT (see docs/testing.md)"]
+fn every_fixture_family_from_a_bucket_merges_as_from_disk() {
+    for (name, ckpt, base, extra) in FAMILIES {
+        merge_both_ways(name, ckpt, *base, extra);
+    }
+}
+
 #[test]
 #[ignore = "needs moto_server on UNSHARD_TEST_S3_ENDPOINT (see docs/testing.md)"]
 fn a_sharded_hf_base_and_small_shards_from_a_bucket() {
@@ -467,8 +548,17 @@ fn an_output_written_to_a_bucket_equals_the_local_one() {
         String::from_utf8_lossy(&o.stderr)
     );
 
-    // Writing again needs --force; with it, objects of the old output that the new
-    // one lacks are gone.
+    // Writing again needs --force; with it, objects of the old output (listed in
+    // its unshard.json) that the new one lacks are gone, and an object no output
+    // lists is refused by name and kept.
+    let mut m: serde_json::Value =
+        serde_json::from_slice(&b.get("out/unshard.json").unwrap()).unwrap();
+    m["files"]
+        .as_array_mut()
+        .unwrap()
+        .push(serde_json::json!({"name": "old-shard.safetensors", "size": 3, "checksum": null}));
+    b.put("out/unshard.json", serde_json::to_vec(&m).unwrap());
+    b.put("out/old-shard.safetensors", b"old".to_vec());
     b.put("out/stale-file.txt", b"old".to_vec());
     let a = args(&b.url("out"));
     let o = run(Some(&b), &a.iter().map(|s| s.as_str()).collect::<Vec<_>>());
@@ -480,11 +570,20 @@ fn an_output_written_to_a_bucket_equals_the_local_one() {
     );
     let mut a = args(&b.url("out"));
     a.push("--force".into());
+    let o = run(Some(&b), &a.iter().map(|s| s.as_str()).collect::<Vec<_>>());
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("stale-file.txt") && !err.contains("old-shard"),
+        "{err}"
+    );
+    assert!(b.get("out/stale-file.txt").is_some());
+    b.delete("out/stale-file.txt");
     ok(&run(
         Some(&b),
         &a.iter().map(|s| s.as_str()).collect::<Vec<_>>(),
     ));
-    assert!(b.get("out/stale-file.txt").is_none());
+    assert!(b.get("out/old-shard.safetensors").is_none());
     let again = tmp.path().join("again");
     download(&b, "out", &again);
     same_dirs(&local, &again);
@@ -687,4 +786,397 @@ fn a_killed_upload_is_reported_as_a_stale_run_and_replaced_with_force() {
         ["out/model.safetensors", "out/unshard.json"],
         "only the new output remains"
     );
+}
+
+/// User info and a query in the URLs (a password, a presigned URL's signature) are
+/// in no output file, not in stdout or stderr, whether the merge succeeds or
+/// fails, and not in an output written to the bucket.
+#[test]
+#[ignore = "needs moto_server on UNSHARD_TEST_S3_ENDPOINT (see docs/testing.md)"]
+fn secrets_in_urls_are_never_printed_or_written() {
+    const SECRETS: [&str; 2] = ["PASSWORD1234", "SIGNATURE5678"];
+    let with_secrets = |url: String| {
+        format!(
+            "{}?X-Amz-Signature=SIGNATURE5678",
+            url.replacen("s3://", "s3://AKID:PASSWORD1234@", 1)
+        )
+    };
+    let clean = |what: &str, text: &str| {
+        for s in SECRETS {
+            assert!(!text.contains(s), "{what} holds {s}:\n{text}");
+        }
+    };
+    let ep = endpoint("secrets");
+    let b = Bucket::create(&ep, &bucket_name("secrets"));
+    let fx = fixtures();
+    b.upload(&fx.join("ckpt/llama_policy.pt"), "ckpt/llama_policy.pt");
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("out");
+    let base = fx.join("models/llama-bf16");
+    let o = run(
+        Some(&b),
+        &[
+            "merge",
+            &with_secrets(b.url("ckpt/llama_policy.pt")),
+            "--base",
+            base.to_str().unwrap(),
+            "-o",
+            out.to_str().unwrap(),
+        ],
+    );
+    clean("stderr", &String::from_utf8_lossy(&o.stderr));
+    clean("stdout", &ok(&o));
+    for n in names(&out) {
+        clean(
+            &n,
+            &String::from_utf8_lossy(&std::fs::read(out.join(&n)).unwrap()),
+        );
+    }
+    let m: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(out.join("unshard.json")).unwrap()).unwrap();
+    assert_eq!(m["inputs"]["checkpoint"], b.url("ckpt/llama_policy.pt"));
+    assert!(m["inputs"]["urls_redacted"].is_string(), "{m}");
+
+    // To the bucket, and a failure naming a missing object.
+    let o = run(
+        Some(&b),
+        &[
+            "merge",
+            &with_secrets(b.url("ckpt/llama_policy.pt")),
+            "--base",
+            base.to_str().unwrap(),
+            "-o",
+            &with_secrets(b.url("out")),
+        ],
+    );
+    clean("stderr", &String::from_utf8_lossy(&o.stderr));
+    clean("stdout", &ok(&o));
+    let dl = tmp.path().join("dl");
+    download(&b, "out", &dl);
+    for n in names(&dl) {
+        clean(
+            &n,
+            &String::from_utf8_lossy(&std::fs::read(dl.join(&n)).unwrap()),
+        );
+    }
+    let o = run(
+        Some(&b),
+        &[
+            "merge",
+            &with_secrets(b.url("ckpt/missing.pt")),
+            "-o",
+            tmp.path().join("x").to_str().unwrap(),
+        ],
+    );
+    assert!(!o.status.success());
+    let err = String::from_utf8_lossy(&o.stderr);
+    clean("stderr", &err);
+    assert!(err.contains(&b.url("ckpt/missing.pt")), "{err}");
+}
+
+/// A TCP proxy in front of the test server that can be taken down: while down it
+/// cuts every open connection and closes each new one at once, as a server being
+/// restarted or a broken network path does.
+struct Proxy {
+    port: u16,
+    down: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    open: std::sync::Arc<std::sync::Mutex<Vec<std::net::TcpStream>>>,
+}
+
+impl Proxy {
+    fn start(target: &str) -> Proxy {
+        use std::net::{TcpListener, TcpStream};
+        use std::sync::atomic::Ordering;
+        let target = target.trim_start_matches("http://").to_string();
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let p = Proxy {
+            port,
+            down: Default::default(),
+            open: Default::default(),
+        };
+        let (down, open) = (p.down.clone(), p.open.clone());
+        std::thread::spawn(move || {
+            for client in listener.incoming().flatten() {
+                if down.load(Ordering::SeqCst) {
+                    let _ = client.shutdown(std::net::Shutdown::Both);
+                    continue;
+                }
+                let Ok(server) = TcpStream::connect(&target) else {
+                    continue;
+                };
+                {
+                    let mut open = open.lock().unwrap();
+                    open.push(client.try_clone().unwrap());
+                    open.push(server.try_clone().unwrap());
+                }
+                for (mut from, mut to) in [
+                    (client.try_clone().unwrap(), server.try_clone().unwrap()),
+                    (server, client),
+                ] {
+                    std::thread::spawn(move || {
+                        let _ = std::io::copy(&mut from, &mut to);
+                        let _ = to.shutdown(std::net::Shutdown::Both);
+                        let _ = from.shutdown(std::net::Shutdown::Both);
+                    });
+                }
+            }
+        });
+        p
+    }
+
+    fn endpoint(&self) -> String {
+        format!("http://127.0.0.1:{}", self.port)
+    }
+
+    /// Down for `d`, then up again; returns at once.
+    fn outage(&self, d: Duration) {
+        use std::sync::atomic::Ordering;
+        self.down.store(true, Ordering::SeqCst);
+        for s in self.open.lock().unwrap().drain(..) {
+            let _ = s.shutdown(std::net::Shutdown::Both);
+        }
+        let down = self.down.clone();
+        std::thread::spawn(move || {
+            std::thread::sleep(d);
+            down.store(false, Ordering::SeqCst);
+        });
+    }
+}
+
+/// The server unreachable for 10 s in the middle of a multipart upload: every
+/// request is retried until it is back, and the output is the same as a local
+/// merge's.
+#[test]
+#[ignore = "needs moto_server on UNSHARD_TEST_S3_ENDPOINT (see docs/testing.md)"]
+fn a_ten_second_outage_during_an_upload_is_survived() {
+    let ep = endpoint("outage");
+    let b = Bucket::create(&ep, &bucket_name("outage"));
+    let proxy = Proxy::start(&ep);
+    let inputs = tempfile::tempdir().unwrap();
+    let ckpt = big_checkpoint(inputs.path(), 24);
+    let args = |out: &str| -> Vec<String> {
+        [
+            "merge",
+            ckpt.to_str().unwrap(),
+            "--weights-only",
+            "--dtype",
+            "bfloat16",
+            "-o",
+            out,
+        ]
+        .map(str::to_string)
+        .to_vec()
+    };
+    let local = inputs.path().join("local");
+    ok(&run(
+        None,
+        &args(local.to_str().unwrap())
+            .iter()
+            .map(String::as_str)
+            .collect::<Vec<_>>(),
+    ));
+    let mut cmd = Command::new(bin());
+    b.env(&mut cmd);
+    let child = cmd
+        .args(args(&b.url("out")))
+        .env("AWS_ENDPOINT_URL", proxy.endpoint())
+        .env("UNSHARD_TEST_WINDOW_DELAY_MS", "1000")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let start = Instant::now();
+    while b.get("out/.unshard-run.json").is_none() {
+        assert!(start.elapsed() < Duration::from_secs(60), "no run manifest");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    std::thread::sleep(Duration::from_millis(1500));
+    let outage = Instant::now();
+    proxy.outage(Duration::from_secs(10));
+    let o = child.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{:?}\n{err}", o.status);
+    assert!(
+        outage.elapsed() >= Duration::from_secs(10),
+        "the merge ended {:?} into the outage: it did not write during it",
+        outage.elapsed()
+    );
+    let dl = inputs.path().join("dl");
+    download(&b, "out", &dl);
+    same_dirs(&local, &dl);
+}
+
+/// An outage longer than the retries (`UNSHARD_RETRY_SECONDS=2`): the merge fails,
+/// and its cleanup, which cannot reach the server either, says what it left and
+/// the command that removes it.
+#[test]
+#[ignore = "needs moto_server on UNSHARD_TEST_S3_ENDPOINT (see docs/testing.md)"]
+fn an_outage_longer_than_the_retries_fails_and_says_what_it_left() {
+    let ep = endpoint("long-outage");
+    let b = Bucket::create(&ep, &bucket_name("long-outage"));
+    let proxy = Proxy::start(&ep);
+    let inputs = tempfile::tempdir().unwrap();
+    let ckpt = big_checkpoint(inputs.path(), 24);
+    let mut cmd = Command::new(bin());
+    b.env(&mut cmd);
+    let child = cmd
+        .args([
+            "merge",
+            ckpt.to_str().unwrap(),
+            "--weights-only",
+            "--dtype",
+            "bfloat16",
+            "-o",
+            &b.url("out"),
+        ])
+        .env("AWS_ENDPOINT_URL", proxy.endpoint())
+        .env("UNSHARD_RETRY_SECONDS", "2")
+        .env("UNSHARD_TEST_WINDOW_DELAY_MS", "1000")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let start = Instant::now();
+    while b.get("out/.unshard-run.json").is_none() {
+        assert!(start.elapsed() < Duration::from_secs(60), "no run manifest");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    std::thread::sleep(Duration::from_millis(1500));
+    proxy.outage(Duration::from_secs(20));
+    let o = child.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(1), "{err}");
+    assert!(err.contains("could not remove"), "{err}");
+    assert!(
+        err.contains("abort-multipart-upload") || err.contains("aws s3 rm"),
+        "{err}"
+    );
+    assert!(err.contains(&bucket_name("long-outage")), "{err}");
+}
+
+/// `--force` replaces an earlier unshard output (the files its `unshard.json` lists)
+/// and refuses, naming them, objects no unshard output wrote, at a prefix or at the
+/// bucket's root; they are left in place.
+#[test]
+#[ignore = "needs moto_server on UNSHARD_TEST_S3_ENDPOINT (see docs/testing.md)"]
+fn force_replaces_only_what_unshard_wrote() {
+    let ep = endpoint("force-own");
+    let b = Bucket::create(&ep, &bucket_name("force-own"));
+    let fx = fixtures();
+    let ckpt = fx.join("ckpt/llama_policy.pt");
+    let base = fx.join("models/llama-bf16");
+    let merge_to = |out: &str| {
+        run(
+            Some(&b),
+            &[
+                "merge",
+                ckpt.to_str().unwrap(),
+                "--base",
+                base.to_str().unwrap(),
+                "-o",
+                out,
+                "--force",
+            ],
+        )
+    };
+    // An earlier output is replaced.
+    ok(&merge_to(&b.url("out")));
+    ok(&merge_to(&b.url("out")));
+    assert!(b.get("out/unshard.json").is_some());
+    // An object beside it that no unshard.json lists is named and kept.
+    b.put("out/notes.txt", b"mine".to_vec());
+    let o = merge_to(&b.url("out"));
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("notes.txt") && err.contains("not part of"),
+        "{err}"
+    );
+    assert_eq!(b.get("out/notes.txt").unwrap(), b"mine");
+    assert!(
+        b.get("out/config.json").is_some(),
+        "the earlier output is left whole"
+    );
+    // At the bucket's root: every other object is foreign.
+    let root = format!("s3://{}", bucket_name("force-own"));
+    let o = merge_to(&root);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(1), "{err}");
+    assert!(err.contains("out/notes.txt"), "{err}");
+    assert_eq!(b.get("out/notes.txt").unwrap(), b"mine");
+}
+
+/// The WebDAV server `.ci/run` starts (wsgidav) serving fixtures/ at
+/// `UNSHARD_TEST_WEBDAV_ENDPOINT`.
+fn webdav() -> String {
+    std::env::var("UNSHARD_TEST_WEBDAV_ENDPOINT").unwrap_or_else(|_| {
+        panic!("no WebDAV test server: start wsgidav serving fixtures/ and set UNSHARD_TEST_WEBDAV_ENDPOINT=http://127.0.0.1:PORT (docs/testing.md; .ci/run does this)")
+    })
+}
+
+/// Every fixture family read over plain http:// from a WebDAV server (which answers
+/// HEAD on a directory with 200 and 0 bytes: directories are listed first),
+/// checkpoint and base, merges as from disk.
+#[test]
+#[ignore = "needs a WebDAV server on UNSHARD_TEST_WEBDAV_ENDPOINT (see docs/testing.md)"]
+fn every_fixture_family_over_webdav_merges_as_from_disk() {
+    let dav = webdav();
+    let fx = fixtures();
+    for (name, ckpt, base, extra) in FAMILIES {
+        let tmp = tempfile::tempdir().unwrap();
+        let (local, remote) = (tmp.path().join("local"), tmp.path().join("remote"));
+        let merge = |ckpt: String, base: Option<String>, out: &Path| {
+            let mut a: Vec<String> = vec!["merge".into(), ckpt];
+            if let Some(b) = base {
+                a.extend(["--base".into(), b]);
+            }
+            a.extend(extra.iter().map(|s| s.to_string()));
+            a.extend(["-o".into(), out.to_str().unwrap().into()]);
+            let o = run(None, &a.iter().map(String::as_str).collect::<Vec<_>>());
+            assert!(
+                o.status.success(),
+                "{name}: {}",
+                String::from_utf8_lossy(&o.stderr)
+            );
+        };
+        merge(
+            fx.join(ckpt).to_str().unwrap().into(),
+            base.map(|b| fx.join(b).to_str().unwrap().to_string()),
+            &local,
+        );
+        merge(
+            format!("{dav}/{ckpt}"),
+            base.map(|b| format!("{dav}/{b}")),
+            &remote,
+        );
+        same_dirs(&local, &remote);
+    }
+}
+
+/// An S3 endpoint given as http:// without AWS_ALLOW_HTTP is refused, and the
+/// error names the variable.
+#[test]
+#[ignore = "needs moto_server on UNSHARD_TEST_S3_ENDPOINT (see docs/testing.md)"]
+fn s3_over_plain_http_without_the_opt_in_names_it() {
+    let ep = endpoint("no-allow-http");
+    let b = Bucket::create(&ep, &bucket_name("no-allow-http"));
+    b.upload(&fixtures().join("ckpt/llama_policy.pt"), "p.pt");
+    let tmp = tempfile::tempdir().unwrap();
+    let mut cmd = Command::new(bin());
+    b.env(&mut cmd);
+    let o = cmd
+        .args([
+            "merge",
+            &b.url("p.pt"),
+            "-o",
+            tmp.path().join("o").to_str().unwrap(),
+        ])
+        .env_remove("AWS_ALLOW_HTTP")
+        .env("UNSHARD_RETRY_SECONDS", "1")
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(1), "{err}");
+    assert!(err.contains("AWS_ALLOW_HTTP=true"), "{err}");
 }

@@ -76,7 +76,10 @@ pub use options::{DiffOptions, InspectOptions, MergeOptions, UnsafePolicy, Verif
 pub use parts::{merge_part, Part};
 pub use plan::{parse_rename, DtypeChoice, Origin, PlanOptions, RenameError};
 pub use scan::{scan_file, scan_paths, FileScan, UnsafeCall};
-pub use source::{fs::is_url, Format, OpenOptions};
+pub use source::{
+    fs::{is_url, location},
+    Format, OpenOptions,
+};
 pub use stats::TensorStats;
 pub use verify::{verify, FirstDiff, Mismatch, Problem, VerifyReport};
 pub use write::{NoProgress, Progress, ShardFile, Sink, StagingDir};

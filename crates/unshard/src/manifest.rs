@@ -91,6 +91,10 @@ pub struct Inputs {
     pub checkpoint_format: String,
     /// The base (a directory, a bucket URL, or a Hub id resolved in the cache).
     pub base: Option<String>,
+    /// Set when a URL above was given with user info or a query string, which
+    /// are not recorded.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub urls_redacted: Option<String>,
 }
 
 /// The merge's options, as `verify` takes them back.
@@ -157,6 +161,11 @@ impl Manifest {
                 checkpoint: absolute(&opts.checkpoint),
                 checkpoint_format: checkpoint_format.into(),
                 base: opts.base.as_deref().map(absolute),
+                urls_redacted: (fs::secrets_removed(&opts.checkpoint)
+                    || opts.base.as_deref().is_some_and(fs::secrets_removed))
+                .then(|| {
+                    "user info (user:password@) and query strings (?...) were removed from these URLs; pass them again to verify".to_string()
+                }),
             },
             options: Recorded {
                 dtype: match p.dtype {
@@ -399,7 +408,7 @@ fn same_path(given: &Path, recorded: &str) -> bool {
 /// a Hub id or a path that does not exist as given.
 fn absolute(p: &Path) -> String {
     let abs: PathBuf = if fs::is_url(p) {
-        p.to_path_buf()
+        PathBuf::from(crate::text::without_secrets(&p.to_string_lossy()))
     } else {
         std::fs::canonicalize(p).unwrap_or_else(|_| p.to_path_buf())
     };

@@ -241,6 +241,15 @@ impl From<MergeReport> for MergeJson {
 /// Runs a whole merge into the local directory `opts.output`: written into a
 /// staging directory beside it, renamed into place when complete.
 pub fn merge(opts: &MergeOptions, progress: &dyn Progress) -> Result<MergeReport> {
+    // URLs given with user info or a query are used without them from here on, so
+    // no message or output file shows them.
+    let given = opts;
+    let opts = &MergeOptions {
+        checkpoint: source::fs::location(&given.checkpoint),
+        base: given.base.as_deref().map(source::fs::location),
+        output: source::fs::location(&given.output),
+        ..given.clone()
+    };
     if source::fs::is_url(&opts.output) {
         return merge_to_bucket(opts, progress);
     }

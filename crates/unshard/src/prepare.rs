@@ -77,7 +77,12 @@ impl Base {
     /// Opens a base: a model directory, or a Hub model id (`org/name[@rev]`)
     /// found in the local Hugging Face cache ([`crate::hub`]).
     pub fn open(path: &Path) -> Result<Base> {
-        let resolved = hub::resolve_base(path)?;
+        // A URL is a store's prefix, never a Hub id or a local path.
+        let resolved = if source::fs::is_url(path) {
+            None
+        } else {
+            hub::resolve_base(path)?
+        };
         let path = resolved.as_deref().unwrap_or(path);
         if !source::fs::is_dir(path) {
             return Err(Error::plan(

@@ -40,8 +40,8 @@ pub struct DiffArgs {
 /// Succeeds when the two inputs are identical, fails when they differ.
 pub fn run(args: DiffArgs) -> anyhow::Result<Status> {
     let opts = DiffOptions {
-        a: args.a,
-        b: args.b,
+        a: unshard::location(&args.a),
+        b: unshard::location(&args.b),
         unsafe_pickles: args.refuse.policy(false),
         cancel: crate::signals::token(),
         ..DiffOptions::default()

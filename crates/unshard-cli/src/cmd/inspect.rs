@@ -37,7 +37,7 @@ pub struct InspectArgs {
 
 pub fn run(args: InspectArgs) -> anyhow::Result<Status> {
     let report = unshard::inspect(&InspectOptions {
-        path: args.path.clone(),
+        path: unshard::location(&args.path),
         open: OpenOptions {
             key: args.key.key,
             tag: args.key.tag,

@@ -114,10 +114,11 @@ pub fn run(args: MergeArgs) -> anyhow::Result<Status> {
             .into())
         }
     };
+    // A URL's user info and query are kept by its store's client, never shown.
     let opts = MergeOptions {
-        checkpoint: args.checkpoint,
-        base: args.plan.base_dir(),
-        output,
+        checkpoint: unshard::location(&args.checkpoint),
+        base: args.plan.base_dir().as_deref().map(unshard::location),
+        output: unshard::location(&output),
         open: OpenOptions {
             key: args.plan.key.key.clone(),
             tag: args.plan.key.tag.clone(),

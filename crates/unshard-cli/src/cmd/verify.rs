@@ -42,9 +42,13 @@ pub struct VerifyArgs {
 
 pub fn run(args: VerifyArgs) -> anyhow::Result<Status> {
     let mut opts = VerifyOptions {
-        dir: args.dir,
-        checkpoint: args.against.unwrap_or_default(),
-        base: args.plan.base_dir(),
+        dir: unshard::location(&args.dir),
+        checkpoint: args
+            .against
+            .as_deref()
+            .map(unshard::location)
+            .unwrap_or_default(),
+        base: args.plan.base_dir().as_deref().map(unshard::location),
         open: OpenOptions {
             key: args.plan.key.key.clone(),
             tag: args.plan.key.tag.clone(),

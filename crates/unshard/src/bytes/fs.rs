@@ -33,6 +33,36 @@ pub fn is_url(path: &Path) -> bool {
     })
 }
 
+/// A path or URL as given on the command line, made safe to print, log and record:
+/// a URL's user info (`user:password@`) and query (`?X-Amz-Signature=...`) are
+/// removed, after the store's client is made from the whole URL (it keeps the user
+/// info for its requests). Every message and `unshard.json` then name the URL
+/// without them; [`secrets_removed`] tells which URLs lost something.
+pub fn location(given: &Path) -> PathBuf {
+    let Some(clean) = given.to_str().and_then(crate::text::redact_url) else {
+        return given.to_path_buf();
+    };
+    remote::prepare(given);
+    let clean = PathBuf::from(clean);
+    let mut set = WITHHELD.lock().unwrap_or_else(|e| e.into_inner());
+    set.insert(clean.clone());
+    clean
+}
+
+/// URLs given with user info or a query, as [`location`] returned them.
+static WITHHELD: std::sync::Mutex<std::collections::BTreeSet<PathBuf>> =
+    std::sync::Mutex::new(std::collections::BTreeSet::new());
+
+/// Whether `path` (as [`location`] returned it) was given with user info or a
+/// query that it no longer shows; also true for a URL that still holds them.
+pub fn secrets_removed(path: &Path) -> bool {
+    if path.to_str().and_then(crate::text::redact_url).is_some() {
+        return true;
+    }
+    let set = WITHHELD.lock().unwrap_or_else(|e| e.into_inner());
+    set.iter().any(|w| path.starts_with(w) || w.starts_with(path))
+}
+
 /// Whether `path` is a directory (locally) or a key prefix with objects below it.
 pub fn is_dir(path: &Path) -> bool {
     if is_url(path) {
@@ -170,6 +200,12 @@ mod remote {
         store::get_whole(&loc)
     }
 
+    /// Makes the client of a URL given with user info, so that the same URL
+    /// without it finds that client.
+    pub fn prepare(given: &Path) {
+        let _ = locate(given);
+    }
+
     pub fn open(path: &Path) -> Result<Blob> {
         let size = listed_size(path).flatten();
         let loc = locate(path)?;
@@ -199,6 +235,8 @@ mod remote {
     pub fn is_file(_: &Path) -> bool {
         false
     }
+
+    pub fn prepare(_: &Path) {}
 
     pub fn is_dir(_: &Path) -> bool {
         false

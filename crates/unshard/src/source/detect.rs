@@ -77,22 +77,22 @@ pub struct OpenOptions {
 
 /// Opens any supported input and describes its tensors.
 pub fn open(path: &Path, opts: &OpenOptions) -> Result<Checkpoint> {
-    if fs::is_url(path) {
-        // An object, else a prefix with objects below it ("a directory").
-        if !fs::is_file(path) && fs::is_dir(path) {
-            return open_dir(path, opts);
-        }
-        return open_blob(Arc::new(fs::open(path)?), opts);
-    }
-    let meta = std::fs::metadata(path).map_err(|e| Error::io("open", path, e))?;
-    if meta.is_dir() {
+    let is_dir = if fs::is_url(path) {
+        // A prefix with objects below it ("a directory"), asked before the object
+        // itself: a WebDAV server answers HEAD on a directory with 200 and 0 bytes.
+        fs::is_dir(path)
+    } else {
+        let meta = std::fs::metadata(path).map_err(|e| Error::io("open", path, e))?;
+        meta.is_dir()
+    };
+    if is_dir {
         return open_dir(path, opts);
     }
     // `.metadata`, one `.distcp`, an `index.json`: parts of a checkpoint, never one.
     if let Some(e) = hints::wrong_input(path) {
         return Err(e);
     }
-    let blob = Arc::new(Blob::open(path)?);
+    let blob = Arc::new(fs::open(path)?);
     open_blob(blob, opts)
 }
 

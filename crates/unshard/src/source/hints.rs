@@ -9,6 +9,7 @@
 
 use std::path::{Path, PathBuf};
 
+use crate::bytes::fs;
 use crate::error::Error;
 
 /// The error for an input that is a part of (or the parent of) what should be
@@ -24,7 +25,7 @@ pub fn wrong_input(path: &Path) -> Option<Error> {
         Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
         _ => PathBuf::from("."),
     };
-    if path.is_file() {
+    if fs::is_file(path) {
         if name == ".metadata" || name.ends_with(".distcp") {
             let what = if name == ".metadata" {
                 "the index file of a torch.distributed.checkpoint directory".to_string()
@@ -50,7 +51,7 @@ pub fn wrong_input(path: &Path) -> Option<Error> {
         }
         return None;
     }
-    if !path.is_dir() {
+    if !fs::is_dir(path) {
         return None;
     }
     let runs = numbered_subdirs(path, "checkpoint-");
@@ -107,14 +108,14 @@ fn checkpoint_subdirs(path: &Path) -> Vec<PathBuf> {
 
 /// `(N, name)` of the subdirectories named `<prefix>N`, by N ascending.
 fn numbered_subdirs(path: &Path, prefix: &str) -> Vec<(u64, String)> {
-    let mut v: Vec<(u64, String)> = std::fs::read_dir(path)
-        .map(|r| {
-            r.filter_map(|e| e.ok())
-                .filter(|e| e.path().is_dir())
+    let mut v: Vec<(u64, String)> = fs::list(path)
+        .map(|entries| {
+            entries
+                .into_iter()
+                .filter(|e| e.is_dir)
                 .filter_map(|e| {
-                    let name = e.file_name().to_string_lossy().into_owned();
-                    let n = name.strip_prefix(prefix)?.parse().ok()?;
-                    Some((n, name))
+                    let n = e.name.strip_prefix(prefix)?.parse().ok()?;
+                    Some((n, e.name))
                 })
                 .collect()
         })

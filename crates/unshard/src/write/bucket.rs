@@ -69,6 +69,12 @@ pub struct BucketSink {
     /// On failure, keep the objects completed (a part's shards: another run of the
     /// same part may have written the same objects, and a rerun rewrites them).
     keep_completed: bool,
+    /// Whether this run keeps a manifest (parts do not).
+    has_manifest: bool,
+    /// Files this run writes, as its manifest lists them.
+    files: Mutex<Vec<String>>,
+    /// When the run started (seconds since 1970).
+    started: u64,
 }
 
 /// What is under an output prefix before a run writes there.
@@ -99,10 +105,65 @@ pub fn check_output(dest_url: &Path, force: bool) -> Result<()> {
         return Err(read_only(dest_url));
     }
     let found = existing(&dest)?;
-    if !found.keys.is_empty() && !force {
-        return Err(not_empty(dest_url, &found));
+    may_replace(dest_url, &dest, &found, force)
+}
+
+/// Whether a run may write where `found` is: an empty prefix, or with `force` one
+/// holding only what an earlier unshard output wrote: the files its `unshard.json`
+/// lists (and that file), or those a run that did not finish listed in its
+/// manifest. Anything else is named and left alone.
+fn may_replace(dest_url: &Path, dest: &Location, found: &Existing, force: bool) -> Result<()> {
+    if found.keys.is_empty() {
+        return Ok(());
     }
-    Ok(())
+    if !force {
+        return Err(not_empty(dest_url, found));
+    }
+    let mut ours: Vec<String> = vec![MANIFEST.into(), OUTPUT_MANIFEST.into()];
+    if found.keys.iter().any(|k| k == OUTPUT_MANIFEST) {
+        if let Some(bytes) = store::get_whole(&dest.child(OUTPUT_MANIFEST))? {
+            ours.extend(listed(&bytes, "files", Some("name")));
+        }
+    }
+    if let Some(run) = &found.stale_run {
+        ours.extend(listed(run.as_bytes(), "files", None));
+    }
+    let foreign: Vec<&String> = found.keys.iter().filter(|k| !ours.contains(k)).collect();
+    if foreign.is_empty() {
+        return Ok(());
+    }
+    Err(Error::Output {
+        path: dest_url.to_path_buf(),
+        msg: format!(
+            "--force replaces only an earlier unshard output, and {} object(s) here are not part of one (no {OUTPUT_MANIFEST} or unfinished run's {MANIFEST} lists them): {}",
+            foreign.len(),
+            crate::text::list_some(&foreign, 10)
+        ),
+        hint: Some(
+            "write to an empty prefix, or move or delete those objects yourself first".into(),
+        ),
+    })
+}
+
+/// The output manifest a finished merge writes beside its files.
+const OUTPUT_MANIFEST: &str = "unshard.json";
+
+/// The strings of array `key` in a JSON document (or field `field` of its objects).
+fn listed(bytes: &[u8], key: &str, field: Option<&str>) -> Vec<String> {
+    let Ok(v) = serde_json::from_slice::<serde_json::Value>(bytes) else {
+        return Vec::new();
+    };
+    let Some(items) = v.get(key).and_then(|a| a.as_array()) else {
+        return Vec::new();
+    };
+    items
+        .iter()
+        .filter_map(|i| match field {
+            Some(f) => i.get(f)?.as_str(),
+            None => i.as_str(),
+        })
+        .map(str::to_string)
+        .collect()
 }
 
 fn read_only(dest_url: &Path) -> Error {
@@ -136,9 +197,7 @@ impl BucketSink {
         let dest = store::locate(dest_url)?;
         let multipart = dest.multipart.clone().ok_or_else(|| read_only(dest_url))?;
         let found = existing(&dest)?;
-        if !found.keys.is_empty() && !force {
-            return Err(not_empty(dest_url, &found));
-        }
+        may_replace(dest_url, &dest, &found, force)?;
         let run_id = run_id();
         let sink = BucketSink {
             dest,
@@ -149,19 +208,48 @@ impl BucketSink {
             replaced: found.keys,
             committed: AtomicBool::new(false),
             keep_completed: false,
+            has_manifest: true,
+            files: Mutex::new(Vec::new()),
+            started: now(),
         };
+        sink.write_run_manifest()?;
+        Ok(sink)
+    }
+
+    /// Writes the run's manifest: who is writing, and every file it has started to
+    /// write, so that a later `--force` knows them as unshard's if this run dies.
+    fn write_run_manifest(&self) -> Result<()> {
+        let files = lock(&self.files).clone();
         let manifest = serde_json::json!({
-            "run_id": sink.run_id,
+            "run_id": self.run_id,
             "host": hostname(),
             "pid": std::process::id(),
-            "started": std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .map_or(0, |d| d.as_secs()),
+            "started": self.started,
+            "files": files,
         });
         let mut manifest = manifest.to_string();
         manifest.push('\n');
-        sink.put(MANIFEST, manifest.into_bytes())?;
-        Ok(sink)
+        self.put(MANIFEST, manifest.into_bytes())
+    }
+
+    /// Records `names` in the run's manifest before they are written.
+    fn announce(&self, names: &[String]) -> Result<()> {
+        if !self.has_manifest {
+            return Ok(());
+        }
+        {
+            let mut files = lock(&self.files);
+            let before = files.len();
+            for n in names {
+                if !files.contains(n) {
+                    files.push(n.clone());
+                }
+            }
+            if files.len() == before {
+                return Ok(());
+            }
+        }
+        self.write_run_manifest()
     }
 
     /// Opens `dest` for one part of a merge split over several processes
@@ -185,6 +273,9 @@ impl BucketSink {
             replaced,
             committed: AtomicBool::new(false),
             keep_completed,
+            has_manifest: false,
+            files: Mutex::new(Vec::new()),
+            started: now(),
         })
     }
 
@@ -228,6 +319,7 @@ impl Sink for BucketSink {
                 hint: Some("lower --max-shard-size".into()),
             });
         }
+        self.announce(&[name.to_string()])?;
         let id = block_on(self.multipart.create_multipart(&loc.key))
             .map_err(|e| io_error("start uploading", &loc.url, e))?;
         lock(&self.undo).open.push((loc.key.clone(), id.clone()));
@@ -280,6 +372,7 @@ impl Sink for BucketSink {
             }
         }
         let names: Vec<String> = small.iter().map(|(n, _)| n.clone()).collect();
+        self.announce(&names)?;
         for (name, bytes) in small {
             self.put(&name, bytes)?;
         }
@@ -311,14 +404,52 @@ impl Drop for BucketSink {
             undo.written.clear();
         }
         let (store, multipart) = (self.dest.store.clone(), self.multipart.clone());
-        block_on(async move {
+        // `scheme://bucket`, and the bucket's name, for the commands printed below.
+        let url = self.dest.url.to_string_lossy().into_owned();
+        let bucket = url
+            .split_once("://")
+            .map_or("BUCKET", |(_, rest)| rest.split('/').next().unwrap_or("BUCKET"))
+            .to_string();
+        let (bucket_a, bucket_b) = (bucket.clone(), bucket);
+        // Each request is retried as long as any (`UNSHARD_RETRY_SECONDS`), so a
+        // cleanup that starts during an outage still completes when it ends.
+        let left = block_on(async move {
+            let mut left = Vec::new();
             for (key, id) in &undo.open {
-                let _ = multipart.abort_multipart(key, id).await;
+                if let Err(e) = multipart.abort_multipart(key, id).await {
+                    left.push(format!(
+                        "the open multipart upload {id} of {key} ({}); abort it with `aws s3api abort-multipart-upload --bucket {bucket_a} --key {key} --upload-id {id}` (S3), or let a lifecycle rule for incomplete uploads remove it",
+                        crate::text::scrub(&e.to_string())
+                    ));
+                }
             }
             for key in &undo.written {
-                let _ = store.delete(key).await;
+                if let Err(e) = store.delete(key).await {
+                    if !matches!(e, object_store::Error::NotFound { .. }) {
+                        left.push(format!(
+                            "the object {key} ({}); delete it with `aws s3 rm s3://{bucket_b}/{key}` (S3) or your store's console",
+                            crate::text::scrub(&e.to_string())
+                        ));
+                    }
+                }
             }
+            left
         });
+        if !left.is_empty() {
+            // A drop has no caller to return this to, and leaving objects behind
+            // unannounced is worse than a line on stderr.
+            #[allow(clippy::print_stderr)]
+            {
+                eprintln!(
+                    "warning: the failed run's cleanup in {} could not remove {} item(s):",
+                    self.dest.url.display(),
+                    left.len()
+                );
+                for l in &left {
+                    eprintln!("  - {l}");
+                }
+            }
+        }
     }
 }
 
@@ -394,6 +525,12 @@ impl BucketShard {
             hint: None,
         }
     }
+}
+
+fn now() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
 }
 
 /// A run id: time and process, unique enough to tell two runs' leftovers apart.

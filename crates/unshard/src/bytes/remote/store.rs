@@ -22,6 +22,7 @@ use object_store::path::Path as Key;
 use object_store::{ClientConfigKey, ObjectStore, ObjectStoreExt, ObjectStoreScheme, RetryConfig};
 
 use crate::error::{Error, Result};
+use crate::text;
 
 /// An object (or a prefix) in a store.
 #[derive(Clone)]
@@ -48,14 +49,33 @@ impl Location {
     }
 }
 
-/// Requests retried on connection errors and 5xx answers: at most 4 times and for
-/// at most 30 s, so a server gone for good fails the run in seconds rather than the
-/// crate's default 3 minutes, while a throttled or briefly unreachable one recovers.
+/// How long a request keeps being retried after connection errors and 5xx
+/// answers, by default: long enough to outlast a server restart or a network
+/// outage of tens of seconds on a long upload.
+pub const RETRY_SECONDS: u64 = 120;
+
+/// [`RETRY_SECONDS`], or `UNSHARD_RETRY_SECONDS` when set (0 to 3600; 0 retries
+/// nothing).
+pub fn retry_seconds() -> u64 {
+    std::env::var("UNSHARD_RETRY_SECONDS")
+        .ok()
+        .and_then(|v| v.trim().parse::<u64>().ok())
+        .map_or(RETRY_SECONDS, |n| n.min(3600))
+}
+
+/// Requests (reads, each part of an upload, deletes) retried on connection errors
+/// and 5xx answers for [`retry_seconds`], waiting 0.1 s, 0.2 s, ... up to 5 s between
+/// tries, so a server back after an outage is used again within 5 s.
 fn retry() -> RetryConfig {
+    let secs = retry_seconds();
     RetryConfig {
-        max_retries: 4,
-        retry_timeout: Duration::from_secs(30),
-        ..RetryConfig::default()
+        max_retries: if secs == 0 { 0 } else { 1000 },
+        retry_timeout: Duration::from_secs(secs),
+        backoff: object_store::BackoffConfig {
+            init_backoff: Duration::from_millis(100),
+            max_backoff: Duration::from_secs(5),
+            base: 2.0,
+        },
     }
 }
 
@@ -111,9 +131,12 @@ pub fn locate(p: &Path) -> Result<Location> {
     let url = url::Url::parse(trimmed).map_err(|e| bad_url(p, &e.to_string()))?;
     let (scheme, key) = ObjectStoreScheme::parse(&url).map_err(|e| bad_url(p, &e.to_string()))?;
     let base = &url[..url::Position::BeforePath];
+    // Clients are known by the URL without its user info, which the client built
+    // from the first URL keeps for its requests; every URL shown is without it.
+    let shown_base = text::without_secrets(base);
     let stores = STORES.get_or_init(Default::default);
     let mut stores = stores.lock().unwrap_or_else(|e| e.into_inner());
-    let client = match stores.get(base) {
+    let client = match stores.get(&shown_base) {
         Some(c) => c.clone(),
         None => {
             install_crypto();
@@ -145,9 +168,11 @@ pub fn locate(p: &Path) -> Result<Location> {
                     .with_retry(retry())
                     .build()
                     .map(both),
+                // A URL that says http:// asks for plain HTTP: allowed, as curl does.
                 ObjectStoreScheme::Http => TIMEOUTS
                     .iter()
                     .fold(HttpBuilder::new(), |b, &(k, v)| b.with_config(k, v))
+                    .with_config(ClientConfigKey::AllowHttp, (url.scheme() == "http").to_string())
                     .with_url(base)
                     .with_retry(retry())
                     .build()
@@ -158,11 +183,14 @@ pub fn locate(p: &Path) -> Result<Location> {
                 _ => return Err(bad_url(p, "not an object store URL")),
             };
             let client = built.map_err(|e| Error::Unsupported {
-                path: p.to_path_buf(),
-                what: format!("this object store configuration ({e})"),
+                path: shown(p),
+                what: format!(
+                    "this object store configuration ({})",
+                    text::scrub(&e.to_string())
+                ),
                 hint: Some(credentials_hint().into()),
             })?;
-            stores.insert(base.to_string(), client.clone());
+            stores.insert(shown_base, client.clone());
             client
         }
     };
@@ -170,8 +198,16 @@ pub fn locate(p: &Path) -> Result<Location> {
         store: client.store,
         multipart: client.multipart,
         key,
-        url: PathBuf::from(trimmed),
+        url: PathBuf::from(text::without_secrets(trimmed)),
     })
+}
+
+/// `p` as it may be shown: a URL without its user info and query.
+pub fn shown(p: &Path) -> PathBuf {
+    match p.to_str().and_then(text::redact_url) {
+        Some(clean) => PathBuf::from(clean),
+        None => p.to_path_buf(),
+    }
 }
 
 /// An S3 client builder from the `AWS_*` variables, completed by the AWS profile
@@ -200,7 +236,7 @@ pub fn credentials_hint() -> &'static str {
 
 fn bad_url(p: &Path, why: &str) -> Error {
     Error::Unsupported {
-        path: p.to_path_buf(),
+        path: shown(p),
         what: format!("this URL ({why})"),
         hint: Some("write object storage locations as s3://bucket/key, gs://bucket/key, az://container/key or https://host/path".into()),
     }
@@ -254,7 +290,21 @@ pub fn io_error(op: &'static str, url: &Path, e: object_store::Error) -> Error {
         | object_store::Error::Unauthenticated { .. } => io::ErrorKind::PermissionDenied,
         _ => io::ErrorKind::Other,
     };
-    Error::io(op, url, io::Error::new(kind, e))
+    let mut msg = text::scrub(&e.to_string());
+    let mut chain = String::new();
+    let mut cause: Option<&dyn std::error::Error> = Some(&e);
+    while let Some(c) = cause {
+        chain.push_str(&c.to_string());
+        chain.push('\n');
+        cause = c.source();
+    }
+    if chain.contains("URL scheme is not allowed") {
+        // An S3/GCS/Azure endpoint given as http:// (a local test server).
+        msg.push_str(
+            "; the endpoint is plain http://: set AWS_ALLOW_HTTP=true to allow it (or use https://)",
+        );
+    }
+    Error::io(op, shown(url), io::Error::new(kind, msg))
 }
 
 /// What a listing found directly under a prefix: objects with their sizes, and

@@ -127,3 +127,180 @@ fn a_dcp_checkpoint_in_a_store_merges_bit_exactly() {
 
 /// The request counters are global: tests that read them run one at a time.
 static COUNTED: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+/// One checkpoint of each family the readers know, as the fixtures hold it.
+struct Family {
+    name: &'static str,
+    /// The folder (or file) copied into the store, relative to `fixtures/`.
+    upload: &'static str,
+    /// The checkpoint passed to the merge: `upload` or a path below it.
+    checkpoint: &'static str,
+    base: Option<&'static str>,
+    key: Option<&'static str>,
+}
+
+const FAMILIES: &[Family] = &[
+    Family { name: "torch_save_policy", upload: "ckpt/llama_policy.pt", checkpoint: "ckpt/llama_policy.pt", base: Some("models/llama-bf16"), key: None },
+    Family { name: "dcp", upload: "sharded/llama_w2_dcp", checkpoint: "sharded/llama_w2_dcp", base: Some("models/llama-bf16"), key: None },
+    Family { name: "rank_files", upload: "sharded/llama_w2_ranks", checkpoint: "sharded/llama_w2_ranks", base: Some("models/llama-bf16"), key: None },
+    Family { name: "deepspeed_zero2", upload: "deepspeed/llama_z2_fp16_w3_aligned", checkpoint: "deepspeed/llama_z2_fp16_w3_aligned", base: Some("deepspeed/base/llama12-fp16"), key: None },
+    Family { name: "deepspeed_zero3", upload: "deepspeed/llama_z3_bf16_w2", checkpoint: "deepspeed/llama_z3_bf16_w2", base: Some("deepspeed/base/llama-bf16"), key: None },
+    Family { name: "deepspeed_tag_folder", upload: "deepspeed/llama_z3_bf16_w2", checkpoint: "deepspeed/llama_z3_bf16_w2/global_step1", base: Some("deepspeed/base/llama-bf16"), key: None },
+    Family { name: "deepspeed_trainer_no_base", upload: "deepspeed/llama_trainer_z3_w2", checkpoint: "deepspeed/llama_trainer_z3_w2", base: None, key: None },
+    Family { name: "lora_adapter", upload: "lora/adapters/llama_lora", checkpoint: "lora/adapters/llama_lora", base: Some("models/llama-bf16"), key: None },
+    Family { name: "megatron_torch_dist", upload: "megatron/ckpt/llama_tp2", checkpoint: "megatron/ckpt/llama_tp2", base: Some("megatron/base/llama"), key: None },
+    Family { name: "torchtitan", upload: "torchtitan/llama3/checkpoint", checkpoint: "torchtitan/llama3/checkpoint/step-10", base: Some("torchtitan/llama3/base"), key: None },
+    Family { name: "moe_policy", upload: "moe/mixtral/policy.pt", checkpoint: "moe/mixtral/policy.pt", base: Some("moe/mixtral/base"), key: Some("state") },
+    Family { name: "moe_dcp", upload: "moe/mixtral/dcp", checkpoint: "moe/mixtral/dcp", base: Some("moe/mixtral/base"), key: None },
+];
+
+/// Copies a local file, or a folder recursively, to `key` in `mem`.
+fn upload(mem: &InMemory, local: &std::path::Path, key: &str) {
+    if local.is_dir() {
+        for e in std::fs::read_dir(local).unwrap() {
+            let e = e.unwrap();
+            let name = e.file_name().to_string_lossy().into_owned();
+            upload(mem, &e.path(), &format!("{key}/{name}"));
+        }
+    } else {
+        let bytes = std::fs::read(local).unwrap();
+        store::block_on(mem.put(&key.into(), PutPayload::from(bytes))).unwrap();
+    }
+}
+
+/// Every file below `dir`, by path relative to it.
+fn tree(dir: &std::path::Path) -> std::collections::BTreeMap<String, Vec<u8>> {
+    let mut out = std::collections::BTreeMap::new();
+    let mut todo = vec![dir.to_path_buf()];
+    while let Some(d) = todo.pop() {
+        for e in std::fs::read_dir(&d).unwrap() {
+            let p = e.unwrap().path();
+            if p.is_dir() {
+                todo.push(p);
+            } else {
+                let rel = p.strip_prefix(dir).unwrap().to_string_lossy().into_owned();
+                out.insert(rel, std::fs::read(&p).unwrap());
+            }
+        }
+    }
+    out
+}
+
+/// Every family of checkpoint (and its base) read from a store merges to the same
+/// bytes as from the local disk: detection and listing go through the store layer
+/// for every format. `unshard.json`, which names its inputs, is compared with the
+/// URLs put back to the local paths.
+#[test]
+fn every_fixture_family_merges_from_a_store_as_from_disk() {
+    // Its requests would count in the request-counting test's figures.
+    let _one_at_a_time = COUNTED.lock().unwrap_or_else(|e| e.into_inner());
+    let fixtures = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures");
+    let fixtures = fixtures.canonicalize().unwrap();
+    let mem = Arc::new(InMemory::new());
+    store::register("s3://families", mem.clone());
+    let dir = tempfile::tempdir().unwrap();
+    let mut failures = Vec::new();
+    for f in FAMILIES {
+        let url = format!("s3://families/{}", f.name);
+        upload(&mem, &fixtures.join(f.upload), &format!("{}/ckpt", f.name));
+        let sub = f.checkpoint.strip_prefix(f.upload).unwrap();
+        let remote_ckpt = format!("{url}/ckpt{sub}");
+        let remote_base = f.base.map(|b| {
+            upload(&mem, &fixtures.join(b), &format!("{}/base", f.name));
+            format!("{url}/base")
+        });
+        let opts = |checkpoint: std::path::PathBuf, base: Option<std::path::PathBuf>, out: &str| MergeOptions {
+            checkpoint,
+            base,
+            output: dir.path().join(f.name).join(out),
+            open: crate::source::OpenOptions {
+                key: f.key.map(str::to_string),
+                ..Default::default()
+            },
+            ..MergeOptions::default()
+        };
+        let local = opts(fixtures.join(f.checkpoint), f.base.map(|b| fixtures.join(b)), "local");
+        let remote = opts(remote_ckpt.clone().into(), remote_base.clone().map(Into::into), "remote");
+        if let Err(e) = merge(&local, &NoProgress) {
+            failures.push(format!("{}: the local merge failed: {e}", f.name));
+            continue;
+        }
+        if let Err(e) = merge(&remote, &NoProgress) {
+            failures.push(format!("{}: the merge from the store failed: {e}", f.name));
+            continue;
+        }
+        let (want, mut got) = (tree(&local.output), tree(&remote.output));
+        if let Some(j) = got.get_mut("unshard.json") {
+            let mut text = String::from_utf8(j.clone()).unwrap();
+            text = text.replace(&remote_ckpt, &fixtures.join(f.checkpoint).to_string_lossy());
+            if let (Some(rb), Some(b)) = (&remote_base, f.base) {
+                text = text.replace(rb.as_str(), &fixtures.join(b).to_string_lossy());
+            }
+            *j = text.into_bytes();
+        }
+        let names = |t: &std::collections::BTreeMap<String, Vec<u8>>| t.keys().cloned().collect::<Vec<_>>();
+        if names(&want) != names(&got) {
+            failures.push(format!("{}: files {:?} locally, {:?} from the store", f.name, names(&want), names(&got)));
+            continue;
+        }
+        for (name, bytes) in &want {
+            if got[name] != *bytes {
+                failures.push(format!("{}: {name} differs from the local merge's", f.name));
+            }
+        }
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
+/// A URL given with user info and a query (a presigned URL's signature) is read,
+/// and neither appears in any file of the output; `unshard.json` says the URL was
+/// recorded without them.
+#[test]
+fn secrets_in_a_url_are_never_written() {
+    let mem = Arc::new(InMemory::new());
+    store::register("s3://secret-urls", mem.clone());
+    let fixtures = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures");
+    upload(&mem, &fixtures.join("ckpt/llama_policy.pt"), "ckpt/policy.pt");
+    let dir = tempfile::tempdir().unwrap();
+    let output = dir.path().join("out");
+    let opts = MergeOptions {
+        checkpoint: "s3://AKIDUSER:PASSWORD1234@secret-urls/ckpt/policy.pt?X-Amz-Signature=SIGNATURE5678".into(),
+        base: Some(fixtures.join("models/llama-bf16")),
+        output: output.clone(),
+        ..MergeOptions::default()
+    };
+    merge(&opts, &NoProgress).unwrap();
+    let files = tree(&output);
+    assert!(files.contains_key("model.safetensors"));
+    for (name, bytes) in &files {
+        let text = String::from_utf8_lossy(bytes);
+        for secret in ["PASSWORD1234", "SIGNATURE5678", "AKIDUSER"] {
+            assert!(!text.contains(secret), "{name} holds {secret}");
+        }
+    }
+    let manifest: serde_json::Value =
+        serde_json::from_slice(&files["unshard.json"]).unwrap();
+    assert_eq!(
+        manifest["inputs"]["checkpoint"],
+        "s3://secret-urls/ckpt/policy.pt"
+    );
+    assert!(manifest["inputs"]["urls_redacted"].is_string(), "{manifest}");
+}
+
+/// An error about a missing object names its URL without the user info or query.
+#[test]
+fn an_error_names_the_url_without_its_secrets() {
+    let mem = Arc::new(InMemory::new());
+    store::register("s3://secret-errors", mem);
+    let dir = tempfile::tempdir().unwrap();
+    let opts = MergeOptions {
+        checkpoint: "s3://U:PASSWORD1234@secret-errors/none/policy.pt?sig=SIGNATURE5678".into(),
+        output: dir.path().join("out"),
+        weights_only: true,
+        ..MergeOptions::default()
+    };
+    let e = merge(&opts, &NoProgress).unwrap_err();
+    let shown = format!("{e} {e:?}");
+    assert!(shown.contains("s3://secret-errors/none/policy.pt"), "{shown}");
+    assert!(!shown.contains("PASSWORD1234") && !shown.contains("SIGNATURE5678"), "{shown}");
+}

@@ -23,7 +23,7 @@ use super::super::torch::{
     TemplateReader, TensorRef, TorchPayload,
 };
 use super::super::{Blob, Piece};
-use crate::bytes::{FilePool, PooledFile};
+use crate::bytes::{fs, FilePool, PooledFile};
 use crate::error::{Error, Result};
 
 /// A parsed `torch.save` file of the tag folder.
@@ -49,8 +49,8 @@ impl Parsed {
 
     fn blob(path: &Path, pool: Option<&Arc<FilePool>>) -> Result<Arc<Blob>> {
         Ok(Arc::new(match pool {
-            Some(pool) => Blob::new(Arc::new(PooledFile::open(path, pool)?)),
-            None => Blob::open(path)?,
+            Some(pool) if !fs::is_url(path) => Blob::new(Arc::new(PooledFile::open(path, pool)?)),
+            _ => fs::open(path)?,
         }))
     }
 

@@ -343,15 +343,14 @@ pub(super) fn open_with(
     }
     let mut skipped = n.other.clone();
     if found.path != found.tag_dir {
-        if let Ok(rd) = std::fs::read_dir(&found.path) {
-            let tag_name = found.tag_dir.file_name();
-            let mut more: Vec<String> = rd
-                .filter_map(|e| e.ok())
-                .filter(|e| Some(e.file_name().as_os_str()) != tag_name)
-                .map(|e| e.file_name().to_string_lossy().into_owned())
-                .collect();
-            more.sort();
-            skipped.extend(more);
+        if let Ok(entries) = crate::bytes::fs::list(&found.path) {
+            let tag_name = found.tag_dir.file_name().map(|n| n.to_string_lossy());
+            skipped.extend(
+                entries
+                    .into_iter()
+                    .filter(|e| Some(e.name.as_str()) != tag_name.as_deref())
+                    .map(|e| e.name),
+            );
         }
     }
     if !skipped.is_empty() {

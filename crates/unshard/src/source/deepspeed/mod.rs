@@ -29,6 +29,7 @@ use std::path::{Path, PathBuf};
 use regex::Regex;
 
 use super::{Checkpoint, OpenOptions};
+use crate::bytes::fs;
 use crate::error::{Error, Result};
 
 pub use files::{is_model_states, is_optim_states};
@@ -66,12 +67,10 @@ pub(crate) fn names(dir: &Path) -> Result<Names> {
         Regex::new(r"^(?:(bf16_)?zero_pp_rank_(\d+)_)?mp_rank_(\d+)_(model|optim)_states\.pt$")
             .map_err(|e| Error::corrupt(dir, e.to_string()))?;
     let mut out = Names::default();
-    let mut list: Vec<String> = std::fs::read_dir(dir)
-        .map_err(|e| Error::io("list", dir, e))?
-        .filter_map(|e| e.ok())
-        .map(|e| e.file_name().to_string_lossy().into_owned())
+    let list: Vec<String> = fs::list(dir)?
+        .into_iter()
+        .map(|e| e.name)
         .collect();
-    list.sort();
     for name in list {
         let Some(c) = re.captures(&name) else {
             out.other.push(name);
@@ -107,28 +106,28 @@ fn is_tag_dir(dir: &Path) -> bool {
 
 /// Sub-folders that are tag folders, for hints.
 fn tags_in(dir: &Path) -> Vec<String> {
-    let mut tags: Vec<String> = std::fs::read_dir(dir)
-        .map(|rd| {
-            rd.filter_map(|e| e.ok())
-                .filter(|e| is_tag_dir(&e.path()))
-                .map(|e| e.file_name().to_string_lossy().into_owned())
+    fs::list(dir)
+        .map(|entries| {
+            entries
+                .into_iter()
+                .filter(|e| e.is_dir && is_tag_dir(&e.path))
+                .map(|e| e.name)
                 .collect()
         })
-        .unwrap_or_default();
-    tags.sort();
-    tags
+        .unwrap_or_default()
 }
 
 /// Reads a `latest` file: one line naming the tag.
 fn read_latest(path: &Path) -> Result<String> {
-    let meta = std::fs::metadata(path).map_err(|e| Error::io("read", path, e))?;
-    if meta.len() > 4096 {
+    let bytes = fs::read(path)?;
+    if bytes.len() > 4096 {
         return Err(Error::corrupt(
             path,
             "a 'latest' file names one tag; this one is too long",
         ));
     }
-    let text = std::fs::read_to_string(path).map_err(|e| Error::io("read", path, e))?;
+    let text = String::from_utf8(bytes)
+        .map_err(|_| Error::corrupt(path, "a 'latest' file names one tag; this one is not text"))?;
     Ok(text.trim().to_string())
 }
 
@@ -151,7 +150,7 @@ pub fn find(path: &Path, opts: &OpenOptions) -> Result<Option<Found>> {
         }));
     }
     let latest = path.join("latest");
-    let (tag, how) = match (&opts.tag, latest.is_file()) {
+    let (tag, how) = match (&opts.tag, fs::is_file(&latest)) {
         (Some(t), _) => (t.clone(), format!("tag {t} (--tag)")),
         (None, true) => {
             let t = read_latest(&latest)?;
@@ -161,7 +160,7 @@ pub fn find(path: &Path, opts: &OpenOptions) -> Result<Option<Found>> {
         (None, false) => return Ok(None),
     };
     let tags = tags_in(path);
-    if tags.is_empty() && !path.join(&tag).is_dir() && (opts.tag.is_none() || !latest.is_file()) {
+    if tags.is_empty() && !fs::is_dir(&path.join(&tag)) && (opts.tag.is_none() || !fs::is_file(&latest)) {
         // No tag folder, and a `latest` of something else (or none): not DeepSpeed.
         return Ok(None);
     }
@@ -176,7 +175,7 @@ pub fn find(path: &Path, opts: &OpenOptions) -> Result<Option<Found>> {
     };
     let bad_name = tag.is_empty() || tag.contains('/') || tag == "." || tag == "..";
     let tag_dir = path.join(&tag);
-    if bad_name || !tag_dir.is_dir() {
+    if bad_name || !fs::is_dir(&tag_dir) {
         let msg = if opts.tag.is_some() {
             format!("there is no tag folder '{tag}'")
         } else {
@@ -210,12 +209,12 @@ pub fn open(found: &Found) -> Result<Checkpoint> {
 /// The folder whose `config.json` describes a DeepSpeed checkpoint when no base is
 /// given: an HF Trainer `checkpoint-N/` holds it beside `latest` and the tag folder.
 pub fn config_dir_for(checkpoint: &Path) -> Option<PathBuf> {
-    let dir = if checkpoint.is_dir() {
+    let dir = if fs::is_dir(checkpoint) {
         checkpoint
     } else {
         checkpoint.parent()?
     };
-    let with_config = |d: &Path| d.join("config.json").is_file() && d.join("latest").is_file();
+    let with_config = |d: &Path| fs::is_file(&d.join("config.json")) && fs::is_file(&d.join("latest"));
     if with_config(dir) {
         return Some(dir.to_path_buf());
     }

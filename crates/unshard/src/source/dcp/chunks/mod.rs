@@ -268,8 +268,10 @@ impl<'a> Reader<'a> {
         }
         let path = self.dir.join(name);
         let blob = match &self.pool {
-            Some(pool) => Blob::new(Arc::new(PooledFile::open(&path, pool)?)),
-            None => crate::bytes::fs::open(&path)?,
+            Some(pool) if !crate::bytes::fs::is_url(&path) => {
+                Blob::new(Arc::new(PooledFile::open(&path, pool)?))
+            }
+            _ => crate::bytes::fs::open(&path)?,
         };
         let id = self.files.len();
         self.files.push(Arc::new(blob));
