@@ -195,12 +195,10 @@ mod json {
         fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> std::result::Result<Self::Value, A::Error> {
             let mut tensors: Vec<Entry> = Vec::new();
             let mut metadata = Vec::new();
-            let mut seen = std::collections::HashSet::new();
+            // A name given twice keeps its first place and its last entry, as a JSON
+            // map does (verify names such a file; readers keep the last entry).
+            let mut seen = std::collections::HashMap::new();
             while let Some(name) = map.next_key::<String>()? {
-                if !seen.insert(name.clone()) {
-                    let msg = "appears twice in the header".to_string();
-                    return Err(fail(self.fault, Fault::Tensor(name, msg)));
-                }
                 if name == "__metadata__" {
                     metadata = map.next_value_seed(Meta { fault: self.fault })?;
                     continue;
@@ -217,7 +215,13 @@ mod json {
                         return Err(fail(self.fault, Fault::Tensor(name, msg)));
                     }
                 };
-                tensors.push((name, dtype, shape, begin, end));
+                match seen.get(&name) {
+                    Some(&i) => tensors[i] = (name, dtype, shape, begin, end),
+                    None => {
+                        seen.insert(name.clone(), tensors.len());
+                        tensors.push((name, dtype, shape, begin, end));
+                    }
+                }
             }
             Ok((tensors, metadata))
         }
@@ -502,10 +506,6 @@ mod tests {
             (r#"{"__metadata__":{"k":1}}"#, "'k' is not a string"),
             (r#"{"__metadata__":[]}"#, "__metadata__ is not an object"),
             ("[]", "not a JSON object"),
-            (
-                r#"{"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]},"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}}"#,
-                "appears twice",
-            ),
             (r#"{"a":{"dtype":7,"shape":[1],"data_offsets":[0,4]}}"#, "dtype is not a string"),
             (r#"{"a":[]}"#, "is not an object with dtype"),
         ] {
