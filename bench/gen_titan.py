@@ -19,6 +19,7 @@ OUT/hf_sharded/                torchtitan's to_hf of the same weights cast to --
                                dcp.save with HuggingFaceStorageWriter(save_distributed=True,
                                fqn_to_index_mapping over --files files):
                                shard-0000R-model-0000K-of-0000N.safetensors
+OUT/meta.json                  the model's shape and the save's, for bench/run.py
 OUT/hf_reference/              torch's consolidate_safetensors_files of hf_sharded/
                                (with --reference; checked equal to torchtitan's to_hf of
                                step-1000 read back by torch: the values a merge must give)
@@ -242,7 +243,22 @@ def main():
         os.makedirs(ref, exist_ok=True)
         consolidate_safetensors_files(os.path.join(args.out, "hf_sharded"), ref, mapping)
         check_reference(args)
+    write_meta(args, h)
     print("wrote", args.out)
+
+
+def write_meta(args, h):
+    """meta.json, for bench/run.py: the shape of the model and of the save."""
+    d, inter, layers, vocab = (h["hidden_size"], h["intermediate_size"],
+                               h["num_hidden_layers"], h["vocab_size"])
+    kv = d // h["num_attention_heads"] * h["num_key_value_heads"]
+    per_layer = d * d * 2 + d * kv * 2 + 3 * d * inter + 2 * d
+    params = 2 * vocab * d + layers * per_layer + d
+    with open(os.path.join(args.out, "meta.json"), "w") as f:
+        json.dump(dict(model="TinyLlama-1.1B-shaped Llama 3 (torchtitan's to_hf), random weights",
+                       kind="hf_sharded", layers=layers, parameters=params, ranks=args.ranks,
+                       files=args.files, dtype=args.dtype,
+                       torch=torch.__version__), f, indent=2)
 
 
 if __name__ == "__main__":

@@ -60,6 +60,9 @@ KINDS = (
     # gen_deepspeed.py: the Python row is DeepSpeed's own zero_to_fp32.py.
     ("zero2", "zero2", "DeepSpeed ZeRO-2, 4 ranks", "zero"),
     ("zero3", "zero3", "DeepSpeed ZeRO-3, 4 ranks", "zero"),
+    # gen_titan.py: HuggingFaceStorageWriter(save_distributed=True) rank files; the
+    # rows beside unshard are torch's consolidate_safetensors_files at 1, 2, 4 threads.
+    ("hf_sharded", "hf_sharded", "HF-sharded safetensors, 4 ranks", "torch_consolidate"),
 )
 
 
@@ -217,7 +220,7 @@ def fmt_bytes(n):
 def model_fields(meta):
     """What bench/tables.py needs to name the model of a row (meta.json's shape fields)."""
     return {k: meta[k] for k in ("layers", "parameters", "ranks", "chunks", "optim", "kind",
-                                 "experts", "world", "hidden", "tensors") if k in meta}
+                                 "experts", "world", "hidden", "tensors", "files", "dtype") if k in meta}
 
 
 def run(args):
@@ -250,6 +253,10 @@ def run(args):
             # gen_deepspeed.py --ranks N: ZeRO-2 and ZeRO-3 folders over N ranks.
             kinds = tuple((k, k, "DeepSpeed ZeRO-%s, %d ranks" % (k[-1], meta["world"]), "zero")
                           for k in ("zero2", "zero3"))
+        elif meta.get("kind") == "hf_sharded":
+            # gen_titan.py: the rank files of torch's HF storage writer only.
+            kinds = (("hf_sharded", "hf_sharded", "HF-sharded safetensors, %d ranks, %d files"
+                      % (meta["ranks"], meta["files"]), "torch_consolidate"),)
         elif "ranks" in meta:
             # Written by gen_wide.py: one DCP directory of many ranks, tiny weights.
             kinds = (("dcp", "dcp", "DCP, %d ranks, %d chunks" % (meta["ranks"], meta["chunks"]),
@@ -286,7 +293,13 @@ def run(args):
                                 exe, "inspect", src, "--json"]))
                 else:
                     skipped = "not supported yet (%s)" % why
-            if python_ok and mode == "zero":
+            if mode == "torch_consolidate" and has_torch(args.python):
+                mapping = os.path.join(data, "hf_sharded_mapping.json")
+                for n in (1, 2, 4):
+                    rows.append(("torch t%d" % n, lambda out, src=src, n=n: [
+                        args.python, os.path.join(here, "torch_consolidate.py"), src, out,
+                        mapping, str(n)]))
+            elif python_ok and mode == "zero":
                 # What DeepSpeed users run: float32 safetensors, no config.
                 rows.append(("zero_to_fp32", lambda out, src=src: [
                     args.python, "-m", "deepspeed.utils.zero_to_fp32", src, out,
@@ -363,7 +376,10 @@ def run(args):
 
 TOOL_NAMES = {"read": "read only (read_floor.py)", "cp": "cp -r", "unshard": "unshard merge (to bf16)", "python": "Python pipeline",
               "inspect": "unshard inspect",
-              "zero_to_fp32": "zero_to_fp32.py --safe_serialization (fp32)"}
+              "zero_to_fp32": "zero_to_fp32.py --safe_serialization (fp32)",
+              "torch t1": "torch consolidate_safetensors_files, 1 thread",
+              "torch t2": "torch consolidate_safetensors_files, 2 threads",
+              "torch t4": "torch consolidate_safetensors_files, 4 threads"}
 
 
 def table(results):
@@ -378,6 +394,9 @@ def table(results):
         elif meta.get("kind") == "moe":
             model = "narrow MoE (%d layers, %d experts, hidden %d)" % (
                 meta["layers"], meta["experts"], meta["hidden"])
+        elif meta.get("kind") == "hf_sharded":
+            model = "%.2fB (%d layers, %s)" % (meta["parameters"] / 1e9, meta["layers"],
+                                              meta["dtype"])
         elif "ranks" in meta:
             model = "wide (%d layers%s)" % (meta["layers"], ", + Adam state" if meta["optim"] else "")
         else:

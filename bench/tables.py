@@ -113,6 +113,9 @@ COMMANDS = {
     "python": "Python pipeline",
     "inspect": "`unshard inspect`",
     "zero_to_fp32": "`zero_to_fp32.py --safe_serialization`",
+    "torch t1": "torch `consolidate_safetensors_files`, 1 thread",
+    "torch t2": "torch `consolidate_safetensors_files`, 2 threads",
+    "torch t4": "torch `consolidate_safetensors_files`, 4 threads",
 }
 
 
@@ -149,6 +152,8 @@ def model(r):
             m["ranks"])
     if m.get("kind") == "deepspeed":
         return "narrow Llama (%d layers, hidden %d)" % (m["layers"], m["hidden"])
+    if m.get("kind") == "hf_sharded":
+        return "%.2fB (%d layers, %s)" % (m["parameters"] / 1e9, m["layers"], m["dtype"])
     if m.get("kind") == "moe":
         return "narrow MoE (%d layers, %d experts, hidden %d)" % (
             m["layers"], m["experts"], m["hidden"])

@@ -265,6 +265,19 @@ fn per_rank_files_with_their_config_dir_from_a_bucket() {
 
 #[test]
 #[ignore = "needs moto_server on UNSHARD_TEST_S3_ENDPOINT (see docs/testing.md)"]
+fn hf_sharded_rank_files_from_a_bucket() {
+    // torch's HF storage writer saving distributed, 2x2 ranks; the folder holding
+    // `sharded/` and `consolidated/` is passed, as on disk.
+    merge_both_ways(
+        "hf-sharded",
+        "torchtitan/hf_sharded/qwen3_f32_2x2",
+        Some("torchtitan/qwen3/base"),
+        &[],
+    );
+}
+
+#[test]
+#[ignore = "needs moto_server on UNSHARD_TEST_S3_ENDPOINT (see docs/testing.md)"]
 fn an_hf_directory_as_the_checkpoint_from_a_bucket() {
     merge_both_ways(
         "hf-dir",

@@ -5,7 +5,7 @@ use std::path::Path;
 use std::sync::Arc;
 
 use super::{
-    dcp, deepspeed, fs, hf_dir, hints, legacy, megatron, safetensors, sharded, torch, Blob,
+    dcp, deepspeed, fs, hf_dir, hf_sharded, hints, legacy, megatron, safetensors, sharded, torch, Blob,
     Checkpoint,
 };
 use crate::error::{Error, Result};
@@ -35,6 +35,9 @@ pub enum Format {
     Ranks,
     /// A DeepSpeed ZeRO checkpoint (`latest` + `global_stepN/` of per-rank files).
     DeepSpeed,
+    /// torch.distributed.checkpoint's HF storage writer saving distributed
+    /// (`shard-0000R-model-0000K-of-0000N.safetensors` with `DCP_SHARDING_INFO`).
+    HfSharded,
 }
 
 impl Format {
@@ -48,6 +51,7 @@ impl Format {
             Format::Dcp => "dcp",
             Format::Ranks => "ranks",
             Format::DeepSpeed => "deepspeed",
+            Format::HfSharded => "hf-sharded",
         }
     }
 }
@@ -62,6 +66,7 @@ impl fmt::Display for Format {
             Format::Dcp => "torch.distributed.checkpoint directory",
             Format::Ranks => "per-rank torch.save files",
             Format::DeepSpeed => "DeepSpeed ZeRO checkpoint",
+            Format::HfSharded => "HF-sharded safetensors of torch.distributed.checkpoint",
         })
     }
 }
@@ -209,6 +214,11 @@ fn open_dir(path: &Path, opts: &OpenOptions) -> Result<Checkpoint> {
     if let Some((dir, note)) = megatron::model_subdir(path) {
         let mut c = dcp::open(&dir, opts)?;
         c.notes.insert(0, note);
+        return Ok(c);
+    }
+    if let Some((dir, note)) = hf_sharded::find(path)? {
+        let mut c = hf_sharded::open(&dir)?;
+        c.notes.splice(0..0, note);
         return Ok(c);
     }
     let hf = if hf_dir::is_hf_dir(path) {

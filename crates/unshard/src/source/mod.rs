@@ -46,6 +46,7 @@ pub mod dcp;
 pub mod deepspeed;
 pub mod detect;
 pub mod hf_dir;
+pub mod hf_sharded;
 pub mod hints;
 pub mod legacy;
 pub mod megatron;
