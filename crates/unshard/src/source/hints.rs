@@ -94,11 +94,13 @@ pub fn wrong_input(path: &Path) -> Option<Error> {
 /// Subdirectories of `path` that hold a DeepSpeed `latest` file or a DCP
 /// `.metadata`, by name.
 fn checkpoint_subdirs(path: &Path) -> Vec<PathBuf> {
-    let mut v: Vec<PathBuf> = std::fs::read_dir(path)
-        .map(|r| {
-            r.filter_map(|e| e.ok())
-                .map(|e| e.path())
-                .filter(|p| p.join("latest").is_file() || p.join(".metadata").is_file())
+    let mut v: Vec<PathBuf> = fs::list(path)
+        .map(|entries| {
+            entries
+                .into_iter()
+                .filter(|e| e.is_dir)
+                .map(|e| e.path)
+                .filter(|p| fs::is_file(&p.join("latest")) || fs::is_file(&p.join(".metadata")))
                 .collect()
         })
         .unwrap_or_default();
