@@ -88,10 +88,9 @@ fn split_of(name: &str) -> Option<Split> {
         .strip_suffix(leaf)
         .and_then(|m| m.strip_suffix('.'))
         .unwrap_or("");
-    let split = if name.ends_with("word_embeddings.weight") || name.ends_with("output_layer.weight")
-    {
-        Split::Rows
-    } else if module.ends_with("linear_qkv") && (leaf == "weight" || leaf == "bias") {
+    let vocab = name.ends_with("word_embeddings.weight") || name.ends_with("output_layer.weight");
+    let qkv = module.ends_with("linear_qkv") && (leaf == "weight" || leaf == "bias");
+    let split = if vocab || qkv {
         Split::Rows
     } else if module.ends_with("linear_fc1") && (leaf == "weight" || leaf == "bias") {
         Split::GateUp
@@ -361,4 +360,49 @@ fn rows_of(piece: &Piece, from: u64, len: u64, to: u64) -> Option<Piece> {
     q.shape[0] = hi - lo;
     q.global_offset[0] = lo - from + to;
     Some(q)
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+    use crate::dtype::DType;
+
+    #[test]
+    fn local_layer_numbers_are_shifted_by_the_stage_offset() {
+        let (n, local) = global_name("decoder.layers.1.mlp.linear_fc1.weight", 2);
+        assert_eq!((n.as_str(), local), ("decoder.layers.3.mlp.linear_fc1.weight", Some(1)));
+        let (n, local) = global_name("decoder.final_layernorm.weight", 2);
+        assert_eq!((n.as_str(), local), ("decoder.final_layernorm.weight", None));
+    }
+
+    #[test]
+    fn parallel_dimensions_per_parameter() {
+        let s = |n: &str| split_of(n);
+        assert_eq!(s("decoder.layers.0.self_attention.linear_qkv.bias"), Some(Split::Rows));
+        assert_eq!(s("embedding.word_embeddings.weight"), Some(Split::Rows));
+        assert_eq!(s("decoder.layers.0.mlp.linear_fc1.weight"), Some(Split::GateUp));
+        assert_eq!(s("decoder.layers.0.mlp.linear_fc2.weight"), Some(Split::Columns));
+        assert_eq!(s("decoder.layers.0.self_attention.linear_proj.bias"), Some(Split::Replicated));
+        assert_eq!(s("decoder.layers.0.input_layernorm.weight"), Some(Split::Replicated));
+        assert_eq!(s("decoder.layers.0.mlp.experts.local_experts.0.linear_fc1.weight"), Some(Split::GateUp));
+        assert_eq!(s("decoder.layers.0.mlp.shared_experts.gate_weight"), None);
+    }
+
+    #[test]
+    fn a_piece_s_rows_are_cut_and_placed() {
+        let p = Piece {
+            file: 0,
+            byte_offset: 100,
+            dtype: DType::BF16,
+            shape: vec![4, 3],
+            strides: vec![3, 1],
+            global_offset: vec![2, 0],
+            big_endian: false,
+        };
+        // Rows 3..5 of the tensor: the piece's rows 1..3, placed at 10.
+        let q = rows_of(&p, 3, 2, 10).unwrap();
+        assert_eq!((q.byte_offset, q.shape.clone(), q.global_offset.clone()), (106, vec![2, 3], vec![10, 0]));
+        assert!(rows_of(&p, 6, 2, 0).is_none());
+    }
 }
