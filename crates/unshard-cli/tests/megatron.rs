@@ -152,22 +152,43 @@ fn megatron_names_without_a_config_ask_for_a_base() {
 }
 
 #[test]
-fn the_legacy_layout_is_refused_by_name() {
+fn the_legacy_layout_of_tensor_and_pipeline_ranks() {
+    // mp_rank_TT_PPP folders: local layer numbers per stage, SwiGLU fc1 as
+    // [gate_i; up_i] per rank, column- and row-parallel slices.
+    let said = matches_transformers("llama_tp2_pp2_legacy");
+    assert!(said.contains("iter_0000100/"), "{said}");
+    assert!(
+        said.contains("2 tensor x 2 pipeline rank folder(s) joined (4 layers)"),
+        "{said}"
+    );
+}
+
+#[test]
+fn a_missing_rank_folder_is_named() {
     let (input, base, _) = case("llama_tp2_pp2_legacy");
+    let m = fixtures().join("megatron");
     let tmp = tempfile::tempdir().unwrap();
+    let iter = tmp.path().join("iter_0000100");
+    for r in ["mp_rank_00_000", "mp_rank_00_001", "mp_rank_01_000"] {
+        copy_dir(&m.join(&input).join("iter_0000100").join(r), &iter.join(r));
+    }
     let out = tmp.path().join("out");
     let o = unshard(&[
         "merge",
-        &input,
+        iter.to_str().unwrap(),
         "--base",
-        &base,
+        m.join(&base).to_str().unwrap(),
         "--output",
         out.to_str().unwrap(),
     ]);
     let said = text(&o);
     assert!(!o.status.success(), "{said}");
-    assert!(said.contains("legacy layout (mp_rank_*"), "{said}");
-    assert!(!Path::new(&out).join("model.safetensors").exists());
+    assert!(
+        said.contains("mp_rank_01_001/ (tensor rank 1, pipeline stage 1) is missing"),
+        "{said}"
+    );
+    assert!(said.contains("copy every rank folder"), "{said}");
+    assert!(!out.exists());
 }
 
 /// The header length and the data offset of `tensor` in a safetensors file.

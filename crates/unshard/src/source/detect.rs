@@ -208,6 +208,9 @@ fn open_dir(path: &Path, opts: &OpenOptions) -> Result<Checkpoint> {
         c.notes.insert(0, note);
         return Ok(c);
     }
+    if let Some(ranks) = megatron::legacy::find(path)? {
+        return megatron::legacy::open_legacy(path, &ranks, opts);
+    }
     if dcp::is_dcp_dir(path) {
         return dcp::open(path, opts).map_err(|e| hints::dcp_missing_file(path, e));
     }

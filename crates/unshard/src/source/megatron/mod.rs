@@ -6,13 +6,15 @@
 //! `weights/` or `dist_ckpt/` folder of their save folder, which is read. A
 //! `torch_dist` directory is a torch.distributed.checkpoint directory that the
 //! DCP reader opens, with `metadata.json` naming its backend and `common.pt`
-//! holding the training arguments (not tensors); the legacy layout (`mp_rank_*`
-//! folders of `model_optim_rng.pt`) is refused by name.
+//! holding the training arguments (not tensors). The legacy layout (`mp_rank_*`
+//! folders of `model_optim_rng.pt`) is read by [`legacy`].
 
 use std::path::{Path, PathBuf};
 
 use crate::bytes::fs;
 use crate::error::{Error, Result};
+
+pub mod legacy;
 
 /// The file naming the iteration a save folder's reader should take.
 pub const LATEST: &str = "latest_checkpointed_iteration.txt";
@@ -77,8 +79,8 @@ pub fn model_subdir(path: &Path) -> Option<(PathBuf, String)> {
     })
 }
 
-/// Refuses a Megatron folder unshard does not read: the legacy layout
-/// (`mp_rank_*` folders) and a `metadata.json` naming another sharded backend.
+/// Refuses a Megatron folder unshard does not read: a `metadata.json` naming
+/// another sharded backend.
 pub fn refuse_unread(path: &Path) -> Result<()> {
     if let Some(text) = fs::read_optional(&path.join("metadata.json"))? {
         let backend = serde_json::from_slice::<serde_json::Value>(&text)
@@ -91,16 +93,6 @@ pub fn refuse_unread(path: &Path) -> Result<()> {
                 hint: Some("re-save it with Megatron's torch_dist backend (--ckpt-format torch_dist)".into()),
             });
         }
-    }
-    let legacy = fs::list(path)
-        .map(|es| es.iter().any(|e| e.name.starts_with("mp_rank_")))
-        .unwrap_or(false);
-    if legacy {
-        return Err(Error::Unsupported {
-            path: path.to_path_buf(),
-            what: "Megatron-LM's legacy layout (mp_rank_*/model_optim_rng.pt)".into(),
-            hint: Some("convert it to torch_dist with Megatron-LM's checkpoint converter (--ckpt-convert-format torch_dist), then pass the result".into()),
-        });
     }
     Ok(())
 }
