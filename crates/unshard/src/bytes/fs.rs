@@ -37,7 +37,7 @@ pub fn is_url(path: &Path) -> bool {
 /// a URL's user info (`user:password@`) and query (`?X-Amz-Signature=...`) are
 /// removed, after the store's client is made from the whole URL (it keeps the user
 /// info for its requests). Every message and `unshard.json` then name the URL
-/// without them; [`secrets_removed`] tells which URLs lost something.
+/// without them; the crate-internal `secrets_removed` tells which URLs lost something.
 pub fn location(given: &Path) -> PathBuf {
     let Some(clean) = given.to_str().and_then(crate::text::redact_url) else {
         return given.to_path_buf();

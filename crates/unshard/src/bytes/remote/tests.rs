@@ -152,6 +152,8 @@ const FAMILIES: &[Family] = &[
     Family { name: "torchtitan", upload: "torchtitan/llama3/checkpoint", checkpoint: "torchtitan/llama3/checkpoint/step-10", base: Some("torchtitan/llama3/base"), key: None },
     Family { name: "moe_policy", upload: "moe/mixtral/policy.pt", checkpoint: "moe/mixtral/policy.pt", base: Some("moe/mixtral/base"), key: Some("state") },
     Family { name: "moe_dcp", upload: "moe/mixtral/dcp", checkpoint: "moe/mixtral/dcp", base: Some("moe/mixtral/base"), key: None },
+    Family { name: "megatron_legacy", upload: "megatron/ckpt/llama_tp2_pp2_legacy", checkpoint: "megatron/ckpt/llama_tp2_pp2_legacy", base: Some("megatron/base/llama_4layers"), key: None },
+    Family { name: "hf_sharded", upload: "torchtitan/hf_sharded/qwen3_f32_2x2", checkpoint: "torchtitan/hf_sharded/qwen3_f32_2x2", base: Some("torchtitan/qwen3/base"), key: None },
 ];
 
 /// Copies a local file, or a folder recursively, to `key` in `mem`.
