@@ -170,7 +170,9 @@ impl ObjectSource {
             .filter(|&e| e <= self.len)
             .ok_or_else(|| short_read(&self.loc.url, offset, len))?;
         count_get(&(offset..end));
-        let body = store::block_on(self.loc.store.get_range(&self.loc.key, offset..end))
+        let body = store::block_on(store::again(|| {
+            self.loc.store.get_range(&self.loc.key, offset..end)
+        }))
             .map_err(|e| io_error("read", &self.loc.url, e))?;
         if body.len() as u64 != len {
             return Err(short_read(&self.loc.url, offset, len));
@@ -300,7 +302,7 @@ impl ByteSource for ObjectSource {
                 count_get(&range);
                 store::spawn(async move {
                     let _permit = limit.acquire_owned().await;
-                    store.get_range(&key, range).await
+                    store::again(|| store.get_range(&key, range.clone())).await
                 })
             })
             .collect();
