@@ -1,7 +1,8 @@
 //! Object storage: every input format read from a real S3-compatible server
-//! (moto_server, started by `.ci/run`), outputs byte-identical to merging the same
-//! files from the local disk; `inspect`, `verify` and `diff` on URLs; a missing or
-//! vanishing object fails cleanly, naming it.
+//! (moto_server, started by `.ci/run`) and from Azurite, outputs byte-identical to
+//! merging the same files from the local disk; `inspect`, `verify` and `diff` on
+//! URLs; a missing or vanishing object fails cleanly, naming it; outputs written to
+//! either server, interrupted or cut off by an outage.
 #![allow(clippy::unwrap_used)]
 
 mod common;
@@ -10,7 +11,7 @@ use std::path::Path;
 use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
-use common::s3::{bucket_name, endpoint, Bucket};
+use common::s3::{bucket_name, endpoint, Bucket, Server};
 use common::{big_checkpoint, fixtures, names};
 
 fn bin() -> &'static str {
@@ -72,10 +73,14 @@ fn same_dirs(a: &Path, b: &Path) {
 }
 
 /// Merges `ckpt` (and `base`), given relative to fixtures/, once from the local disk
-/// and once from the bucket, and compares the outputs byte for byte.
+/// and once from an S3 bucket, and compares the outputs byte for byte.
 fn merge_both_ways(test: &str, ckpt: &str, base: Option<&str>, extra: &[&str]) {
-    let ep = endpoint(test);
-    let b = Bucket::create(&ep, &bucket_name(test));
+    merge_both_ways_on(Server::S3, test, ckpt, base, extra);
+}
+
+/// [`merge_both_ways`] with the bucket on `server`.
+fn merge_both_ways_on(server: Server, test: &str, ckpt: &str, base: Option<&str>, extra: &[&str]) {
+    let b = Bucket::on(server, test);
     let fx = fixtures();
     b.upload(&fx.join(ckpt), ckpt);
     if let Some(base) = base {
@@ -198,6 +203,14 @@ const FAMILIES: &[(&str, &str, Option<&str>, &[&str])] = &[
 fn every_fixture_family_from_a_bucket_merges_as_from_disk() {
     for (name, ckpt, base, extra) in FAMILIES {
         merge_both_ways(name, ckpt, *base, extra);
+    }
+}
+
+#[test]
+#[ignore = "needs Azurite on UNSHARD_TEST_AZURE_ENDPOINT (see docs/testing.md)"]
+fn every_fixture_family_from_azure_merges_as_from_disk() {
+    for (name, ckpt, base, extra) in FAMILIES {
+        merge_both_ways_on(Server::Azure, &format!("az-{name}"), ckpt, *base, extra);
     }
 }
 
@@ -482,8 +495,21 @@ fn keys_under(b: &Bucket, prefix: &str) -> Vec<String> {
 #[test]
 #[ignore = "needs moto_server on UNSHARD_TEST_S3_ENDPOINT (see docs/testing.md)"]
 fn an_output_written_to_a_bucket_equals_the_local_one() {
-    let ep = endpoint("output");
-    let b = Bucket::create(&ep, &bucket_name("output"));
+    output_equals_local(Server::S3, "output");
+}
+
+#[test]
+#[ignore = "needs Azurite on UNSHARD_TEST_AZURE_ENDPOINT (see docs/testing.md)"]
+fn an_output_written_to_azure_equals_the_local_one() {
+    output_equals_local(Server::Azure, "az-output");
+}
+
+/// A merge written to a bucket on `server` equals the local one; `--verify` to a
+/// bucket is refused before any work; `verify` reads the output back and notices a
+/// changed byte; writing again needs `--force`, which replaces only what an earlier
+/// output wrote.
+fn output_equals_local(server: Server, test: &str) {
+    let b = Bucket::on(server, test);
     let fx = fixtures();
     let tmp = tempfile::tempdir().unwrap();
     let local = tmp.path().join("local");
@@ -703,7 +729,7 @@ fn no_fuse_into_a_bucket_is_refused_before_anything_is_written() {
     }
 }
 
-/// Starts a slow merge of a 96 MiB checkpoint into `s3://bucket/out` and waits until
+/// Starts a slow merge of a 96 MiB checkpoint into `bucket/out` and waits until
 /// its manifest appears (the sink is open and uploads are about to start).
 fn slow_upload(b: &Bucket, inputs: &Path) -> std::process::Child {
     let ckpt = big_checkpoint(inputs, 24);
@@ -735,8 +761,18 @@ fn slow_upload(b: &Bucket, inputs: &Path) -> std::process::Child {
 #[test]
 #[ignore = "needs moto_server on UNSHARD_TEST_S3_ENDPOINT (see docs/testing.md)"]
 fn an_interrupted_upload_leaves_no_object() {
-    let ep = endpoint("interrupted-upload");
-    let b = Bucket::create(&ep, &bucket_name("interrupted-upload"));
+    interrupted_upload_leaves_nothing(Server::S3, "interrupted-upload");
+}
+
+#[test]
+#[ignore = "needs Azurite on UNSHARD_TEST_AZURE_ENDPOINT (see docs/testing.md)"]
+fn an_interrupted_upload_to_azure_leaves_no_object() {
+    interrupted_upload_leaves_nothing(Server::Azure, "az-interrupted-upload");
+}
+
+/// Ctrl-C during an upload to `server`: exit 130, no object left under the output.
+fn interrupted_upload_leaves_nothing(server: Server, test: &str) {
+    let b = Bucket::on(server, test);
     let inputs = tempfile::tempdir().unwrap();
     let child = slow_upload(&b, inputs.path());
     std::thread::sleep(Duration::from_millis(400));
@@ -963,9 +999,20 @@ impl Proxy {
 #[test]
 #[ignore = "needs moto_server on UNSHARD_TEST_S3_ENDPOINT (see docs/testing.md)"]
 fn a_ten_second_outage_during_an_upload_is_survived() {
-    let ep = endpoint("outage");
-    let b = Bucket::create(&ep, &bucket_name("outage"));
-    let proxy = Proxy::start(&ep);
+    outage_is_survived(Server::S3, "outage");
+}
+
+#[test]
+#[ignore = "needs Azurite on UNSHARD_TEST_AZURE_ENDPOINT (see docs/testing.md)"]
+fn a_ten_second_outage_during_an_upload_to_azure_is_survived() {
+    outage_is_survived(Server::Azure, "az-outage");
+}
+
+/// The server on `server` unreachable for 10 s during an upload to it: the merge
+/// waits it out and writes the local merge's bytes.
+fn outage_is_survived(server: Server, test: &str) {
+    let b = Bucket::on(server, test);
+    let proxy = Proxy::start(&b.endpoint);
     let inputs = tempfile::tempdir().unwrap();
     let ckpt = big_checkpoint(inputs.path(), 24);
     let args = |out: &str| -> Vec<String> {
@@ -990,10 +1037,9 @@ fn a_ten_second_outage_during_an_upload_is_survived() {
             .collect::<Vec<_>>(),
     ));
     let mut cmd = Command::new(bin());
-    b.env(&mut cmd);
+    b.env_via(&mut cmd, &proxy.endpoint());
     let child = cmd
         .args(args(&b.url("out")))
-        .env("AWS_ENDPOINT_URL", proxy.endpoint())
         .env("UNSHARD_TEST_WINDOW_DELAY_MS", "1000")
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
@@ -1026,13 +1072,33 @@ fn a_ten_second_outage_during_an_upload_is_survived() {
 #[test]
 #[ignore = "needs moto_server on UNSHARD_TEST_S3_ENDPOINT (see docs/testing.md)"]
 fn an_outage_longer_than_the_retries_fails_and_says_what_it_left() {
-    let ep = endpoint("long-outage");
-    let b = Bucket::create(&ep, &bucket_name("long-outage"));
-    let proxy = Proxy::start(&ep);
+    let err = long_outage_fails(Server::S3, "long-outage");
+    assert!(
+        err.contains("abort-multipart-upload") || err.contains("aws s3 rm"),
+        "{err}"
+    );
+}
+
+#[test]
+#[ignore = "needs Azurite on UNSHARD_TEST_AZURE_ENDPOINT (see docs/testing.md)"]
+fn an_outage_longer_than_the_retries_on_azure_fails_and_says_what_it_left() {
+    let err = long_outage_fails(Server::Azure, "az-long-outage");
+    assert!(err.contains("az storage blob delete"), "{err}");
+    assert!(
+        !err.contains("aws "),
+        "no S3 command for an Azure container: {err}"
+    );
+}
+
+/// An outage of the server on `server` longer than the retries: the merge fails and
+/// names what its cleanup could not remove; returns stderr.
+fn long_outage_fails(server: Server, test: &str) -> String {
+    let b = Bucket::on(server, test);
+    let proxy = Proxy::start(&b.endpoint);
     let inputs = tempfile::tempdir().unwrap();
     let ckpt = big_checkpoint(inputs.path(), 24);
     let mut cmd = Command::new(bin());
-    b.env(&mut cmd);
+    b.env_via(&mut cmd, &proxy.endpoint());
     let child = cmd
         .args([
             "merge",
@@ -1043,7 +1109,6 @@ fn an_outage_longer_than_the_retries_fails_and_says_what_it_left() {
             "-o",
             &b.url("out"),
         ])
-        .env("AWS_ENDPOINT_URL", proxy.endpoint())
         .env("UNSHARD_RETRY_SECONDS", "2")
         .env("UNSHARD_TEST_WINDOW_DELAY_MS", "1000")
         .stdout(Stdio::piped())
@@ -1061,11 +1126,8 @@ fn an_outage_longer_than_the_retries_fails_and_says_what_it_left() {
     let err = String::from_utf8_lossy(&o.stderr);
     assert_eq!(o.status.code(), Some(1), "{err}");
     assert!(err.contains("could not remove"), "{err}");
-    assert!(
-        err.contains("abort-multipart-upload") || err.contains("aws s3 rm"),
-        "{err}"
-    );
-    assert!(err.contains(&bucket_name("long-outage")), "{err}");
+    assert!(err.contains(&bucket_name(test)), "{err}");
+    err.into_owned()
 }
 
 /// `--force` replaces an earlier unshard output (the files its `unshard.json` lists)
@@ -1192,4 +1254,51 @@ fn s3_over_plain_http_without_the_opt_in_names_it() {
     let err = String::from_utf8_lossy(&o.stderr);
     assert_eq!(o.status.code(), Some(1), "{err}");
     assert!(err.contains("AWS_ALLOW_HTTP=true"), "{err}");
+}
+
+/// An Azure account endpoint given as http:// (Azurite reached as an account, not
+/// through the emulator switch) without AZURE_ALLOW_HTTP is refused, and the error
+/// names that variable, not the S3 one; with it, the merge runs.
+#[test]
+#[ignore = "needs Azurite on UNSHARD_TEST_AZURE_ENDPOINT (see docs/testing.md)"]
+fn azure_over_plain_http_without_the_opt_in_names_it() {
+    let b = Bucket::on(Server::Azure, "az-no-allow-http");
+    b.upload(&fixtures().join("ckpt/llama_policy.pt"), "p.pt");
+    b.upload(&fixtures().join("models/llama-bf16"), "base");
+    let tmp = tempfile::tempdir().unwrap();
+    let merge = |allow: bool, out: &str| {
+        let mut cmd = Command::new(bin());
+        cmd.args([
+            "merge",
+            &b.url("p.pt"),
+            "--base",
+            &b.url("base"),
+            "-o",
+            tmp.path().join(out).to_str().unwrap(),
+        ])
+        .env_remove("AZURE_STORAGE_USE_EMULATOR")
+        .env("AZURE_STORAGE_ACCOUNT_NAME", "devstoreaccount1")
+        .env("AZURE_STORAGE_ACCOUNT_KEY", common::s3::AZURITE_KEY)
+        .env(
+            "AZURE_STORAGE_ENDPOINT",
+            format!("{}/devstoreaccount1", b.endpoint),
+        )
+        .env("UNSHARD_RETRY_SECONDS", "1");
+        if allow {
+            cmd.env("AZURE_ALLOW_HTTP", "true");
+        } else {
+            cmd.env_remove("AZURE_ALLOW_HTTP");
+        }
+        cmd.output().unwrap()
+    };
+    let o = merge(false, "refused");
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("AZURE_ALLOW_HTTP=true") && !err.contains("AWS_ALLOW_HTTP"),
+        "{err}"
+    );
+    assert!(!tmp.path().join("refused").exists());
+    ok(&merge(true, "merged"));
+    assert!(tmp.path().join("merged/config.json").exists());
 }

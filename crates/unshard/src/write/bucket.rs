@@ -411,7 +411,8 @@ impl Drop for BucketSink {
             .split_once("://")
             .map_or("BUCKET", |(_, rest)| rest.split('/').next().unwrap_or("BUCKET"))
             .to_string();
-        let (bucket_a, bucket_b) = (bucket.clone(), bucket);
+        let scheme = url.split_once("://").map_or("", |(s, _)| s).to_string();
+        let bucket_a = bucket.clone();
         // Each request is retried as long as any (`UNSHARD_RETRY_SECONDS`), so a
         // cleanup that starts during an outage still completes when it ends.
         let left = block_on(async move {
@@ -419,8 +420,9 @@ impl Drop for BucketSink {
             for (key, id) in &undo.open {
                 if let Err(e) = store::again(|| multipart.abort_multipart(key, id)).await {
                     left.push(format!(
-                        "the open multipart upload {id} of {key} ({}); abort it with `aws s3api abort-multipart-upload --bucket {bucket_a} --key {key} --upload-id {id}` (S3), or let a lifecycle rule for incomplete uploads remove it",
-                        crate::text::scrub(&e.to_string())
+                        "the open multipart upload {id} of {key} ({}); {}",
+                        crate::text::scrub(&e.to_string()),
+                        abort_upload_advice(&scheme, &bucket_a, key.as_ref(), id)
                     ));
                 }
             }
@@ -428,8 +430,9 @@ impl Drop for BucketSink {
                 if let Err(e) = store::again(|| store.delete(key)).await {
                     if !matches!(e, object_store::Error::NotFound { .. }) {
                         left.push(format!(
-                            "the object {key} ({}); delete it with `aws s3 rm s3://{bucket_b}/{key}` (S3) or your store's console",
-                            crate::text::scrub(&e.to_string())
+                            "the object {key} ({}); {}",
+                            crate::text::scrub(&e.to_string()),
+                            delete_object_advice(&scheme, &bucket, key.as_ref())
                         ));
                     }
                 }
@@ -451,6 +454,33 @@ impl Drop for BucketSink {
                 }
             }
         }
+    }
+}
+
+/// How to abort an open multipart upload by hand, in the store's own tool.
+fn abort_upload_advice(scheme: &str, bucket: &str, key: &str, id: &str) -> String {
+    match scheme {
+        "gs" => format!(
+            "abort it with a DELETE of gs://{bucket}/{key}?uploadId={id} (the XML API), or let a lifecycle rule for incomplete multipart uploads remove it"
+        ),
+        // Azure keeps staged blocks uncommitted, and drops them after seven days.
+        "az" | "abfs" | "abfss" | "azure" => {
+            "its staged blocks are not visible and Azure drops them after seven days".into()
+        }
+        _ => format!(
+            "abort it with `aws s3api abort-multipart-upload --bucket {bucket} --key {key} --upload-id {id}`, or let a lifecycle rule for incomplete uploads remove it"
+        ),
+    }
+}
+
+/// How to delete an object by hand, in the store's own tool.
+fn delete_object_advice(scheme: &str, bucket: &str, key: &str) -> String {
+    match scheme {
+        "gs" => format!("delete it with `gcloud storage rm gs://{bucket}/{key}`"),
+        "az" | "abfs" | "abfss" | "azure" => format!(
+            "delete it with `az storage blob delete --container-name {bucket} --name {key}` (with your --account-name) or the portal"
+        ),
+        _ => format!("delete it with `aws s3 rm s3://{bucket}/{key}`"),
     }
 }
 

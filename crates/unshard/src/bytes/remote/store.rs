@@ -348,9 +348,20 @@ pub fn io_error(op: &'static str, url: &Path, e: object_store::Error) -> Error {
     }
     if chain.contains("URL scheme is not allowed") {
         // An S3/GCS/Azure endpoint given as http:// (a local test server).
-        msg.push_str(
-            "; the endpoint is plain http://: set AWS_ALLOW_HTTP=true to allow it (or use https://)",
-        );
+        let u = url.to_string_lossy();
+        let var = if u.starts_with("gs://") {
+            "GOOGLE_ALLOW_HTTP"
+        } else if ["az://", "abfs://", "abfss://", "azure://"]
+            .iter()
+            .any(|s| u.starts_with(s))
+        {
+            "AZURE_ALLOW_HTTP"
+        } else {
+            "AWS_ALLOW_HTTP"
+        };
+        msg.push_str(&format!(
+            "; the endpoint is plain http://: set {var}=true to allow it (or use https://)"
+        ));
     }
     Error::io(op, shown(url), io::Error::new(kind, msg))
 }
