@@ -285,13 +285,19 @@ fn a_file_without_the_sharding_is_named() {
 #[test]
 fn the_last_rank_missing_leaves_shapes_the_config_refuses() {
     // The files record neither the full shapes nor the rank count: without rank 2,
-    // rank 1's boxes look whole, and the base's config names the short tensors.
+    // rank 1's boxes look whole, and the base's config names the short tensors; the
+    // hint names the files that may be missing rather than another model size alone.
     let tmp = tempfile::tempdir().unwrap();
     let input = copy_case(tmp.path());
     std::fs::remove_file(input.join("shard-00002-model-00001-of-00001.safetensors")).unwrap();
     let said = refused(&input, tmp.path());
     assert!(
         said.contains("'model.embed_tokens.weight' is [126, 32] but the config gives [251, 32]"),
+        "{said}"
+    );
+    assert!(
+        said.contains("ranks 1 to 1")
+            && said.contains("(shard-00002-model-00001-of-00001.safetensors, ...) are missing"),
         "{said}"
     );
 }

@@ -77,6 +77,28 @@ fn file_name(rank: u64, k: u64, n: u64) -> String {
     format!("shard-{rank:05}-model-{k:05}-of-{n:05}.safetensors")
 }
 
+/// What a shape that does not fit may mean for rank files: the full shapes are the
+/// extents of the boxes present, so a save whose last ranks' files were not copied
+/// reads as a smaller model (no gap in the rank numbers tells). `None` when `ckpt`
+/// is not a folder of rank files.
+pub fn shape_hint(ckpt: &Checkpoint) -> Option<String> {
+    if ckpt.format != Format::HfSharded {
+        return None;
+    }
+    let ranks: BTreeSet<(u64, u64)> = ckpt
+        .files
+        .iter()
+        .filter_map(|b| parse_name(b.path.file_name()?.to_str()?))
+        .map(|(r, _, n)| (r, n))
+        .collect();
+    let &(last, n) = ranks.last()?;
+    Some(format!(
+        "the full shapes of rank files are the extent of the boxes present, here those of ranks 1 to {last}: if the save ran on more ranks, their files ({}, ...) are missing from {}; copy them in. Otherwise pass the config (--base) of the model that was trained",
+        file_name(last + 1, 1, n),
+        ckpt.path.display()
+    ))
+}
+
 /// A tensor being gathered: its dtype, its pieces and the files they are in.
 struct Gathered {
     dtype: DType,
