@@ -248,3 +248,39 @@ fn a_packed_tensor_that_is_not_a_box_of_the_rule_is_refused_by_name() {
     assert!(said.contains("does not split into 2 equal parts"), "{said}");
     assert!(!out.exists());
 }
+
+/// `inspect` says when a checkpoint holds experts packed as transformers keeps them
+/// in memory: the packed tensors are the 3-D ones under `experts` (one per
+/// projection, all experts stacked), and a dense checkpoint gets no such line.
+#[test]
+fn inspect_names_the_packed_expert_tensors() {
+    for c in cases()
+        .iter()
+        .filter(|c| c.checkpoint.ends_with("policy.pt"))
+    {
+        let o = unshard(&["inspect", "--json", &c.checkpoint]);
+        assert!(o.status.success(), "{}: {}", c.name, text(&o));
+        let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+        let packed: Vec<&str> = v["tensors"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|t| t["shape"].as_array().unwrap().len() == 3)
+            .map(|t| t["name"].as_str().unwrap())
+            .filter(|n| n.split('.').any(|p| p == "experts"))
+            .collect();
+        assert!(!packed.is_empty(), "{}", c.name);
+        let notes = v["notes"].to_string();
+        assert!(
+            notes.contains(&format!(
+                "layout: {} tensor(s) hold experts packed",
+                packed.len()
+            )) && notes.contains(packed[0]),
+            "{}: {packed:?} {notes}",
+            c.name
+        );
+    }
+    let o = unshard(&["inspect", "ckpt/llama_policy.pt"]);
+    assert!(o.status.success(), "{}", text(&o));
+    assert!(!text(&o).contains("packed"), "{}", text(&o));
+}

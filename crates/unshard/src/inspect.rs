@@ -1,11 +1,12 @@
 //! `inspect`: what an input holds, as a report (the CLI prints it as a table, or
 //! as JSON: the report's `Serialize` form is the schema the README documents).
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::path::PathBuf;
 
 use serde::Serialize;
 
+use crate::arch::conversions::{self, Ruleset};
 use crate::dtype::DType;
 use crate::error::Result;
 use crate::options::InspectOptions;
@@ -121,7 +122,48 @@ pub fn report(ckpt: &Checkpoint, stats: Option<Vec<TensorStats>>) -> InspectRepo
                 kind: e.kind.clone(),
             })
             .collect(),
-        notes: ckpt.notes.clone(),
+        notes: ckpt.notes.iter().cloned().chain(packed_note(ckpt)).collect(),
         unsafe_calls: ckpt.unsafe_calls.clone(),
     }
+}
+
+/// A note on expert tensors in transformers' in-memory layout (experts packed into a
+/// few tensors), which `merge` writes in the layout of the base's files. Names are
+/// matched once per pattern (numbered components aside), so a checkpoint of
+/// tens of thousands of tensors costs a few dozen matches per rule set.
+fn packed_note(ckpt: &Checkpoint) -> Option<String> {
+    let mut rulesets: Vec<Ruleset> = Vec::new();
+    for mt in conversions::model_types() {
+        if let Some(r) = Ruleset::for_model_type(mt) {
+            if !rulesets.iter().any(|x| x.name == r.name) {
+                rulesets.push(r);
+            }
+        }
+    }
+    let mut seen: HashMap<String, bool> = HashMap::new();
+    let packed: Vec<&str> = ckpt
+        .tensors
+        .iter()
+        .map(|t| t.name.as_str())
+        // Rules of other kinds (q, k and v fused in memory by some models) depend
+        // on the model type, which only the base's config names.
+        .filter(|n| n.split('.').any(|c| c == "experts"))
+        .filter(|n| {
+            let pattern: Vec<&str> = n
+                .split('.')
+                .map(|c| if c.bytes().all(|b| b.is_ascii_digit()) { "#" } else { c })
+                .collect();
+            let pattern = pattern.join(".");
+            *seen
+                .entry(pattern)
+                .or_insert_with(|| rulesets.iter().any(|r| r.is_stacked(n)))
+        })
+        .collect();
+    (!packed.is_empty()).then(|| {
+        format!(
+            "layout: {} tensor(s) hold experts packed as transformers keeps them in memory ({}); merge writes them in the layout of the base's files (one tensor per expert for most models), by the rules of its model_type",
+            packed.len(),
+            crate::text::list_some(&packed, 2)
+        )
+    })
 }

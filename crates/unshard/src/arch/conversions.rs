@@ -85,7 +85,6 @@ fn table() -> Option<&'static Table> {
 }
 
 /// The model types the table lists, for tests and reports.
-#[cfg_attr(not(feature = "internals"), allow(dead_code))] // for the tests
 pub fn model_types() -> Vec<&'static str> {
     table()
         .map(|t| t.models.keys().map(String::as_str).collect())
@@ -215,6 +214,15 @@ impl Ruleset {
             !matches!(r.kind, Kind::PrefixChange | Kind::LayerPairCollapse)
                 && matches!(find(r, name), Ok(Some(_)))
         })
+    }
+
+    /// Whether a rule that rewrites tensors (not only names) applies to `name`:
+    /// the tensor packs several of the files' tensors (experts stacked, gate and up
+    /// concatenated).
+    pub fn is_stacked(&self, name: &str) -> bool {
+        self.rules
+            .iter()
+            .any(|r| r.kind == Kind::Convert && matches!(find(r, name), Ok(Some(_))))
     }
 
     /// The save side applied to one tensor `name` of `shape`, as transformers'
