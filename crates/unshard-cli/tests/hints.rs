@@ -100,3 +100,31 @@ fn a_dcp_directory_without_a_rank_file_names_it() {
         "{err}"
     );
 }
+
+/// A quantized base (torchao int8 weight-only, saved by transformers: int8 data and
+/// scales, a `quantization_config`) is refused before anything is written, naming
+/// the method and asking for the unquantized release; with a LoRA adapter too.
+#[test]
+fn a_quantized_base_is_refused_naming_the_method() {
+    for input in ["ckpt/llama_policy.pt", "lora/adapters/llama_lora"] {
+        let tmp = tempfile::tempdir().unwrap();
+        let out = tmp.path().join("out");
+        let o = Command::new(env!("CARGO_BIN_EXE_unshard"))
+            .args(["merge", input, "-o", out.to_str().unwrap()])
+            .args(["--base", "models/llama-torchao-int8"])
+            .current_dir(fixtures())
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(o.status.code(), Some(1), "{input}: {err}");
+        assert!(
+            err.contains("the base is quantized") && err.contains("quant_method 'torchao'"),
+            "{input}: {err}"
+        );
+        assert!(
+            err.contains("hint: pass the unquantized base"),
+            "{input}: {err}"
+        );
+        assert!(!out.exists(), "{input}: output left behind");
+    }
+}

@@ -69,6 +69,30 @@ pub(crate) fn count_casts(tensors: &[PlannedTensor]) -> Vec<(DType, DType, usize
     casts
 }
 
+/// A base whose config.json has a `quantization_config` (FP8 blocks, MXFP4, GPTQ,
+/// AWQ, bitsandbytes, torchao...) is refused: its weights are stored in another
+/// form than the trained ones (copying them or casting into them gives a wrong
+/// model), and a config that says "quantized" over unquantized weights does not
+/// load as trained either.
+pub(crate) fn refuse_quantized_base(config: Option<&Map<String, Value>>) -> Result<()> {
+    let Some(q) = config.and_then(|c| c.get("quantization_config")) else {
+        return Ok(());
+    };
+    let method = q
+        .get("quant_method")
+        .and_then(Value::as_str)
+        .unwrap_or("unknown");
+    Err(Error::plan(
+        format!(
+            "the base is quantized (config.json has a quantization_config, quant_method '{method}'): a trained checkpoint holds unquantized weights, and writing them into a quantized model's layout would not give the model that was trained"
+        ),
+        Some(
+            "pass the unquantized base the run started from (the bfloat16 or float16 release of the model, not a -FP8, -bnb-4bit, -GPTQ, -AWQ or MXFP4 repository); quantize the merged model afterwards if you serve it quantized"
+                .into(),
+        ),
+    ))
+}
+
 /// The config to write: the base's, with the dtype key(s) set to `dtype`. Without
 /// a config, a warning that transformers cannot load the output as is.
 pub(crate) fn output_config(

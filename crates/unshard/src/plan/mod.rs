@@ -257,6 +257,7 @@ pub fn plan(
     extra: &[&Checkpoint],
     opts: &PlanOptions,
 ) -> Result<Plan> {
+    cast::refuse_quantized_base(base.config)?;
     let mut report = Report::default();
     let base_names: Option<HashSet<&str>> = base
         .weights
