@@ -1,8 +1,10 @@
 #!/usr/bin/env python
 """A TinyLlama-1.1B-shaped torchtitan checkpoint and HF-sharded safetensors set,
-written from --ranks CPU processes (gloo) by torchtitan and torch themselves, for
-the benchmark rows of issue 32 (unshard beside torch's consolidate_safetensors_files
-and torchtitan's own HF export). Not committed: the output is several GB.
+written from --ranks CPU processes (gloo) by torchtitan and torch themselves: the
+inputs of bench/run.py's rows that put unshard beside torch's own
+consolidate_safetensors_files (on hf_sharded/) and beside torchtitan's own export to
+HF safetensors (on the checkpoint step; bench/titan_convert.py). Not committed: the
+output is several GB.
 
   /work/venv/bin/python bench/gen_titan.py OUT [--ranks 4] [--dtype bfloat16]
         [--files 1] [--optimizer] [--small]

@@ -17,7 +17,11 @@ what grows with the tensor count) and every input kind in it
   python   the Python pipeline (python_pipeline.py), where torch is installed:
            policy.pt and DCP only (per-rank files have no torch-only converter);
            for the DeepSpeed folders of gen_deepspeed.py, DeepSpeed's own
-           zero_to_fp32.py --safe_serialization instead
+           zero_to_fp32.py --safe_serialization instead; for gen_titan.py's
+           HF-sharded rank files, torch's consolidate_safetensors_files
+           (torch_consolidate.py) at 1, 2 and 4 threads, and for its torchtitan
+           checkpoint, torchtitan's own export to HF safetensors in bfloat16
+           (titan_convert.py)
 
 Each row runs --repeat times (rows interleaved, so noise hits them alike) and the
 median is reported: wall time of the whole process, its ratio to cp's wall time
@@ -63,6 +67,10 @@ KINDS = (
     # gen_titan.py: HuggingFaceStorageWriter(save_distributed=True) rank files; the
     # rows beside unshard are torch's consolidate_safetensors_files at 1, 2, 4 threads.
     ("hf_sharded", "hf_sharded", "HF-sharded safetensors, 4 ranks", "torch_consolidate"),
+    # gen_titan.py: torchtitan's DCP checkpoint (float32) of the same weights; the row
+    # beside unshard is torchtitan's own export to HF safetensors (titan_convert.py).
+    ("titan", os.path.join("titan", "checkpoint", "step-1000"), "torchtitan DCP, 4 ranks",
+     "titan_convert"),
 )
 
 
@@ -254,9 +262,12 @@ def run(args):
             kinds = tuple((k, k, "DeepSpeed ZeRO-%s, %d ranks" % (k[-1], meta["world"]), "zero")
                           for k in ("zero2", "zero3"))
         elif meta.get("kind") == "hf_sharded":
-            # gen_titan.py: the rank files of torch's HF storage writer only.
+            # gen_titan.py: the rank files of torch's HF storage writer, and the
+            # torchtitan checkpoint the same weights came from.
             kinds = (("hf_sharded", "hf_sharded", "HF-sharded safetensors, %d ranks, %d files"
-                      % (meta["ranks"], meta["files"]), "torch_consolidate"),)
+                      % (meta["ranks"], meta["files"]), "torch_consolidate"),
+                     ("titan", os.path.join("titan", "checkpoint", "step-1000"),
+                      "torchtitan DCP, %d ranks" % meta["ranks"], "titan_convert"))
         elif "ranks" in meta:
             # Written by gen_wide.py: one DCP directory of many ranks, tiny weights.
             kinds = (("dcp", "dcp", "DCP, %d ranks, %d chunks" % (meta["ranks"], meta["chunks"]),
@@ -264,6 +275,9 @@ def run(args):
         for kind, rel, label, mode in kinds:
             if kind not in args.kinds:
                 continue
+            # gen_titan.py's meta.json gives the dtype of the HF-sharded save; its
+            # torchtitan checkpoint is float32 (export_dtype="float32", as trained).
+            kmeta = dict(meta, dtype="float32") if kind == "titan" else meta
             src = os.path.join(data, rel)
             if not os.path.exists(src):
                 continue
@@ -299,6 +313,11 @@ def run(args):
                     rows.append(("torch t%d" % n, lambda out, src=src, n=n: [
                         args.python, os.path.join(here, "torch_consolidate.py"), src, out,
                         mapping, str(n)]))
+            elif mode == "titan_convert" and has_torch(args.python):
+                # torchtitan's convert_to_hf path, cast to bf16 like the unshard row.
+                rows.append(("torchtitan", lambda out, src=src: [
+                    args.python, os.path.join(here, "titan_convert.py"), src, out,
+                    os.path.join(base, "config.json"), "--export-dtype", "bfloat16"]))
             elif python_ok and mode == "zero":
                 # What DeepSpeed users run: float32 safetensors, no config.
                 rows.append(("zero_to_fp32", lambda out, src=src: [
@@ -345,12 +364,12 @@ def run(args):
                     shutil.rmtree(out, ignore_errors=True)
             for tool, rs in runs.items():
                 if not rs:
-                    results.append(dict(data=data, meta=meta, kind=kind, label=label,
+                    results.append(dict(data=data, meta=kmeta, kind=kind, label=label,
                                         input_bytes=size, tool=tool,
                                         skipped="failed: %s" % failed.get(tool, "?")))
                     continue
                 results.append(dict(
-                    data=data, meta=meta, model=model_fields(meta), kind=kind, label=label,
+                    data=data, meta=kmeta, model=model_fields(kmeta), kind=kind, label=label,
                     input_bytes=size, tool=tool,
                     wall=statistics.median(r[0] for r in rs),
                     wall_sync=statistics.median(r[0] + r[2] for r in rs),
@@ -363,12 +382,12 @@ def run(args):
                     # apart from the share of a busy machine it was given.
                     cpu=[round(r[4], 3) for r in rs]))
                 if skipped and tool == "cp":
-                    results.append(dict(data=data, meta=meta, model=model_fields(meta), kind=kind,
+                    results.append(dict(data=data, meta=kmeta, model=model_fields(kmeta), kind=kind,
                                         label=label, input_bytes=size, tool="unshard",
                                         skipped=skipped))
                     skipped = None
             if skipped:
-                results.append(dict(data=data, meta=meta, model=model_fields(meta), kind=kind,
+                results.append(dict(data=data, meta=kmeta, model=model_fields(kmeta), kind=kind,
                                     label=label, input_bytes=size, tool="unshard",
                                     skipped=skipped))
     return results, cache
@@ -379,7 +398,8 @@ TOOL_NAMES = {"read": "read only (read_floor.py)", "cp": "cp -r", "unshard": "un
               "zero_to_fp32": "zero_to_fp32.py --safe_serialization (fp32)",
               "torch t1": "torch consolidate_safetensors_files, 1 thread",
               "torch t2": "torch consolidate_safetensors_files, 2 threads",
-              "torch t4": "torch consolidate_safetensors_files, 4 threads"}
+              "torch t4": "torch consolidate_safetensors_files, 4 threads",
+              "torchtitan": "torchtitan convert_to_hf path (to bf16)"}
 
 
 def table(results):

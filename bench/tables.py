@@ -116,6 +116,7 @@ COMMANDS = {
     "torch t1": "torch `consolidate_safetensors_files`, 1 thread",
     "torch t2": "torch `consolidate_safetensors_files`, 2 threads",
     "torch t4": "torch `consolidate_safetensors_files`, 4 threads",
+    "torchtitan": "torchtitan `convert_to_hf` path (to bf16)",
 }
 
 
