@@ -120,7 +120,8 @@ impl Bucket {
         let b64 = base64::engine::general_purpose::STANDARD;
         let key = ring::hmac::Key::new(ring::hmac::HMAC_SHA256, &b64.decode(AZURITE_KEY).unwrap());
         let signature = b64.encode(ring::hmac::sign(&key, to_sign.as_bytes()).as_ref());
-        let mut s = std::net::TcpStream::connect(hostport).unwrap();
+        let mut s = std::net::TcpStream::connect(hostport)
+            .unwrap_or_else(|e| panic!("cannot reach Azurite at {hostport}: {e}"));
         write!(
             s,
             "PUT /{AZURITE_ACCOUNT}/{name}?restype=container HTTP/1.1\r\nHost: {hostport}\r\nx-ms-date: {date}\r\nx-ms-version: {version}\r\nAuthorization: SharedKey {AZURITE_ACCOUNT}:{signature}\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
