@@ -20,7 +20,7 @@ pub use crate::plan::Inputs;
 use crate::plan::{self, BaseView, Plan, PlanOptions};
 use crate::source::hf_dir::HfDir;
 use crate::source::audit::UnsafeCall;
-use crate::source::{self, Checkpoint, OpenOptions};
+use crate::source::{self, megatron, Checkpoint, OpenOptions};
 
 /// The opened inputs and the plan, ready to write or to verify against.
 pub struct Prepared {
@@ -128,6 +128,22 @@ impl Base {
         }))
     }
 
+    /// A config-only base derived from the training arguments of the Megatron
+    /// save in `dir`, and the warnings that go with it; `None` when the save holds
+    /// no arguments. Its path is the file the arguments were read from.
+    pub fn from_megatron_args(dir: &Path) -> Result<Option<(Base, Vec<String>)>> {
+        let Some(args) = megatron::args::read(dir)? else {
+            return Ok(None);
+        };
+        let derived = megatron::config::hf_config(&args)?;
+        let base = Base {
+            dir: HfDir::config_only(&args.file, derived.config),
+            weights: None,
+            total_parameters: None,
+        };
+        Ok(Some((base, derived.warnings)))
+    }
+
     /// Whether the directory holds a tokenizer (any of the files transformers and
     /// sentencepiece tokenizers are loaded from).
     pub fn has_tokenizer(&self) -> bool {
@@ -228,6 +244,15 @@ pub fn prepare<'a>(opts: impl Into<Sources<'a>>) -> Result<Prepared> {
             None => Base::own_config(opts.checkpoint)?,
         },
     };
+    // A Megatron-Core checkpoint with no config anywhere: derived from the
+    // training arguments it holds.
+    let (base, derived) = match base {
+        None if Megatron::names_in(&ckpt) => match Base::from_megatron_args(&ckpt.path)? {
+            Some((b, warnings)) => (Some(b), warnings),
+            None => (None, Vec::new()),
+        },
+        b => (b, Vec::new()),
+    };
     check_unsafe(opts.unsafe_pickles, &ckpt, base.as_ref())?;
     opts.cancel.check()?;
     let view = base.as_ref().map(Base::view).unwrap_or_default();
@@ -261,7 +286,9 @@ pub fn prepare<'a>(opts: impl Into<Sources<'a>>) -> Result<Prepared> {
     if let Some(t) = &titan {
         t.note(&mut plan.report);
     }
-    if let Some(b) = &base {
+    // A derived config's warnings say what is missing, the tokenizer included.
+    plan.report.warnings.extend(derived.iter().cloned());
+    if let Some(b) = base.as_ref().filter(|_| derived.is_empty()) {
         if b.dir.config.is_some() && !b.has_tokenizer() {
             plan.report.warnings.push(format!(
                 "{} has no tokenizer files: the output has no tokenizer (copy tokenizer.json and tokenizer_config.json from the model's repository into it)",
