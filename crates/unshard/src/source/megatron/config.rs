@@ -443,7 +443,7 @@ fn warnings(a: &Args<'_>, family: Family, vocab: u64) -> Result<Vec<String>> {
         .text("tokenizer_model")?
         .map(|t| format!(" (the training's tokenizer: {t})"))
         .unwrap_or_default();
-    let divisor = a.int("make_vocab_size_divisible_by")?.map(|d| format!(" (a multiple of make_vocab_size_divisible_by {d} x the tensor-parallel size)")).unwrap_or_default();
+    let divisor = a.int("make_vocab_size_divisible_by")?.map(|d| format!(", a multiple of make_vocab_size_divisible_by {d} x the tensor-parallel size")).unwrap_or_default();
     Ok(vec![
         format!(
             "config.json was derived from the Megatron training arguments in {} as a {} model: the token ids (bos_token_id, eos_token_id, pad_token_id) are not among them and are left null, and the output has no tokenizer or generation_config.json; pass --base <HF model dir or Hub id>{tokenizer} to take them from the model",
@@ -451,7 +451,7 @@ fn warnings(a: &Args<'_>, family: Family, vocab: u64) -> Result<Vec<String>> {
             family.model_type()
         ),
         format!(
-            "vocab_size {vocab} is the vocabulary Megatron padded{divisor} (padded_vocab_size); the tokenizer's own size is not among the training arguments, so rows past its last token are padding kept in the embedding and the output layer; pass --base <HF model dir or Hub id> to keep only the tokenizer's rows"
+            "vocab_size {vocab} is Megatron's padded vocabulary (padded_vocab_size{divisor}); the tokenizer's own size is not among the training arguments, so rows past its last token are padding kept in the embedding and the output layer; pass --base <HF model dir or Hub id> to keep only the tokenizer's rows"
         ),
     ])
 }
