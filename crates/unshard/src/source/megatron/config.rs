@@ -32,6 +32,12 @@ pub struct DerivedConfig {
     pub warnings: Vec<String>,
 }
 
+/// The largest size believed (so that products of two sizes fit in a u64).
+const MAX_SIZE: i64 = 1 << 31;
+
+/// The most layers believed (a config lists some per layer).
+const MAX_LAYERS: u64 = 1 << 16;
+
 /// The hint of every refusal.
 const HINT: &str = "pass --base <HF model dir or Hub id> with the model's config.json (the model the training started from, or one of its family)";
 
@@ -95,11 +101,18 @@ impl Args<'_> {
         }
     }
 
-    /// A positive integer that must be there.
+    /// A size that must be there: a positive integer, at most [`MAX_SIZE`].
     fn size(&self, name: &str) -> Result<u64> {
+        self.optional_size(name)?
+            .ok_or_else(|| self.refuse(name, "a positive integer is needed"))
+    }
+
+    /// A size, when it is set.
+    fn optional_size(&self, name: &str) -> Result<Option<u64>> {
         match self.int(name)? {
-            Some(i) if i > 0 => Ok(i as u64),
-            _ => Err(self.refuse(name, "a positive integer is needed")),
+            None => Ok(None),
+            Some(i) if (1..=MAX_SIZE).contains(&i) => Ok(Some(i as u64)),
+            Some(_) => Err(self.refuse(name, &format!("a positive integer of at most {MAX_SIZE} is needed"))),
         }
     }
 
@@ -152,6 +165,9 @@ pub fn hf_config(training: &TrainingArgs) -> Result<DerivedConfig> {
     let a = Args(training);
     refuse_unsupported(&a)?;
     let layers = a.size("num_layers")?;
+    if layers > MAX_LAYERS {
+        return Err(a.refuse("num_layers", &format!("more than {MAX_LAYERS} layers are not believed")));
+    }
     let hidden = a.size("hidden_size")?;
     let heads = a.size("num_attention_heads")?;
     let groups = if a.flag("group_query_attention")? {
@@ -162,15 +178,14 @@ pub fn hf_config(training: &TrainingArgs) -> Result<DerivedConfig> {
     if heads % groups != 0 {
         return Err(a.refuse("num_query_groups", &format!("{heads} attention heads do not split into {groups} groups")));
     }
-    let head_dim = match a.int("kv_channels")? {
-        Some(d) if d > 0 => d as u64,
-        Some(_) => return Err(a.refuse("kv_channels", "a positive integer is needed")),
+    let head_dim = match a.optional_size("kv_channels")? {
+        Some(d) => d,
         None if hidden % heads == 0 => hidden / heads,
         None => return Err(a.refuse("kv_channels", "hidden_size is not a multiple of num_attention_heads")),
     };
-    let positions = match a.int("max_position_embeddings")? {
-        Some(p) if p > 0 => p as u64,
-        _ => a.size("seq_length").map_err(|_| a.refuse("max_position_embeddings", "neither it nor seq_length is set"))?,
+    let positions = match a.optional_size("max_position_embeddings")? {
+        Some(p) => p,
+        None => a.size("seq_length").map_err(|_| a.refuse("max_position_embeddings", "neither it nor seq_length is set"))?,
     };
     let vocab = a.size("padded_vocab_size")?;
     let eps = match a.float("layernorm_epsilon")? {
@@ -188,9 +203,8 @@ pub fn hf_config(training: &TrainingArgs) -> Result<DerivedConfig> {
     let qkv_bias = a.flag("add_qkv_bias")?;
     let qk_norm = a.flag("qk_layernorm")?;
     let experts = match a.int("num_experts")? {
-        Some(e) if e > 0 => Some(e as u64),
         Some(0) | None => None,
-        Some(_) => return Err(a.refuse("num_experts", "a positive integer is needed")),
+        Some(_) => Some(a.size("num_experts")?),
     };
     let family = match (experts.is_some(), qkv_bias, qk_norm) {
         (_, true, true) => return Err(a.refuse("add_qkv_bias", "q/k/v biases with q/k norms (qk_layernorm) make no family unshard derives a config for")),
@@ -392,9 +406,9 @@ struct Moe {
 
 fn moe(a: &Args<'_>, family: Family, layers: u64) -> Result<Moe> {
     let topk = a.size("moe_router_topk")?;
-    let ffn = match a.int("moe_ffn_hidden_size")? {
-        Some(f) if f > 0 => f as u64,
-        _ => a.size("ffn_hidden_size")?,
+    let ffn = match a.optional_size("moe_ffn_hidden_size")? {
+        Some(f) => f,
+        None => a.size("ffn_hidden_size")?,
     };
     let aux_loss = match a.set("moe_aux_loss_coeff") {
         None => 0.001,

@@ -153,6 +153,13 @@ fn what_no_family_expresses_is_refused_by_the_argument_s_name() {
         assert!(e.contains(&format!("{name} = {}", value.show())), "{e}");
         assert!(e.contains("common.pt"), "{e}");
     }
+    // Sizes no model has are not believed (a config lists some per layer).
+    let e = refused(&[("num_layers", Arg::Int(1 << 40))]);
+    assert!(e.contains("num_layers = 1099511627776"), "{e}");
+    let e = refused(&[("hidden_size", Arg::Int(i64::MAX))]);
+    assert!(e.contains("at most"), "{e}");
+    let e = refused(&[("kv_channels", Arg::Int(-16))]);
+    assert!(e.contains("kv_channels = -16"), "{e}");
     let e = refused(&[("num_layers", Arg::None)]);
     assert!(e.contains("num_layers = None"), "{e}");
     let e = refused(&[("hidden_size", Arg::Str("64".into()))]);
