@@ -231,6 +231,14 @@ mod tests {
     }
 
     #[test]
+    fn one_rank_file_given_alone_holds_them_too() {
+        let file = fixture("llama_tp2_pp2_legacy/iter_0000100/mp_rank_01_001/model_optim_rng.pt");
+        let a = read(&file).unwrap().unwrap();
+        assert_eq!(a.file, file);
+        assert_eq!(a.get("pipeline_model_parallel_size"), Some(&Arg::Int(2)));
+    }
+
+    #[test]
     fn a_layer_pattern_is_a_list() {
         let a = read(&fixture("qwen3_moe_tp2_dense_first")).unwrap().unwrap();
         assert_eq!(a.get("moe_layer_freq"), Some(&Arg::List(vec![Arg::Int(0), Arg::Int(1)])));

@@ -115,6 +115,12 @@ fn the_warnings_say_what_was_derived_and_that_the_vocabulary_is_padded() {
     assert!(d.warnings[1].contains("vocab_size 256") && d.warnings[1].contains("--base"), "{}", d.warnings[1]);
 }
 
+#[test]
+fn the_warning_names_the_training_s_tokenizer_when_the_arguments_do() {
+    let d = with(&[("tokenizer_model", Arg::Str("meta-llama/Llama-3.2-1B".into()))]).unwrap();
+    assert!(d.warnings[0].contains("--base <HF model dir or Hub id> (the training's tokenizer: meta-llama/Llama-3.2-1B)"), "{}", d.warnings[0]);
+}
+
 fn llama_args() -> TrainingArgs {
     args::read(&fixtures().join("ckpt/llama_tp2/iter_0000100")).unwrap().unwrap()
 }
