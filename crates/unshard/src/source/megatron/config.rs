@@ -176,7 +176,8 @@ pub fn hf_config(training: &TrainingArgs) -> Result<DerivedConfig> {
         heads
     };
     if heads % groups != 0 {
-        return Err(a.refuse("num_query_groups", &format!("{heads} attention heads do not split into {groups} groups")));
+        let why = format!("{heads} attention heads do not split into {groups} groups");
+        return Err(a.refuse("num_query_groups", &why));
     }
     let head_dim = match a.optional_size("kv_channels")? {
         Some(d) => d,
@@ -185,7 +186,9 @@ pub fn hf_config(training: &TrainingArgs) -> Result<DerivedConfig> {
     };
     let positions = match a.optional_size("max_position_embeddings")? {
         Some(p) => p,
-        None => a.size("seq_length").map_err(|_| a.refuse("max_position_embeddings", "neither it nor seq_length is set"))?,
+        None => a
+            .size("seq_length")
+            .map_err(|_| a.refuse("max_position_embeddings", "neither it nor seq_length is set"))?,
     };
     let vocab = a.size("padded_vocab_size")?;
     let eps = match a.float("layernorm_epsilon")? {
@@ -207,8 +210,14 @@ pub fn hf_config(training: &TrainingArgs) -> Result<DerivedConfig> {
         Some(_) => Some(a.size("num_experts")?),
     };
     let family = match (experts.is_some(), qkv_bias, qk_norm) {
-        (_, true, true) => return Err(a.refuse("add_qkv_bias", "q/k/v biases with q/k norms (qk_layernorm) make no family unshard derives a config for")),
-        (true, true, false) => return Err(a.refuse("add_qkv_bias", "q/k/v biases in a mixture-of-experts model make no family unshard derives a config for")),
+        (_, true, true) => {
+            let why = "q/k/v biases with q/k norms (qk_layernorm) make no family unshard derives";
+            return Err(a.refuse("add_qkv_bias", why));
+        }
+        (true, true, false) => {
+            let why = "q/k/v biases in a mixture-of-experts model make no family unshard derives";
+            return Err(a.refuse("add_qkv_bias", why));
+        }
         (true, false, true) => Family::Qwen3Moe,
         (true, false, false) => Family::Mixtral,
         (false, true, false) => Family::Qwen2,
@@ -252,7 +261,11 @@ pub fn hf_config(training: &TrainingArgs) -> Result<DerivedConfig> {
             if family == Family::Qwen2 {
                 // Qwen2's config has no head_dim: it is always hidden / heads.
                 if head_dim * heads != hidden {
-                    return Err(a.refuse("kv_channels", &format!("a Qwen2 model (q/k/v biases) has hidden_size / num_attention_heads = {} channels per head", hidden / heads)));
+                    let why = format!(
+                        "a Qwen2 model (q/k/v biases) has hidden_size / num_attention_heads = {} channels per head",
+                        hidden / heads
+                    );
+                    return Err(a.refuse("kv_channels", &why));
                 }
             } else {
                 c.insert("attention_bias", json!(false));
@@ -293,7 +306,7 @@ pub fn hf_config(training: &TrainingArgs) -> Result<DerivedConfig> {
     }
     let config: Map<String, Value> = c.into_iter().map(|(k, v)| (k.to_string(), v)).collect();
     Ok(DerivedConfig {
-        warnings: warnings(&a, family, vocab)?,
+        warnings: warnings(&a, family, vocab),
         config,
     })
 }
@@ -336,7 +349,10 @@ fn refuse_unsupported(a: &Args<'_>) -> Result<()> {
     a.not_on("attention_output_gate", "gated attention has no config unshard derives")?;
     a.not_set("window_size", "sliding-window attention is not derived")?;
     a.not_set("softmax_scale", "a custom softmax scale has no config field")?;
-    a.not_on("apply_residual_connection_post_layernorm", "post-norm residuals have no config unshard derives")?;
+    a.not_on(
+        "apply_residual_connection_post_layernorm",
+        "post-norm residuals have no config unshard derives",
+    )?;
     match a.text("position_embedding_type")? {
         Some("rope") => {}
         None if a.flag("use_rotary_position_embeddings")? => {}
@@ -388,7 +404,10 @@ fn dtype(a: &Args<'_>) -> Result<&'static str> {
             "torch.float32" | "torch.float" => Ok("float32"),
             _ => Err(a.refuse("params_dtype", "not a floating dtype of the model")),
         },
-        _ => Err(a.refuse("params_dtype", "neither bf16 nor fp16 is set, and params_dtype does not give the dtype")),
+        _ => {
+            let why = "neither bf16 nor fp16 is set, and params_dtype does not give the dtype";
+            Err(a.refuse("params_dtype", why))
+        }
     }
 }
 
@@ -427,16 +446,23 @@ fn moe(a: &Args<'_>, family: Family, layers: u64) -> Result<Moe> {
             .map(|i| match i {
                 Arg::Int(0) => Ok(false),
                 Arg::Int(1) => Ok(true),
-                _ => Err(a.refuse("moe_layer_freq", "a pattern of 0 (dense) and 1 (experts) per layer is needed")),
+                _ => {
+                    let why = "a pattern of 0 (dense) and 1 (experts) per layer is needed";
+                    Err(a.refuse("moe_layer_freq", why))
+                }
             })
             .collect::<Result<_>>()?,
-        Some(_) => return Err(a.refuse("moe_layer_freq", &format!("an integer or a list of {layers} layers is needed"))),
+        Some(_) => {
+            let why = format!("an integer or a list of {layers} layers is needed");
+            return Err(a.refuse("moe_layer_freq", &why));
+        }
     };
     let dense_layers: Vec<u64> = (0..layers).filter(|&i| !pattern[i as usize]).collect();
     let pre_softmax = a.flag("moe_router_pre_softmax")?;
     if family == Family::Mixtral {
         if !dense_layers.is_empty() {
-            return Err(a.refuse("moe_layer_freq", "dense layers between expert layers are not Mixtral's (with q/k norms they would be Qwen3-MoE's)"));
+            let why = "dense layers between expert layers are not Mixtral's (with q/k norms they would be Qwen3-MoE's)";
+            return Err(a.refuse("moe_layer_freq", why));
         }
         if pre_softmax {
             return Err(a.refuse("moe_router_pre_softmax", "Mixtral renormalizes the top-k weights"));
@@ -452,22 +478,34 @@ fn moe(a: &Args<'_>, family: Family, layers: u64) -> Result<Moe> {
 }
 
 /// What the user should check in a derived config.
-fn warnings(a: &Args<'_>, family: Family, vocab: u64) -> Result<Vec<String>> {
-    let tokenizer = a
-        .text("tokenizer_model")?
-        .map(|t| format!(" (the training's tokenizer: {t})"))
-        .unwrap_or_default();
-    let divisor = a.int("make_vocab_size_divisible_by")?.map(|d| format!(", a multiple of make_vocab_size_divisible_by {d} x the tensor-parallel size")).unwrap_or_default();
-    Ok(vec![
+fn warnings(a: &Args<'_>, family: Family, vocab: u64) -> Vec<String> {
+    // Only words: an argument of an unexpected type here changes no field.
+    let tokenizer = match a.set("tokenizer_model") {
+        Some(Arg::Str(t)) => format!(" (the training's tokenizer: {t})"),
+        _ => String::new(),
+    };
+    let divisor = match a.set("make_vocab_size_divisible_by") {
+        Some(Arg::Int(d)) => {
+            format!(", a multiple of make_vocab_size_divisible_by {d} x the tensor-parallel size")
+        }
+        _ => String::new(),
+    };
+    vec![
         format!(
-            "config.json was derived from the Megatron training arguments in {} as a {} model: the token ids (bos_token_id, eos_token_id, pad_token_id) are not among them and are left null, and the output has no tokenizer or generation_config.json; pass --base <HF model dir or Hub id>{tokenizer} to take them from the model",
+            "config.json was derived from the Megatron training arguments in {} as a {} model: \
+             the token ids (bos_token_id, eos_token_id, pad_token_id) are not among them and are \
+             left null, and the output has no tokenizer or generation_config.json; pass --base \
+             <HF model dir or Hub id>{tokenizer} to take them from the model",
             a.0.source(),
             family.model_type()
         ),
         format!(
-            "vocab_size {vocab} is Megatron's padded vocabulary (padded_vocab_size{divisor}); the tokenizer's own size is not among the training arguments, so rows past its last token are padding kept in the embedding and the output layer; pass --base <HF model dir or Hub id> to keep only the tokenizer's rows"
+            "vocab_size {vocab} is Megatron's padded vocabulary (padded_vocab_size{divisor}); the \
+             tokenizer's own size is not among the training arguments, so rows past its last token \
+             are padding kept in the embedding and the output layer; pass --base <HF model dir or \
+             Hub id> to keep only the tokenizer's rows"
         ),
-    ])
+    ]
 }
 
 #[cfg(test)]
