@@ -267,6 +267,51 @@ fn every_case_merges_without_a_base_from_its_training_arguments() {
 }
 
 #[test]
+fn training_arguments_no_derived_config_expresses_are_refused_by_name() {
+    // A torch_dist directory whose training arguments turn on Llama 3.1's rope
+    // scaling: a config without it would load and compute another model.
+    let (input, base, expected) = case("llama_tp2_per_layer");
+    let m = fixtures().join("megatron");
+    let tmp = tempfile::tempdir().unwrap();
+    let ckpt = tmp.path().join("ckpt");
+    copy_dir(&m.join(&input), &ckpt);
+    std::fs::copy(
+        m.join("args/llama_rope_scaling/common.pt"),
+        ckpt.join("common.pt"),
+    )
+    .unwrap();
+    let out = tmp.path().join("out");
+    let o = unshard(&[
+        "merge",
+        ckpt.to_str().unwrap(),
+        "--output",
+        out.to_str().unwrap(),
+    ]);
+    let said = text(&o);
+    assert_eq!(o.status.code(), Some(1), "{said}");
+    assert!(said.contains("use_rope_scaling = True"), "{said}");
+    assert!(said.contains("common.pt"), "{said}");
+    assert!(
+        said.contains("hint: pass --base <HF model dir or Hub id>"),
+        "{said}"
+    );
+    assert!(!out.exists());
+    // With a base, the arguments are not read.
+    let o = unshard(&[
+        "merge",
+        ckpt.to_str().unwrap(),
+        "--base",
+        &base,
+        "--output",
+        out.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", text(&o));
+    let a = std::fs::read(out.join("model.safetensors")).unwrap();
+    let b = std::fs::read(m.join(&expected).join("model.safetensors")).unwrap();
+    assert!(a == b);
+}
+
+#[test]
 fn a_verl_dist_ckpt_folder_takes_the_huggingface_folder_beside_it() {
     // verl's Megatron backend: `actor/dist_ckpt/` passed itself, with
     // `actor/huggingface/` beside it. Its config (vocab_size 251) trims the padded

@@ -91,20 +91,29 @@ fn derived_configs_match_the_ones_transformers_wrote() {
 
 /// The same for the arguments-only fixtures (`fixtures/gen_megatron_args.py`): a
 /// dense Qwen3, and a float32 Llama without grouped-query attention whose
-/// arguments use newer Megatron-LM's names.
+/// arguments use newer Megatron-LM's names; and arguments refused by the name the
+/// generator gives (`refuses`: a Llama 3.1-style rope scaling).
 #[test]
 fn derived_configs_of_arguments_alone_match_transformers() {
     let root = fixtures().join("args");
-    let mut seen = 0;
+    let (mut derived_seen, mut refused_seen) = (0, 0);
     for e in std::fs::read_dir(&root).unwrap() {
         let dir = e.unwrap().path();
         let case = dir.file_name().unwrap().to_string_lossy().into_owned();
+        if let Ok(name) = std::fs::read_to_string(dir.join("refuses")) {
+            let a = args::read(&dir).unwrap().unwrap();
+            let e = hf_config(&a).unwrap_err();
+            assert!(e.to_string().contains(&format!("{} = True", name.trim())), "{case}: {e}");
+            assert!(e.hint().unwrap_or_default().contains("--base"), "{case}");
+            refused_seen += 1;
+            continue;
+        }
         let got = derived(&dir).config;
         let want = object(json(&dir.join("config.json")));
         assert_matches(&case, &got, &want, None);
-        seen += 1;
+        derived_seen += 1;
     }
-    assert_eq!(seen, 2);
+    assert_eq!((derived_seen, refused_seen), (2, 1));
 }
 
 #[test]
