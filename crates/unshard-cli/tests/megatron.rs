@@ -312,6 +312,51 @@ fn training_arguments_no_derived_config_expresses_are_refused_by_name() {
 }
 
 #[test]
+fn training_arguments_that_would_run_code_are_reported_and_refused_on_request() {
+    // common.pt is no file of the DCP reader: its pickle is audited when the
+    // arguments are read for a derived config.
+    let (input, _, expected) = case("llama_tp2_per_layer");
+    let m = fixtures().join("megatron");
+    let tmp = tempfile::tempdir().unwrap();
+    let ckpt = tmp.path().join("ckpt");
+    copy_dir(&m.join(&input), &ckpt);
+    std::fs::copy(
+        m.join("args/llama_hostile/common.pt"),
+        ckpt.join("common.pt"),
+    )
+    .unwrap();
+    let out = tmp.path().join("out");
+    let merge = |extra: &[&str]| {
+        let mut args = vec![
+            "merge",
+            ckpt.to_str().unwrap(),
+            "--output",
+            out.to_str().unwrap(),
+        ];
+        args.extend_from_slice(extra);
+        unshard(&args)
+    };
+    let o = merge(&["--refuse-unsafe"]);
+    let said = text(&o);
+    assert_eq!(o.status.code(), Some(1), "{said}");
+    assert!(
+        said.contains("common.pt") && said.contains("posix.system"),
+        "{said}"
+    );
+    assert!(!out.exists());
+    let o = merge(&[]);
+    let said = text(&o);
+    assert!(o.status.success(), "{said}");
+    assert!(
+        said.contains("would run code") && said.contains("posix.system"),
+        "{said}"
+    );
+    let a = std::fs::read(out.join("model.safetensors")).unwrap();
+    let b = std::fs::read(m.join(&expected).join("model.safetensors")).unwrap();
+    assert!(a == b);
+}
+
+#[test]
 fn a_verl_dist_ckpt_folder_takes_the_huggingface_folder_beside_it() {
     // verl's Megatron backend: `actor/dist_ckpt/` passed itself, with
     // `actor/huggingface/` beside it. Its config (vocab_size 251) trims the padded

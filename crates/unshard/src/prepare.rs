@@ -128,22 +128,6 @@ impl Base {
         }))
     }
 
-    /// A config-only base derived from the training arguments of the Megatron
-    /// save in `dir`, and the warnings that go with it; `None` when the save holds
-    /// no arguments. Its path is the file the arguments were read from.
-    pub fn from_megatron_args(dir: &Path) -> Result<Option<(Base, Vec<String>)>> {
-        let Some(args) = megatron::args::read(dir)? else {
-            return Ok(None);
-        };
-        let derived = megatron::config::hf_config(&args)?;
-        let base = Base {
-            dir: HfDir::config_only(&args.file, derived.config),
-            weights: None,
-            total_parameters: None,
-        };
-        Ok(Some((base, derived.warnings)))
-    }
-
     /// Whether the directory holds a tokenizer (any of the files transformers and
     /// sentencepiece tokenizers are loaded from).
     pub fn has_tokenizer(&self) -> bool {
@@ -163,6 +147,36 @@ impl Base {
             weights: self.weights.as_ref(),
             total_parameters: self.total_parameters,
         }
+    }
+}
+
+/// A config-only base derived from a Megatron save's training arguments.
+struct Derived {
+    /// Its path is the file the arguments were read from.
+    base: Base,
+    /// What the user should check in the config.
+    warnings: Vec<String>,
+    /// What the arguments' pickle would run under `torch.load`.
+    unsafe_calls: Vec<UnsafeCall>,
+}
+
+impl Derived {
+    /// The base derived from the training arguments of the Megatron save in
+    /// `dir`; `None` when the save holds none.
+    fn from_megatron_args(dir: &Path) -> Result<Option<Derived>> {
+        let Some(args) = megatron::args::read(dir)? else {
+            return Ok(None);
+        };
+        let config = megatron::config::hf_config(&args)?;
+        Ok(Some(Derived {
+            base: Base {
+                dir: HfDir::config_only(&args.file, config.config),
+                weights: None,
+                total_parameters: None,
+            },
+            warnings: config.warnings,
+            unsafe_calls: args.unsafe_calls,
+        }))
     }
 }
 
@@ -218,7 +232,7 @@ pub fn prepare<'a>(opts: impl Into<Sources<'a>>) -> Result<Prepared> {
     let opts: Sources<'a> = opts.into();
     // A peft adapter (directory, or a checkpoint of a peft-wrapped model) is the
     // checkpoint here, resolved against its config before anything is planned.
-    let (ckpt, adapter) = lora::input::open(opts.checkpoint, opts.base, opts.adapter, opts.open)?;
+    let (mut ckpt, adapter) = lora::input::open(opts.checkpoint, opts.base, opts.adapter, opts.open)?;
     // Parsing a checkpoint of thousands of ranks takes a while: stop here if asked.
     opts.cancel.check()?;
     let local = ckpt.tensors.iter().find(|t| {
@@ -247,8 +261,18 @@ pub fn prepare<'a>(opts: impl Into<Sources<'a>>) -> Result<Prepared> {
     // A Megatron-Core checkpoint with no config anywhere: derived from the
     // training arguments it holds.
     let (base, derived) = match base {
-        None if Megatron::names_in(&ckpt) => match Base::from_megatron_args(&ckpt.path)? {
-            Some((b, warnings)) => (Some(b), warnings),
+        None if Megatron::names_in(&ckpt) => match Derived::from_megatron_args(&ckpt.path)? {
+            Some(d) => {
+                // Audited with the checkpoint: the reader may have read the same
+                // pickle (a legacy rank file, the DCP's common state) or not
+                // (`common.pt`).
+                for call in d.unsafe_calls {
+                    if !ckpt.unsafe_calls.contains(&call) {
+                        ckpt.unsafe_calls.push(call);
+                    }
+                }
+                (Some(d.base), d.warnings)
+            }
             None => (None, Vec::new()),
         },
         b => (b, Vec::new()),

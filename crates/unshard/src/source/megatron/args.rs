@@ -10,7 +10,9 @@
 //! (`params_dtype`) is a global that is named, never resolved.
 //!
 //! Only the attributes' plain values are kept (numbers, strings, booleans,
-//! `None`, lists of them, global names); the rest are described.
+//! `None`, lists of them, global names); the rest are described. What the pickle
+//! read would run under `torch.load` is kept for the audit (`common.pt` is no
+//! file the checkpoint's reader reads).
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -20,6 +22,7 @@ use unshard_pickle::{NodeId, Pickle, Value};
 use super::legacy;
 use crate::bytes::fs;
 use crate::error::Result;
+use crate::source::audit::UnsafeCall;
 use crate::source::{dcp, torch, Blob};
 
 /// The file beside a `torch_dist` directory's files that holds its common state.
@@ -84,12 +87,19 @@ pub struct TrainingArgs {
     pub at: String,
     /// Each attribute of the Namespace.
     pub values: BTreeMap<String, Arg>,
+    /// What the pickle read would run under `torch.load` (unshard ran none of it).
+    pub unsafe_calls: Vec<UnsafeCall>,
 }
 
 impl TrainingArgs {
     /// The value of `name`; `None` when the Namespace has no such attribute.
     pub fn get(&self, name: &str) -> Option<&Arg> {
         self.values.get(name)
+    }
+
+    fn audited(mut self, calls: Vec<UnsafeCall>) -> TrainingArgs {
+        self.unsafe_calls = calls;
+        self
     }
 
     /// Where the arguments were read, for messages: `common.pt (args)`.
@@ -125,7 +135,8 @@ pub fn read(path: &Path) -> Result<Option<TrainingArgs>> {
         let p = &payload.pickle;
         // `torch.save([common_dict])`: the dict is the list's one item.
         let root = p.items(p.root()).and_then(|i| i.first().copied());
-        return Ok(root.and_then(|r| namespace_under(&file, p, r, &format!("{name} args"))));
+        let found = root.and_then(|r| namespace_under(&file, p, r, &format!("{name} args")));
+        return Ok(found.map(|a| a.audited(payload.unsafe_calls)));
     }
     if let Some(ranks) = legacy::find(path)? {
         let Some(folder) = ranks.values().next() else {
@@ -143,7 +154,8 @@ pub fn read(path: &Path) -> Result<Option<TrainingArgs>> {
 fn in_file(file: &Path) -> Result<Option<TrainingArgs>> {
     let blob = fs::open(file)?;
     let payload = torch::read_payload(&blob)?;
-    Ok(from_root(file, &payload.pickle, "args"))
+    let found = from_root(file, &payload.pickle, "args");
+    Ok(found.map(|a| a.audited(payload.unsafe_calls)))
 }
 
 /// The Namespace under `key` of the pickle's root dict.
@@ -175,6 +187,7 @@ fn namespace_under(file: &Path, p: &Pickle, dict: NodeId, at: &str) -> Option<Tr
         file: file.to_path_buf(),
         at: at.to_string(),
         values,
+        unsafe_calls: Vec::new(),
     })
 }
 

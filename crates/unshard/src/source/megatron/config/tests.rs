@@ -92,7 +92,8 @@ fn derived_configs_match_the_ones_transformers_wrote() {
 /// The same for the arguments-only fixtures (`fixtures/gen_megatron_args.py`): a
 /// dense Qwen3, and a float32 Llama without grouped-query attention whose
 /// arguments use newer Megatron-LM's names; and arguments refused by the name the
-/// generator gives (`refuses`: a Llama 3.1-style rope scaling).
+/// generator gives (`refuses`: a Llama 3.1-style rope scaling); and a Namespace
+/// holding an `os.system` call, read as data and reported (`unsafe`).
 #[test]
 fn derived_configs_of_arguments_alone_match_transformers() {
     let root = fixtures().join("args");
@@ -108,12 +109,18 @@ fn derived_configs_of_arguments_alone_match_transformers() {
             refused_seen += 1;
             continue;
         }
-        let got = derived(&dir).config;
+        let a = args::read(&dir).unwrap().unwrap();
+        let calls: Vec<&str> = a.unsafe_calls.iter().map(|c| c.callable.as_str()).collect();
+        match std::fs::read_to_string(dir.join("unsafe")) {
+            Ok(callable) => assert_eq!(calls, [callable.trim()], "{case}"),
+            Err(_) => assert!(calls.is_empty(), "{case}: {calls:?}"),
+        }
+        let got = hf_config(&a).unwrap().config;
         let want = object(json(&dir.join("config.json")));
         assert_matches(&case, &got, &want, None);
         derived_seen += 1;
     }
-    assert_eq!((derived_seen, refused_seen), (2, 1));
+    assert_eq!((derived_seen, refused_seen), (3, 1));
 }
 
 #[test]
