@@ -20,7 +20,7 @@ pub use crate::plan::Inputs;
 use crate::plan::{self, BaseView, Plan, PlanOptions};
 use crate::source::hf_dir::HfDir;
 use crate::source::audit::UnsafeCall;
-use crate::source::{self, Checkpoint, OpenOptions};
+use crate::source::{self, megatron, Checkpoint, OpenOptions};
 
 /// The opened inputs and the plan, ready to write or to verify against.
 pub struct Prepared {
@@ -150,6 +150,36 @@ impl Base {
     }
 }
 
+/// A config-only base derived from a Megatron save's training arguments.
+struct Derived {
+    /// Its path is the file the arguments were read from.
+    base: Base,
+    /// What the user should check in the config.
+    warnings: Vec<String>,
+    /// What the arguments' pickle would run under `torch.load`.
+    unsafe_calls: Vec<UnsafeCall>,
+}
+
+impl Derived {
+    /// The base derived from the training arguments of the Megatron save in
+    /// `dir`; `None` when the save holds none.
+    fn from_megatron_args(dir: &Path) -> Result<Option<Derived>> {
+        let Some(args) = megatron::args::read(dir)? else {
+            return Ok(None);
+        };
+        let config = megatron::config::hf_config(&args)?;
+        Ok(Some(Derived {
+            base: Base {
+                dir: HfDir::config_only(&args.file, config.config),
+                weights: None,
+                total_parameters: None,
+            },
+            warnings: config.warnings,
+            unsafe_calls: args.unsafe_calls,
+        }))
+    }
+}
+
 /// What to open and how to plan: the part of [`MergeOptions`] and
 /// [`VerifyOptions`] that describes the merge.
 pub struct Sources<'a> {
@@ -202,7 +232,7 @@ pub fn prepare<'a>(opts: impl Into<Sources<'a>>) -> Result<Prepared> {
     let opts: Sources<'a> = opts.into();
     // A peft adapter (directory, or a checkpoint of a peft-wrapped model) is the
     // checkpoint here, resolved against its config before anything is planned.
-    let (ckpt, adapter) = lora::input::open(opts.checkpoint, opts.base, opts.adapter, opts.open)?;
+    let (mut ckpt, adapter) = lora::input::open(opts.checkpoint, opts.base, opts.adapter, opts.open)?;
     // Parsing a checkpoint of thousands of ranks takes a while: stop here if asked.
     opts.cancel.check()?;
     let local = ckpt.tensors.iter().find(|t| {
@@ -227,6 +257,25 @@ pub fn prepare<'a>(opts: impl Into<Sources<'a>>) -> Result<Prepared> {
             Some(d) => Some(Base::open(&d)?),
             None => Base::own_config(opts.checkpoint)?,
         },
+    };
+    // A Megatron-Core checkpoint with no config anywhere: derived from the
+    // training arguments it holds.
+    let (base, derived) = match base {
+        None if Megatron::names_in(&ckpt) => match Derived::from_megatron_args(&ckpt.path)? {
+            Some(d) => {
+                // Audited with the checkpoint: the reader may have read the same
+                // pickle (a legacy rank file, the DCP's common state) or not
+                // (`common.pt`).
+                for call in d.unsafe_calls {
+                    if !ckpt.unsafe_calls.contains(&call) {
+                        ckpt.unsafe_calls.push(call);
+                    }
+                }
+                (Some(d.base), d.warnings)
+            }
+            None => (None, Vec::new()),
+        },
+        b => (b, Vec::new()),
     };
     check_unsafe(opts.unsafe_pickles, &ckpt, base.as_ref())?;
     opts.cancel.check()?;
@@ -261,7 +310,9 @@ pub fn prepare<'a>(opts: impl Into<Sources<'a>>) -> Result<Prepared> {
     if let Some(t) = &titan {
         t.note(&mut plan.report);
     }
-    if let Some(b) = &base {
+    // A derived config's warnings say what is missing, the tokenizer included.
+    plan.report.warnings.extend(derived.iter().cloned());
+    if let Some(b) = base.as_ref().filter(|_| derived.is_empty()) {
         if b.dir.config.is_some() && !b.has_tokenizer() {
             plan.report.warnings.push(format!(
                 "{} has no tokenizer files: the output has no tokenizer (copy tokenizer.json and tokenizer_config.json from the model's repository into it)",

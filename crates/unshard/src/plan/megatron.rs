@@ -101,10 +101,15 @@ impl Megatron {
         }
     }
 
+    /// Whether a checkpoint holds Megatron-Core names (before any mapping).
+    pub fn names_in(checkpoint: &crate::source::Checkpoint) -> bool {
+        checkpoint.tensors.iter().any(|t| is_megatron(&t.name))
+    }
+
     fn shape(&self, first: &str) -> Result<Shape> {
         let Some(cfg) = &self.config else {
             return Err(Error::plan(
-                format!("checkpoint tensor '{first}' is a Megatron-Core name, and there is no config.json to map it to Hugging Face names with"),
+                format!("checkpoint tensor '{first}' is a Megatron-Core name, and there is no config.json to map it to Hugging Face names with, nor training arguments (common.pt, or args in the rank files) to derive one from"),
                 Some("pass --base with the Hugging Face model directory (or its config.json alone) the training started from".into()),
             ));
         };

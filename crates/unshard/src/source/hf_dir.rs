@@ -133,6 +133,19 @@ impl HfDir {
         })
     }
 
+    /// A directory that is only a config made elsewhere (derived from training
+    /// arguments): no weights, no files to carry. `path` says where it came from.
+    pub fn config_only(path: &Path, config: serde_json::Map<String, serde_json::Value>) -> HfDir {
+        HfDir {
+            path: path.to_path_buf(),
+            config: Some(config),
+            weight_format: None,
+            weight_files: Vec::new(),
+            extra_files: Vec::new(),
+            skipped: Vec::new(),
+        }
+    }
+
     /// Opens the weights as a checkpoint (headers and pickles only), or `None` for a
     /// config-only directory.
     pub fn weights(&self) -> Result<Option<Checkpoint>> {

@@ -428,7 +428,8 @@ fn first_overlap(boxes: &[(&[u64], Vec<u64>)]) -> Option<(usize, usize)> {
 }
 
 /// A config directory that travels with a checkpoint and serves as the base config
-/// when `--base` is not given: verl writes one as `huggingface/` beside its rank files,
+/// when `--base` is not given: verl writes one as `huggingface/` beside its rank files
+/// and, for Megatron, beside its `dist_ckpt/` (`actor/dist_ckpt/` + `actor/huggingface/`);
 /// the HF Trainer writes config.json into a DeepSpeed `checkpoint-N/`.
 pub fn config_dir_for(checkpoint: &Path) -> Option<PathBuf> {
     let dir = if fs::is_dir(checkpoint) {
@@ -439,6 +440,12 @@ pub fn config_dir_for(checkpoint: &Path) -> Option<PathBuf> {
     let hf = dir.join("huggingface");
     if fs::is_file(&hf.join("config.json")) {
         return Some(hf);
+    }
+    if dir.file_name().is_some_and(|n| n == "dist_ckpt") {
+        let beside = dir.parent()?.join("huggingface");
+        if fs::is_file(&beside.join("config.json")) {
+            return Some(beside);
+        }
     }
     // An HF Trainer `checkpoint-N/` of a DeepSpeed run holds its config.json.
     deepspeed::config_dir_for(checkpoint)

@@ -164,6 +164,29 @@ fn open_tuned(dir: &Path, opts: &OpenOptions, tuning: &Tuning) -> Result<(Checkp
     Ok((checkpoint, opened))
 }
 
+/// The bytes of the first byte entry of the DCP directory `dir` whose name starts
+/// with `prefix` (Megatron-Core's `common_state/shard_0_1`), decoded, with its
+/// name and the file it is in; `None` when there is none. Parses `.metadata`
+/// without any tensor's chunks; an item larger than `limit` is an error.
+pub fn read_bytes_item(
+    dir: &Path,
+    prefix: &str,
+    limit: u64,
+) -> Result<Option<(String, PathBuf, Vec<u8>)>> {
+    let md = parse_metadata(&dir.join(".metadata"), Keep::NoChunks)?;
+    let found = md.entries.iter().find_map(|e| match e.kind {
+        EntryKind::Bytes { item: Some(item) } if e.fqn.starts_with(prefix) => Some((e, item)),
+        _ => None,
+    });
+    let Some((entry, item)) = found else {
+        return Ok(None);
+    };
+    let mut reader = Reader::new(dir, chunks::ENDS, None, false);
+    let what = format!("the byte entry '{}'", entry.fqn);
+    let (file, bytes) = reader.read_item(&md, &item, &what, limit)?;
+    Ok(Some((entry.fqn.clone(), file, bytes)))
+}
+
 /// Finds the one DCP directory inside `dir` that holds a model, as in a HF Trainer
 /// or accelerate `checkpoint-N/` (`pytorch_model_fsdp_0/` beside `optimizer_0/`).
 /// Optimizer-only directories are passed over; when nothing else is there, the

@@ -7,13 +7,17 @@
 //! `torch_dist` directory is a torch.distributed.checkpoint directory that the
 //! DCP reader opens, with `metadata.json` naming its backend and `common.pt`
 //! holding the training arguments (not tensors). The legacy layout (`mp_rank_*`
-//! folders of `model_optim_rng.pt`) is read by [`legacy`].
+//! folders of `model_optim_rng.pt`) is read by [`legacy`]. The training
+//! arguments a save holds are read by [`args`], and [`config`] derives a
+//! Hugging Face config from them when no base is given.
 
 use std::path::{Path, PathBuf};
 
 use crate::bytes::fs;
 use crate::error::{Error, Result};
 
+pub mod args;
+pub mod config;
 pub mod legacy;
 
 /// The file naming the iteration a save folder's reader should take.

@@ -100,7 +100,6 @@ pub fn is_zip(head: &[u8]) -> bool {
 
 /// Reads a `torch.save` file of either container: zip, or legacy (pre-zip). Anything
 /// else is an error saying the file is not a `torch.save` file.
-#[cfg_attr(not(feature = "internals"), allow(dead_code))] // for the tests and fuzz targets
 pub fn read_payload(blob: &Blob) -> Result<TorchPayload> {
     let head = blob.head(64)?;
     if is_zip(&head) {

@@ -18,7 +18,7 @@
 
 use std::collections::HashMap;
 use std::io::Read;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use super::super::torch;
@@ -333,6 +333,26 @@ impl<'a> Reader<'a> {
         let new = self.files.len();
         self.files.push(Arc::new(Blob::owned(path, data)));
         Ok((new, 0, len))
+    }
+
+    /// The bytes of a byte entry's item, decoded, when they are at most `limit`
+    /// bytes; and the file they are in.
+    pub(super) fn read_item(
+        &mut self,
+        md: &Metadata,
+        item: &Item,
+        what: &str,
+        limit: u64,
+    ) -> Result<(PathBuf, Vec<u8>)> {
+        let (id, offset, length) = self.archive(md, item, what, limit)?;
+        let blob = self.files[id].clone();
+        if length > limit {
+            return Err(Error::corrupt(
+                &blob.path,
+                format!("{what} takes {length} bytes, more than the {limit} it may"),
+            ));
+        }
+        Ok((blob.path.clone(), blob.read_vec(offset, length)?))
     }
 
     /// What a byte entry holds, for `inspect`: small items are unpickled (inertly);

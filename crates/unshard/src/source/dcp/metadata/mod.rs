@@ -184,12 +184,15 @@ pub(super) enum Keep<'a> {
         key: Option<&'a str>,
         optimizer_keys: &'a [&'a str],
     },
+    /// No tensor's chunks: only the byte entries are wanted.
+    NoChunks,
 }
 
 impl Keep<'_> {
     fn chunks_of(&self, fqn: &str) -> bool {
         match *self {
             Keep::All => true,
+            Keep::NoChunks => false,
             Keep::Model { key: Some(k), .. } if !k.is_empty() => fqn
                 .strip_prefix(k)
                 .is_some_and(|rest| rest.starts_with('.')),
