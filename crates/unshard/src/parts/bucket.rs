@@ -60,10 +60,22 @@ pub struct Meeting {
 }
 
 /// Creates `loc` with `bytes` unless it exists: `true` if this call created it.
+/// A request cut off by the network is made again; a repeat that finds the object
+/// there reads it back, since the cut request may have created it: the same bytes
+/// are this caller's (each caller writes its own: a part's index, a process id).
 fn create(loc: &Location, bytes: Vec<u8>) -> Result<bool> {
-    let opts = PutOptions::from(PutMode::Create);
-    match block_on(loc.store.put_opts(&loc.key, PutPayload::from(bytes), opts)) {
+    let payload = PutPayload::from(bytes.clone());
+    let mut tries = 0;
+    let put = block_on(store::again(|| {
+        tries += 1;
+        let opts = PutOptions::from(PutMode::Create);
+        loc.store.put_opts(&loc.key, payload.clone(), opts)
+    }));
+    match put {
         Ok(_) => Ok(true),
+        Err(object_store::Error::AlreadyExists { .. }) if tries > 1 => {
+            Ok(store::get_whole(loc)?.as_deref() == Some(bytes.as_slice()))
+        }
         Err(object_store::Error::AlreadyExists { .. }) => Ok(false),
         Err(e @ object_store::Error::NotImplemented { .. }) => Err(Error::Unsupported {
             path: loc.url.clone(),
@@ -77,7 +89,7 @@ fn create(loc: &Location, bytes: Vec<u8>) -> Result<bool> {
 }
 
 fn delete(loc: &Location) -> Result<()> {
-    match block_on(loc.store.delete(&loc.key)) {
+    match block_on(store::again(|| loc.store.delete(&loc.key))) {
         Ok(()) | Err(object_store::Error::NotFound { .. }) => Ok(()),
         Err(e) => Err(io_error("delete", &loc.url, e)),
     }
@@ -257,8 +269,9 @@ impl Meeting {
         let mut found = Vec::new();
         for name in self.done_markers()? {
             let loc = self.dir().child(&name);
-            let bytes = block_on(async { loc.store.get(&loc.key).await?.bytes().await })
-                .map_err(|e| io_error("read", &loc.url, e))?;
+            let bytes = store::get_whole(&loc)?.ok_or_else(|| {
+                Error::corrupt(&loc.url, "a part's done-marker vanished while it was read")
+            })?;
             let m: Marker = serde_json::from_slice(&bytes)
                 .map_err(|e| Error::corrupt(&loc.url, format!("not a part's done-marker: {e}")))?;
             found.extend(m.files);
@@ -336,6 +349,12 @@ mod tests {
     use std::io::{Read, Write};
     use std::sync::Arc;
 
+    use object_store::memory::InMemory;
+    use object_store::multipart::MultipartStore;
+    use object_store::ObjectStore;
+
+    use crate::bytes::remote::cut::Cut;
+
     /// `s3://<bucket>/out` in a new bucket on the test server (`UNSHARD_TEST_S3_ENDPOINT`,
     /// a moto_server `.ci/run` starts). The tests that call this are `#[ignore]`d; run
     /// with `--ignored`, a missing server is a failure.
@@ -382,11 +401,54 @@ mod tests {
     }
 
     /// Two parts finishing at once both find every marker: the conditional put lets
-    /// exactly one of them commit.
+    /// exactly one of them commit. Against a real S3-compatible server.
     #[test]
     #[ignore = "needs moto_server on UNSHARD_TEST_S3_ENDPOINT (see docs/testing.md)"]
     fn of_two_parts_that_see_every_marker_exactly_one_claims_the_commit() {
-        let out = test_output("claim");
+        exactly_one_claims(test_output("claim"));
+    }
+
+    /// The same against object_store's in-memory store (conditional puts included),
+    /// in every `cargo test`.
+    #[test]
+    fn of_two_parts_in_a_memory_store_exactly_one_claims_the_commit() {
+        exactly_one_claims(memory_output(Arc::new(InMemory::new())));
+    }
+
+    /// `s3://mem/out` on `store`, a store of this process.
+    fn memory_output<S: ObjectStore + MultipartStore + 'static>(store: Arc<S>) -> Location {
+        Location {
+            store: store.clone(),
+            multipart: Some(store),
+            key: "out".into(),
+            url: "s3://mem/out".into(),
+        }
+    }
+
+    /// Conditional puts whose connection is cut, before the server made the object
+    /// or after (the answer lost): made again, and a repeat that finds the object
+    /// tells this part's own claim from another's by its bytes. Exactly one of two
+    /// parts claims the commit either way, and a part's marker counts as written.
+    #[test]
+    fn a_claim_or_marker_cut_off_by_the_network_is_still_this_parts() {
+        for after in [false, true] {
+            let cut = Arc::new(Cut::new(&[("put", 1, after)]));
+            let out = memory_output(cut.clone());
+            // The plan, each marker and the first claim each cut once.
+            let a = Meeting::open_at(out.clone(), "h1", part(0, 2), &[], false).unwrap();
+            let b = Meeting::open_at(out.clone(), "h1", part(1, 2), &[], false).unwrap();
+            cut.arm("put", 1, after);
+            assert_eq!(a.mark_done(&[]).unwrap(), [1], "after: {after}");
+            cut.arm("put", 1, after);
+            assert_eq!(b.mark_done(&[]).unwrap(), Vec::<usize>::new(), "after: {after}");
+            cut.arm("put", 1, after);
+            let claims = [a.claim_commit().unwrap(), b.claim_commit().unwrap()];
+            assert_eq!(claims, [true, false], "after: {after}");
+            assert_eq!(cut.cut.lock().unwrap().len(), 4, "after: {after}");
+        }
+    }
+
+    fn exactly_one_claims(out: Location) {
         let a = Meeting::open_at(out.clone(), "h1", part(0, 2), &[], false).unwrap();
         let b = Meeting::open_at(out.clone(), "h1", part(1, 2), &[], false).unwrap();
         let entry = |name: &str| FileEntry {

@@ -18,6 +18,8 @@ pub mod profile;
 pub mod source;
 pub mod store;
 #[cfg(test)]
+pub(crate) mod cut;
+#[cfg(test)]
 mod tests;
 
 pub use source::ObjectSource;

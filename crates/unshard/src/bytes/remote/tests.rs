@@ -3,20 +3,14 @@
 
 #![allow(clippy::unwrap_used)]
 
-use std::future::Future;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use futures_util::stream::BoxStream;
 use object_store::memory::InMemory;
-use object_store::multipart::{MultipartStore, PartId};
-use object_store::path::Path as Key;
-use object_store::{
-    CopyOptions, GetOptions, GetResult, ListResult, MultipartId, MultipartUpload, ObjectMeta,
-    ObjectStore, ObjectStoreExt, PutMultipartOptions, PutOptions, PutPayload, PutResult,
-};
+use object_store::{ObjectStore, ObjectStoreExt, PutPayload};
 
 use super::source::fetched;
+use super::cut::Cut;
 use super::store;
 use crate::dtype::DType;
 use crate::merge::merge;
@@ -313,131 +307,6 @@ fn an_error_names_the_url_without_its_secrets() {
     let shown = format!("{e} {e:?}");
     assert!(shown.contains("s3://secret-errors/none/policy.pt"), "{shown}");
     assert!(!shown.contains("PASSWORD1234") && !shown.contains("SIGNATURE5678"), "{shown}");
-}
-
-/// The in-memory store behind a connection that is cut, as a restarting server's
-/// or a broken network path's is: the first requests of some kinds fail with a
-/// transport error that the client does not retry, either before the server did
-/// the work or after (the answer lost on the way back).
-#[derive(Debug)]
-struct Cut {
-    inner: InMemory,
-    /// Requests still to cut, by kind, and whether after the work.
-    left: std::sync::Mutex<Vec<(&'static str, usize, bool)>>,
-    /// Requests cut so far, by kind.
-    cut: std::sync::Mutex<Vec<&'static str>>,
-}
-
-impl std::fmt::Display for Cut {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "Cut({})", self.inner)
-    }
-}
-
-impl Cut {
-    fn new(plan: &[(&'static str, usize, bool)]) -> Cut {
-        Cut {
-            inner: InMemory::new(),
-            left: std::sync::Mutex::new(plan.to_vec()),
-            cut: std::sync::Mutex::default(),
-        }
-    }
-
-    /// `Some(after)` when this request of `kind` is to be cut.
-    fn take(&self, kind: &'static str) -> Option<bool> {
-        let mut left = self.left.lock().unwrap();
-        let (_, n, after) = left.iter_mut().find(|(k, n, _)| *k == kind && *n > 0)?;
-        *n -= 1;
-        self.cut.lock().unwrap().push(kind);
-        Some(*after)
-    }
-
-    fn error() -> object_store::Error {
-        use object_store::client::{HttpError, HttpErrorKind};
-        object_store::Error::Generic {
-            store: "Cut",
-            source: Box::new(HttpError::new(
-                HttpErrorKind::Unknown,
-                std::io::Error::other("connection closed before the answer"),
-            )),
-        }
-    }
-
-    /// Runs `work` unless this request is cut before it; fails it if cut after.
-    async fn call<T>(
-        &self,
-        kind: &'static str,
-        work: impl Future<Output = object_store::Result<T>>,
-    ) -> object_store::Result<T> {
-        match self.take(kind) {
-            Some(false) => Err(Cut::error()),
-            Some(true) => {
-                work.await?;
-                Err(Cut::error())
-            }
-            None => work.await,
-        }
-    }
-}
-
-#[async_trait::async_trait]
-impl ObjectStore for Cut {
-    async fn put_opts(&self, k: &Key, p: PutPayload, o: PutOptions) -> object_store::Result<PutResult> {
-        self.call("put", self.inner.put_opts(k, p, o)).await
-    }
-    async fn put_multipart_opts(
-        &self,
-        k: &Key,
-        o: PutMultipartOptions,
-    ) -> object_store::Result<Box<dyn MultipartUpload>> {
-        self.inner.put_multipart_opts(k, o).await
-    }
-    async fn get_opts(&self, k: &Key, o: GetOptions) -> object_store::Result<GetResult> {
-        let kind = if o.head { "head" } else { "get" };
-        self.call(kind, self.inner.get_opts(k, o)).await
-    }
-    fn delete_stream(
-        &self,
-        keys: BoxStream<'static, object_store::Result<Key>>,
-    ) -> BoxStream<'static, object_store::Result<Key>> {
-        self.inner.delete_stream(keys)
-    }
-    fn list(&self, prefix: Option<&Key>) -> BoxStream<'static, object_store::Result<ObjectMeta>> {
-        self.inner.list(prefix)
-    }
-    async fn list_with_delimiter(&self, prefix: Option<&Key>) -> object_store::Result<ListResult> {
-        self.inner.list_with_delimiter(prefix).await
-    }
-    async fn copy_opts(&self, from: &Key, to: &Key, o: CopyOptions) -> object_store::Result<()> {
-        self.inner.copy_opts(from, to, o).await
-    }
-}
-
-#[async_trait::async_trait]
-impl MultipartStore for Cut {
-    async fn create_multipart(&self, k: &Key) -> object_store::Result<MultipartId> {
-        self.inner.create_multipart(k).await
-    }
-    async fn put_part(
-        &self,
-        k: &Key,
-        id: &MultipartId,
-        n: usize,
-        p: PutPayload,
-    ) -> object_store::Result<PartId> {
-        self.call("put_part", self.inner.put_part(k, id, n, p)).await
-    }
-    async fn complete_multipart(
-        &self,
-        k: &Key,
-        id: &MultipartId,
-        parts: Vec<PartId>,
-    ) -> object_store::Result<PutResult> {
-        self.call("complete", self.inner.complete_multipart(k, id, parts)).await
-    }
-    async fn abort_multipart(&self, k: &Key, id: &MultipartId) -> object_store::Result<()> {
-        self.inner.abort_multipart(k, id).await
-    }
 }
 
 /// Connections cut in the middle of a merge from a store to a store, before the
