@@ -10,7 +10,7 @@ use object_store::multipart::{MultipartStore, PartId};
 use object_store::path::Path as Key;
 use object_store::{
     CopyOptions, GetOptions, GetResult, ListResult, MultipartId, MultipartUpload, ObjectMeta,
-    ObjectStore, PutMultipartOptions, PutOptions, PutPayload, PutResult,
+    ObjectStore, ObjectStoreExt, PutMultipartOptions, PutOptions, PutPayload, PutResult,
 };
 
 /// The in-memory store behind a connection that is cut, as a restarting server's
@@ -24,6 +24,11 @@ pub(crate) struct Cut {
     left: std::sync::Mutex<Vec<(&'static str, usize, bool)>>,
     /// Requests cut so far, by kind.
     pub(crate) cut: std::sync::Mutex<Vec<&'static str>>,
+    /// Requests to answer with an error, by kind: how many to let through first,
+    /// then how many to refuse.
+    refused: std::sync::Mutex<Vec<(&'static str, usize, usize)>>,
+    /// Multipart uploads created, and those completed or aborted.
+    pub(crate) uploads: std::sync::Mutex<(Vec<MultipartId>, Vec<MultipartId>)>,
 }
 
 impl std::fmt::Display for Cut {
@@ -40,7 +45,29 @@ impl Cut {
             inner: InMemory::new(),
             left: std::sync::Mutex::new(plan.to_vec()),
             cut: std::sync::Mutex::default(),
+            refused: std::sync::Mutex::default(),
+            uploads: std::sync::Mutex::default(),
         }
+    }
+
+    /// Answers the requests of `kind` after the first `skip` with a server's
+    /// refusal (permission denied, not retried), `n` times.
+    pub(crate) fn refuse(&self, kind: &'static str, skip: usize, n: usize) {
+        self.refused.lock().unwrap().push((kind, skip, n));
+    }
+
+    /// Whether this request of `kind` is to be refused.
+    fn refusing(&self, kind: &'static str) -> bool {
+        let mut refused = self.refused.lock().unwrap();
+        let Some((_, skip, n)) = refused.iter_mut().find(|(k, _, n)| *k == kind && *n > 0) else {
+            return false;
+        };
+        if *skip > 0 {
+            *skip -= 1;
+            return false;
+        }
+        *n -= 1;
+        true
     }
 
     /// Cuts the next `n` requests of `kind` too (after the work if `after`).
@@ -75,6 +102,12 @@ impl Cut {
         kind: &'static str,
         work: impl Future<Output = object_store::Result<T>>,
     ) -> object_store::Result<T> {
+        if self.refusing(kind) {
+            return Err(object_store::Error::PermissionDenied {
+                path: kind.into(),
+                source: "refused by the test store".into(),
+            });
+        }
         match self.take(kind) {
             Some(false) => Err(Cut::error()),
             Some(true) => {
@@ -122,7 +155,9 @@ impl ObjectStore for Cut {
 #[async_trait::async_trait]
 impl MultipartStore for Cut {
     async fn create_multipart(&self, k: &Key) -> object_store::Result<MultipartId> {
-        self.inner.create_multipart(k).await
+        let id = self.inner.create_multipart(k).await?;
+        self.uploads.lock().unwrap().0.push(id.clone());
+        Ok(id)
     }
     async fn put_part(
         &self,
@@ -139,10 +174,17 @@ impl MultipartStore for Cut {
         id: &MultipartId,
         parts: Vec<PartId>,
     ) -> object_store::Result<PutResult> {
-        self.call("complete", self.inner.complete_multipart(k, id, parts)).await
+        let done = self.call("complete", self.inner.complete_multipart(k, id, parts)).await;
+        // A completion cut after the work ended the upload too.
+        if done.is_ok() || self.inner.head(k).await.is_ok() {
+            self.uploads.lock().unwrap().1.push(id.clone());
+        }
+        done
     }
     async fn abort_multipart(&self, k: &Key, id: &MultipartId) -> object_store::Result<()> {
-        self.inner.abort_multipart(k, id).await
+        self.inner.abort_multipart(k, id).await?;
+        self.uploads.lock().unwrap().1.push(id.clone());
+        Ok(())
     }
 }
 

@@ -373,6 +373,51 @@ fn requests_cut_off_by_the_network_are_made_again() {
     }
 }
 
+/// A merge into a store that refuses a request in the middle of the upload (a
+/// server's answer, not a cut: not retried) fails, and what it wrote is gone: no
+/// object under the output, every multipart upload it opened completed and then
+/// deleted, or aborted.
+#[test]
+fn a_merge_refused_mid_upload_leaves_nothing_in_the_store() {
+    let _one_at_a_time = COUNTED.lock().unwrap_or_else(|e| e.into_inner());
+    let fixtures = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures");
+    for (kind, skip) in [("put_part", 1), ("complete", 1), ("put", 2)] {
+        let output = Arc::new(Cut::new(&[]));
+        output.refuse(kind, skip, 1);
+        let url = format!("s3://refused-{}", kind.replace('_', "-"));
+        store::register(&url, output.clone());
+        let mut plan = PlanOptions::default();
+        plan.max_shard_size = 100_000;
+        let r = merge(
+            &MergeOptions {
+                checkpoint: fixtures.join("ckpt/llama_policy.pt"),
+                base: Some(fixtures.join("models/llama-bf16")),
+                output: format!("{url}/out").into(),
+                plan,
+                ..MergeOptions::default()
+            },
+            &NoProgress,
+        );
+        let err = r.expect_err(kind);
+        let mut chain = err.to_string();
+        let mut cause = std::error::Error::source(&err);
+        while let Some(c) = cause {
+            chain.push_str(&format!(": {c}"));
+            cause = c.source();
+        }
+        assert!(chain.contains("refused by the test store"), "{kind}: {chain}");
+        let left = store::block_on(futures_util::TryStreamExt::try_collect::<Vec<_>>(
+            output.inner.list(None),
+        ))
+        .unwrap();
+        assert!(left.is_empty(), "{kind}: left behind: {left:?}");
+        let (opened, ended) = output.uploads.lock().unwrap().clone();
+        assert!(!opened.is_empty(), "{kind}: no upload opened");
+        let open: Vec<_> = opened.iter().filter(|id| !ended.contains(id)).collect();
+        assert!(open.is_empty(), "{kind}: uploads left open: {open:?}");
+    }
+}
+
 /// A connection cut on every try is given up on when the time for retries is over,
 /// and an answer from the server (an object not found) is returned at once.
 #[test]
