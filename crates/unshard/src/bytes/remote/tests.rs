@@ -386,8 +386,10 @@ fn a_merge_refused_mid_upload_leaves_nothing_in_the_store() {
         output.refuse(kind, skip, 1);
         let url = format!("s3://refused-{}", kind.replace('_', "-"));
         store::register(&url, output.clone());
-        let mut plan = PlanOptions::default();
-        plan.max_shard_size = 100_000;
+        let plan = PlanOptions {
+            max_shard_size: 100_000,
+            ..PlanOptions::default()
+        };
         let r = merge(
             &MergeOptions {
                 checkpoint: fixtures.join("ckpt/llama_policy.pt"),
