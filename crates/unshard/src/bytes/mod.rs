@@ -85,6 +85,13 @@ pub trait ByteSource: Send + Sync + fmt::Debug {
         let _ = ranges;
     }
 
+    /// The unit of work has announced, with [`ByteSource::will_need_together`], the
+    /// ranges of every source it reads: start fetching them. A source that bounds
+    /// the bytes it holds ahead (an object store) may wait here until they fit,
+    /// before the unit takes any memory of its own. Called on each source the unit
+    /// announced to, from the thread that announced. The default does nothing.
+    fn start_together(&self) {}
+
     /// The unit of work that announced `ranges` with
     /// [`ByteSource::will_need_together`] is over: what was fetched for it can go.
     fn done_with(&self, ranges: &[(u64, u64)]) {
