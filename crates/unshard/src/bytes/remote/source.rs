@@ -12,17 +12,18 @@
 //!   one GET per input file it reads (two where it holds the end of one tensor and
 //!   the start of another stored apart), and each input byte is fetched once (the
 //!   gaps, a few hundred bytes of headers, are all that may be fetched twice).
-//! - **In flight**: [`READERS`] = 32 workers when any input is remote, each waiting
-//!   on its block's GET, so 32 GETs of 8-16 MiB are in flight. One S3 stream
-//!   delivers ~80-100 MB/s: 14 streams fill a 10 Gbit NIC (1.25 GB/s), 32 fill 25
-//!   Gbit (3.1 GB/s); `UNSHARD_REMOTE_READERS` changes it (1-256). The engine keeps 2
-//!   per core for local inputs.
-//! - **Memory** while merging from a bucket is bounded by 32 × (16 MiB fetched
-//!   for a block + 8 MiB block + 1 MiB chunk) = 800 MiB in the worst case (a
-//!   float32 to bfloat16 merge), 32 × (8 + 8) = 512 MiB when nothing is converted.
-//!   The fetched bytes are capped process-wide by [`ahead_limit`] ([`AHEAD_PER_READER`]
-//!   = 16 MiB per worker, 512 MiB with 32) with at most [`readers`] fetches in flight;
-//!   past the cap a hint is ignored and reads go to the store one by one.
+//! - **In flight**: [`READERS`] = 32 workers when any input is remote
+//!   (`UNSHARD_REMOTE_READERS`, 1-256). What bounds the requests is bytes, not
+//!   workers: a block's fetches start only when their bytes fit in the process's
+//!   [`Budget`] of [`ahead_limit`] = 64 MiB (`UNSHARD_REMOTE_AHEAD_MIB`), four
+//!   blocks of float32 input; the worker waits for that in
+//!   [`ByteSource::start_together`], before it takes its output buffer, so
+//!   waiting workers hold no memory. The bytes come back when the block is done.
+//! - **Memory** while merging from a bucket: the budget, plus an output block
+//!   (8 MiB) and a conversion chunk (1 MiB) per worker that got its bytes. Hints
+//!   that are not a block's take at most half the budget, so a block always fits
+//!   once the other blocks are done. A block whose input alone exceeds the budget
+//!   (more than 64 MiB read for 8 MiB of output) is fetched when nothing else is.
 //! - **Metadata**: [`ByteSource::read_ranges`] (zip local headers, both ends of DCP
 //!   chunk archives) coalesces ranges less than [`GAP`] = 1 MiB apart into runs of at
 //!   most [`MAX_RUN`] = 16 MiB (one request costs ~10-50 ms; 1 MiB streams in ~10 ms)
