@@ -287,7 +287,8 @@ impl BucketSink {
 
     fn put(&self, name: &str, bytes: Vec<u8>) -> Result<()> {
         let loc = self.dest.child(name);
-        block_on(loc.store.put(&loc.key, PutPayload::from(bytes)))
+        let payload = PutPayload::from(bytes);
+        block_on(store::again(|| loc.store.put(&loc.key, payload.clone())))
             .map_err(|e| io_error("write", &loc.url, e))?;
         lock(&self.undo).written.push(loc.key);
         Ok(())
@@ -295,7 +296,7 @@ impl BucketSink {
 
     fn delete(&self, name: &str) -> Result<()> {
         let loc = self.dest.child(name);
-        match block_on(loc.store.delete(&loc.key)) {
+        match block_on(store::again(|| loc.store.delete(&loc.key))) {
             Ok(()) | Err(object_store::Error::NotFound { .. }) => Ok(()),
             Err(e) => Err(io_error("delete", &loc.url, e)),
         }
@@ -416,7 +417,7 @@ impl Drop for BucketSink {
         let left = block_on(async move {
             let mut left = Vec::new();
             for (key, id) in &undo.open {
-                if let Err(e) = multipart.abort_multipart(key, id).await {
+                if let Err(e) = store::again(|| multipart.abort_multipart(key, id)).await {
                     left.push(format!(
                         "the open multipart upload {id} of {key} ({}); abort it with `aws s3api abort-multipart-upload --bucket {bucket_a} --key {key} --upload-id {id}` (S3), or let a lifecycle rule for incomplete uploads remove it",
                         crate::text::scrub(&e.to_string())
@@ -424,7 +425,7 @@ impl Drop for BucketSink {
                 }
             }
             for key in &undo.written {
-                if let Err(e) = store.delete(key).await {
+                if let Err(e) = store::again(|| store.delete(key)).await {
                     if !matches!(e, object_store::Error::NotFound { .. }) {
                         left.push(format!(
                             "the object {key} ({}); delete it with `aws s3 rm s3://{bucket_b}/{key}` (S3) or your store's console",
@@ -471,12 +472,11 @@ impl ShardFile for BucketShard {
         if !whole || k as usize >= lock(&self.parts).len() {
             return Err(self.not_a_block(offset, buf.len()));
         }
-        let part = block_on(self.multipart.put_part(
-            &self.loc.key,
-            &self.id,
-            k as usize,
-            PutPayload::from(buf.to_vec()),
-        ))
+        let payload = PutPayload::from(buf.to_vec());
+        let part = block_on(store::again(|| {
+            self.multipart
+                .put_part(&self.loc.key, &self.id, k as usize, payload.clone())
+        }))
         .map_err(|e| io_error("upload", &self.loc.url, e))?;
         lock(&self.parts)[k as usize] = Some(part);
         Ok(())
@@ -502,11 +502,23 @@ impl ShardFile for BucketShard {
                 hint: None,
             });
         };
-        block_on(
+        let mut tries = 0;
+        let done = block_on(store::again(|| {
+            tries += 1;
             self.multipart
-                .complete_multipart(&self.loc.key, &self.id, parts),
-        )
-        .map_err(|e| io_error("finish uploading", &self.loc.url, e))?;
+                .complete_multipart(&self.loc.key, &self.id, parts.clone())
+        }));
+        if let Err(e) = done {
+            // A completion cut off after the server made the object is repeated by
+            // `again`, and the repeat finds no upload (S3 answers 404, other stores
+            // otherwise): the object is there, at its size.
+            let made = tries > 1
+                && block_on(self.loc.store.head(&self.loc.key))
+                    .is_ok_and(|meta| meta.size == self.size);
+            if !made {
+                return Err(io_error("finish uploading", &self.loc.url, e));
+            }
+        }
         let mut undo = lock(&self.undo);
         undo.open
             .retain(|(k, id)| !(k == &self.loc.key && id == &self.id));

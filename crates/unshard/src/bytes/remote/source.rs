@@ -294,7 +294,7 @@ fn fetch_ahead(
     count_get(&(offset..end));
     drop(store::spawn(async move {
         let _permit = ahead_in_flight().acquire().await;
-        let got = store.get_range(&key, offset..end).await;
+        let got = store::again(|| store.get_range(&key, offset..end)).await;
         let got = match got {
             Ok(b) if b.len() as u64 == len => Ok(b),
             _ => Err(()),
@@ -358,7 +358,9 @@ impl ObjectSource {
             .filter(|&e| e <= self.len)
             .ok_or_else(|| short_read(&self.loc.url, offset, len))?;
         count_get(&(offset..end));
-        let body = store::block_on(self.loc.store.get_range(&self.loc.key, offset..end))
+        let body = store::block_on(store::again(|| {
+            self.loc.store.get_range(&self.loc.key, offset..end)
+        }))
             .map_err(|e| io_error("read", &self.loc.url, e))?;
         if body.len() as u64 != len {
             return Err(short_read(&self.loc.url, offset, len));
@@ -452,7 +454,7 @@ impl ByteSource for ObjectSource {
                 count_get(&range);
                 store::spawn(async move {
                     let _permit = limit.acquire_owned().await;
-                    store.get_range(&key, range).await
+                    store::again(|| store.get_range(&key, range.clone())).await
                 })
             })
             .collect();

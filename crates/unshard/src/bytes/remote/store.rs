@@ -79,6 +79,54 @@ fn retry() -> RetryConfig {
     }
 }
 
+/// Runs `op` again after a failure of the connection itself that the client gave
+/// up on: it retries a request cut after it was sent only when it knows the request
+/// is idempotent, and a connection dropped by a restarting server can surface as a
+/// kind it does not retry at all. Every caller's request is safe to repeat (a part
+/// or an object of our own with the same bytes, a delete, an abort), so it is tried
+/// again, waiting as [`retry`] does, until [`retry_seconds`] have passed since the
+/// first try. Answers from the server (a status) are returned as they are: the
+/// client has already retried those that deserve it.
+pub async fn again<T, F, Fut>(op: F) -> object_store::Result<T>
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = object_store::Result<T>>,
+{
+    again_within(Duration::from_secs(retry_seconds()), op).await
+}
+
+/// [`again`] with tries made until `limit` has passed.
+pub(crate) async fn again_within<T, F, Fut>(limit: Duration, mut op: F) -> object_store::Result<T>
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = object_store::Result<T>>,
+{
+    let start = std::time::Instant::now();
+    let mut wait = Duration::from_millis(100);
+    loop {
+        match op().await {
+            Err(e) if cut_connection(&e) && start.elapsed() + wait < limit => {
+                tokio::time::sleep(wait).await;
+                wait = (wait * 2).min(Duration::from_secs(5));
+            }
+            done => return done,
+        }
+    }
+}
+
+/// Whether `e` is a transport failure (no answer from the server) rather than an
+/// answer.
+fn cut_connection(e: &object_store::Error) -> bool {
+    let mut cause: Option<&(dyn std::error::Error + 'static)> = Some(e);
+    while let Some(c) = cause {
+        if c.downcast_ref::<object_store::client::HttpError>().is_some() {
+            return true;
+        }
+        cause = c.source();
+    }
+    false
+}
+
 /// Timeouts of one request. The crate's default, 30 s for a whole request, fails
 /// GETs that are merely queued: 32 GETs of 16 MiB in flight take 43 s over a
 /// 100 Mbit link, and a server that answers one request at a time (moto) keeps the
@@ -341,7 +389,7 @@ pub fn list(loc: &Location) -> Result<Arc<Listing>> {
         return Ok(l.clone());
     }
     let prefix = (!loc.key.as_ref().is_empty()).then_some(&loc.key);
-    let result = block_on(loc.store.list_with_delimiter(prefix))
+    let result = block_on(again(|| loc.store.list_with_delimiter(prefix)))
         .map_err(|e| io_error("list", &loc.url, e))?;
     let mut listing = Listing::default();
     for o in result.objects {
@@ -396,7 +444,7 @@ pub fn list_all(loc: &Location) -> Result<Vec<(String, u64)>> {
 
 /// The size of one object, or `None` if there is none at that key.
 pub fn head(loc: &Location) -> Result<Option<u64>> {
-    match block_on(loc.store.head(&loc.key)) {
+    match block_on(again(|| loc.store.head(&loc.key))) {
         Ok(m) => Ok(Some(m.size)),
         Err(object_store::Error::NotFound { .. }) => Ok(None),
         Err(e) => Err(io_error("read the size of", &loc.url, e)),
@@ -405,10 +453,10 @@ pub fn head(loc: &Location) -> Result<Option<u64>> {
 
 /// A whole object (a small file: config, index, `.metadata`), or `None` if missing.
 pub fn get_whole(loc: &Location) -> Result<Option<Vec<u8>>> {
-    let got = block_on(async {
+    let got = block_on(again(|| async {
         let r = loc.store.get(&loc.key).await?;
         r.bytes().await
-    });
+    }));
     match got {
         Ok(b) => Ok(Some(b.to_vec())),
         Err(object_store::Error::NotFound { .. }) => Ok(None),

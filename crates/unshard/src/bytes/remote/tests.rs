@@ -3,10 +3,18 @@
 
 #![allow(clippy::unwrap_used)]
 
+use std::future::Future;
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
+use futures_util::stream::BoxStream;
 use object_store::memory::InMemory;
-use object_store::{ObjectStoreExt, PutPayload};
+use object_store::multipart::{MultipartStore, PartId};
+use object_store::path::Path as Key;
+use object_store::{
+    CopyOptions, GetOptions, GetResult, ListResult, MultipartId, MultipartUpload, ObjectMeta,
+    ObjectStore, ObjectStoreExt, PutMultipartOptions, PutOptions, PutPayload, PutResult,
+};
 
 use super::source::fetched;
 use super::store;
@@ -367,4 +375,227 @@ fn bytes_fetched_ahead_never_exceed_the_budget() {
     let peak = budget.peak();
     assert!(peak <= limit, "{peak} bytes held ahead, over the budget of {limit}");
     assert!(peak >= limit / 2, "{peak} bytes: the workers never overlapped");
+}
+
+/// The in-memory store behind a connection that is cut, as a restarting server's
+/// or a broken network path's is: the first requests of some kinds fail with a
+/// transport error that the client does not retry, either before the server did
+/// the work or after (the answer lost on the way back).
+#[derive(Debug)]
+struct Cut {
+    inner: InMemory,
+    /// Requests still to cut, by kind, and whether after the work.
+    left: std::sync::Mutex<Vec<(&'static str, usize, bool)>>,
+    /// Requests cut so far, by kind.
+    cut: std::sync::Mutex<Vec<&'static str>>,
+}
+
+impl std::fmt::Display for Cut {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Cut({})", self.inner)
+    }
+}
+
+impl Cut {
+    fn new(plan: &[(&'static str, usize, bool)]) -> Cut {
+        Cut {
+            inner: InMemory::new(),
+            left: std::sync::Mutex::new(plan.to_vec()),
+            cut: std::sync::Mutex::default(),
+        }
+    }
+
+    /// `Some(after)` when this request of `kind` is to be cut.
+    fn take(&self, kind: &'static str) -> Option<bool> {
+        let mut left = self.left.lock().unwrap();
+        let (_, n, after) = left.iter_mut().find(|(k, n, _)| *k == kind && *n > 0)?;
+        *n -= 1;
+        self.cut.lock().unwrap().push(kind);
+        Some(*after)
+    }
+
+    fn error() -> object_store::Error {
+        use object_store::client::{HttpError, HttpErrorKind};
+        object_store::Error::Generic {
+            store: "Cut",
+            source: Box::new(HttpError::new(
+                HttpErrorKind::Unknown,
+                std::io::Error::other("connection closed before the answer"),
+            )),
+        }
+    }
+
+    /// Runs `work` unless this request is cut before it; fails it if cut after.
+    async fn call<T>(
+        &self,
+        kind: &'static str,
+        work: impl Future<Output = object_store::Result<T>>,
+    ) -> object_store::Result<T> {
+        match self.take(kind) {
+            Some(false) => Err(Cut::error()),
+            Some(true) => {
+                work.await?;
+                Err(Cut::error())
+            }
+            None => work.await,
+        }
+    }
+}
+
+#[async_trait::async_trait]
+impl ObjectStore for Cut {
+    async fn put_opts(&self, k: &Key, p: PutPayload, o: PutOptions) -> object_store::Result<PutResult> {
+        self.call("put", self.inner.put_opts(k, p, o)).await
+    }
+    async fn put_multipart_opts(
+        &self,
+        k: &Key,
+        o: PutMultipartOptions,
+    ) -> object_store::Result<Box<dyn MultipartUpload>> {
+        self.inner.put_multipart_opts(k, o).await
+    }
+    async fn get_opts(&self, k: &Key, o: GetOptions) -> object_store::Result<GetResult> {
+        let kind = if o.head { "head" } else { "get" };
+        self.call(kind, self.inner.get_opts(k, o)).await
+    }
+    fn delete_stream(
+        &self,
+        keys: BoxStream<'static, object_store::Result<Key>>,
+    ) -> BoxStream<'static, object_store::Result<Key>> {
+        self.inner.delete_stream(keys)
+    }
+    fn list(&self, prefix: Option<&Key>) -> BoxStream<'static, object_store::Result<ObjectMeta>> {
+        self.inner.list(prefix)
+    }
+    async fn list_with_delimiter(&self, prefix: Option<&Key>) -> object_store::Result<ListResult> {
+        self.inner.list_with_delimiter(prefix).await
+    }
+    async fn copy_opts(&self, from: &Key, to: &Key, o: CopyOptions) -> object_store::Result<()> {
+        self.inner.copy_opts(from, to, o).await
+    }
+}
+
+#[async_trait::async_trait]
+impl MultipartStore for Cut {
+    async fn create_multipart(&self, k: &Key) -> object_store::Result<MultipartId> {
+        self.inner.create_multipart(k).await
+    }
+    async fn put_part(
+        &self,
+        k: &Key,
+        id: &MultipartId,
+        n: usize,
+        p: PutPayload,
+    ) -> object_store::Result<PartId> {
+        self.call("put_part", self.inner.put_part(k, id, n, p)).await
+    }
+    async fn complete_multipart(
+        &self,
+        k: &Key,
+        id: &MultipartId,
+        parts: Vec<PartId>,
+    ) -> object_store::Result<PutResult> {
+        self.call("complete", self.inner.complete_multipart(k, id, parts)).await
+    }
+    async fn abort_multipart(&self, k: &Key, id: &MultipartId) -> object_store::Result<()> {
+        self.inner.abort_multipart(k, id).await
+    }
+}
+
+/// Connections cut in the middle of a merge from a store to a store, before the
+/// server did the work (reads, parts) and after it (small files, the completion of
+/// an upload, whose repeat finds the upload gone): every request is made again,
+/// and the output is the local merge's, byte for byte.
+#[test]
+fn requests_cut_off_by_the_network_are_made_again() {
+    let _one_at_a_time = COUNTED.lock().unwrap_or_else(|e| e.into_inner());
+    let fixtures = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures");
+    let plan = [
+        ("get", 2, false),
+        ("put_part", 2, false),
+        ("put", 2, true),
+        ("complete", 1, true),
+    ];
+    let input = Arc::new(Cut::new(&plan));
+    let output = Arc::new(Cut::new(&plan));
+    store::register("s3://cut-in", input.clone());
+    store::register("s3://cut-out", output.clone());
+    upload(&input.inner, &fixtures.join("ckpt/llama_policy.pt"), "ckpt/policy.pt");
+    let dir = tempfile::tempdir().unwrap();
+    let local = dir.path().join("local");
+    let opts = |checkpoint: std::path::PathBuf, out: std::path::PathBuf| MergeOptions {
+        checkpoint,
+        base: Some(fixtures.join("models/llama-bf16")),
+        output: out,
+        ..MergeOptions::default()
+    };
+    merge(&opts(fixtures.join("ckpt/llama_policy.pt"), local.clone()), &NoProgress).unwrap();
+    merge(
+        &opts("s3://cut-in/ckpt/policy.pt".into(), "s3://cut-out/out".into()),
+        &NoProgress,
+    )
+    .unwrap();
+    let cut = |s: &Cut| s.cut.lock().unwrap().clone();
+    assert_eq!(cut(&input), ["get", "get"]);
+    let mut out_cuts = cut(&output);
+    out_cuts.sort_unstable();
+    assert_eq!(out_cuts, ["complete", "put", "put", "put_part", "put_part"]);
+    let got = dir.path().join("got");
+    for meta in store::block_on(futures_util::TryStreamExt::try_collect::<Vec<_>>(
+        output.inner.list(Some(&"out".into())),
+    ))
+    .unwrap()
+    {
+        let name = meta.location.filename().unwrap().to_string();
+        let bytes = store::block_on(output.inner.get(&meta.location)).unwrap();
+        let bytes = store::block_on(bytes.bytes()).unwrap();
+        std::fs::create_dir_all(&got).unwrap();
+        std::fs::write(got.join(name), bytes).unwrap();
+    }
+    let (want, mut have) = (tree(&local), tree(&got));
+    let manifest = |t: &mut std::collections::BTreeMap<String, Vec<u8>>| t.remove("unshard.json");
+    assert!(manifest(&mut have).is_some());
+    let mut want = want;
+    manifest(&mut want);
+    assert_eq!(
+        want.keys().collect::<Vec<_>>(),
+        have.keys().collect::<Vec<_>>()
+    );
+    for (name, bytes) in &want {
+        assert!(have[name] == *bytes, "{name} differs from the local merge's");
+    }
+}
+
+/// A connection cut on every try is given up on when the time for retries is over,
+/// and an answer from the server (an object not found) is returned at once.
+#[test]
+fn cut_requests_are_tried_again_only_until_the_time_is_over() {
+    let tries = std::sync::atomic::AtomicUsize::new(0);
+    let start = Instant::now();
+    let r: object_store::Result<()> = store::block_on(store::again_within(
+        Duration::from_millis(800),
+        || {
+            tries.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            async { Err(Cut::error()) }
+        },
+    ));
+    assert!(r.is_err());
+    let n = tries.swap(0, std::sync::atomic::Ordering::SeqCst);
+    // Waits of 0.1, 0.2 and 0.4 s fit in 0.8 s: four tries, three on a slow machine.
+    assert!((3..=4).contains(&n), "{n} tries");
+    assert!(start.elapsed() < Duration::from_secs(5));
+    let r: object_store::Result<()> = store::block_on(store::again_within(
+        Duration::from_secs(60),
+        || {
+            tries.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            async {
+                Err(object_store::Error::NotFound {
+                    path: "x".into(),
+                    source: "gone".into(),
+                })
+            }
+        },
+    ));
+    assert!(matches!(r, Err(object_store::Error::NotFound { .. })));
+    assert_eq!(tries.load(std::sync::atomic::Ordering::SeqCst), 1);
 }
