@@ -4,11 +4,10 @@
 //! ([`ByteSource::will_need_together`](crate::source::ByteSource::will_need_together)):
 //! neighbouring tensors of a file lie a few bytes of headers apart, so the source
 //! serves the whole block with one ranged GET per file instead of one per piece.
-//! Then each file is told to start ([`ByteSource::start_together`](crate::source::ByteSource::start_together)): an object
-//! store waits there until the block's bytes fit in its read-ahead budget, before
-//! the worker takes its output buffer. What was fetched is let go when the block is
-//! done (also on error). Local files ignore these calls and keep their per-piece
-//! hints.
+//! An object store may wait there until the block's bytes fit in its read-ahead
+//! budget; the worker takes its output buffer after. What was fetched is let go
+//! when the block is done (also on error). Local files ignore both calls and keep
+//! their per-piece hints.
 
 use std::sync::Arc;
 
@@ -63,9 +62,6 @@ pub(crate) fn announce<'a>(plan: &Plan, inputs: Inputs<'a>, b: &Block) -> BlockF
     }
     for (blob, ranges) in &files {
         blob.source().will_need_together(ranges);
-    }
-    for (blob, _) in &files {
-        blob.source().start_together();
     }
     BlockFetch { files }
 }

@@ -17,8 +17,12 @@
 //!   workers: a block's fetches start only when their bytes fit in the process's
 //!   [`Budget`] of [`ahead_limit`] = 64 MiB (`UNSHARD_REMOTE_AHEAD_MIB`), four
 //!   blocks of float32 input; the worker waits for that in
-//!   [`ByteSource::start_together`], before it takes its output buffer, so
+//!   [`ByteSource::will_need_together`], before it takes its output buffer, so
 //!   waiting workers hold no memory. The bytes come back when the block is done.
+//!   A block that reads several objects takes their bytes object by object; it
+//!   waits for a later object's only while another block holding bytes is still
+//!   working, so no two blocks wait for each other (the last to ask reads that
+//!   object directly, a GET per read).
 //! - **Memory** while merging from a bucket: the budget, plus an output block
 //!   (8 MiB) and a conversion chunk (1 MiB) per worker that got its bytes. Hints
 //!   that are not a block's take at most half the budget, so a block always fits
@@ -257,21 +261,6 @@ pub struct ObjectSource {
     budget: &'static Budget,
 }
 
-/// The runs of one object a block announced, waiting for
-/// [`ByteSource::start_together`] to start them.
-struct Announced {
-    ahead: Arc<Mutex<Vec<Ahead>>>,
-    loc: Location,
-    len: u64,
-    budget: &'static Budget,
-    runs: Vec<(u64, u64)>,
-}
-
-thread_local! {
-    /// What this thread's block announced so far, over every object it reads.
-    static ANNOUNCED: std::cell::RefCell<Vec<Announced>> = const { std::cell::RefCell::new(Vec::new()) };
-}
-
 /// Whether `[offset, end)` of an object of `len` bytes is worth a fetch ahead: not
 /// empty, not too long, inside the object, and not covered by a fetch started.
 fn wanted(ahead: &[Ahead], len: u64, offset: u64, end: u64) -> bool {
@@ -496,72 +485,42 @@ impl ByteSource for ObjectSource {
     }
 
     /// Coalesces the block's ranges (less than [`BLOCK_GAP`] apart, runs of at most
-    /// 32 MiB), one fetch per run, started by [`ByteSource::start_together`] once
-    /// the block has announced every object it reads.
+    /// 32 MiB), waits until their bytes fit in the budget, then starts one fetch
+    /// per run. The worker takes its output buffer after this, so workers waiting
+    /// here hold no memory. A block that reads several objects waits for a later
+    /// one only while another block holding bytes is still working; otherwise that
+    /// object's reads go to the store one by one (see `Budget::take_for_block`).
     fn will_need_together(&self, ranges: &[(u64, u64)]) {
-        let runs: Vec<(u64, u64)> = {
-            let ahead = self.ahead.lock().unwrap_or_else(|e| e.into_inner());
+        let wanted_runs = |ahead: &[Ahead]| -> Vec<(u64, u64)> {
             self.block_runs(ranges)
                 .into_iter()
                 .map(|r| (r.start, r.end))
-                .filter(|&(start, end)| wanted(&ahead, self.len, start, end))
+                .filter(|&(start, end)| wanted(ahead, self.len, start, end))
                 .collect()
         };
-        if runs.is_empty() {
+        let runs = wanted_runs(&self.ahead.lock().unwrap_or_else(|e| e.into_inner()));
+        let total: u64 = runs.iter().map(|&(s, e)| e - s).sum();
+        if total == 0 || !self.budget.take_for_block(total) {
             return;
         }
-        ANNOUNCED.with_borrow_mut(|a| {
-            a.push(Announced {
-                ahead: self.ahead.clone(),
-                loc: self.loc.clone(),
-                len: self.len,
-                budget: self.budget,
-                runs,
-            })
-        });
-    }
-
-    /// Waits until the bytes of every run this thread's block announced fit in the
-    /// budget, over all the objects it reads, then starts their fetches: the
-    /// worker takes its output buffer after this, so workers waiting here hold
-    /// no memory.
-    fn start_together(&self) {
-        let announced = ANNOUNCED.take();
         let me = std::thread::current().id();
-        // One budget in a run (tests give a source one of its own).
-        let mut budgets: Vec<&'static Budget> = Vec::new();
-        for a in &announced {
-            if !budgets.iter().any(|b| std::ptr::eq(*b, a.budget)) {
-                budgets.push(a.budget);
+        let mut left = total;
+        let mut ahead = self.ahead.lock().unwrap_or_else(|e| e.into_inner());
+        for run in runs {
+            // Another worker may have started the same run while this one waited.
+            if wanted(&ahead, self.len, run.0, run.1) {
+                left -= run.1 - run.0;
+                fetch_ahead(&mut ahead, &self.loc, self.budget, run, Some(me));
             }
         }
-        for budget in budgets {
-            let mine = || announced.iter().filter(|a| std::ptr::eq(a.budget, budget));
-            let total: u64 = mine().flat_map(|a| &a.runs).map(|&(s, e)| e - s).sum();
-            if !budget.take_for_block(total) {
-                continue;
-            }
-            let mut left = total;
-            for a in mine() {
-                let mut ahead = a.ahead.lock().unwrap_or_else(|e| e.into_inner());
-                for &run in &a.runs {
-                    // Another worker may have started the same run meanwhile.
-                    if wanted(&ahead, a.len, run.0, run.1) {
-                        left -= run.1 - run.0;
-                        fetch_ahead(&mut ahead, &a.loc, budget, run, Some(me));
-                    }
-                }
-            }
-            if left > 0 {
-                budget.give(left, Some(me));
-            }
+        drop(ahead);
+        if left > 0 {
+            self.budget.give(left, Some(me));
         }
     }
 
     /// Drops the fetches [`ByteSource::will_need_together`] started for `ranges`.
     fn done_with(&self, ranges: &[(u64, u64)]) {
-        // Announced and never started (the block failed in between).
-        ANNOUNCED.with_borrow_mut(|a| a.retain(|a| !Arc::ptr_eq(&a.ahead, &self.ahead)));
         let runs = self.block_runs(ranges);
         let mut ahead = self.ahead.lock().unwrap_or_else(|e| e.into_inner());
         ahead.retain(|a| !(a.block && runs.iter().any(|r| r.start == a.start && r.end == a.end)));
@@ -576,5 +535,58 @@ impl ByteSource for ObjectSource {
 
     fn readers(&self) -> usize {
         readers()
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::Budget;
+    use std::sync::mpsc;
+    use std::time::Duration;
+
+    /// Two blocks that each read two objects hold part of the budget for their first
+    /// one, and each wants more for its second than is left: the later to ask reads
+    /// its second object without fetching ahead (no other block is working, so
+    /// waiting would be for ever), and the earlier gets its bytes once the later is
+    /// done. Neither waits for the other.
+    #[test]
+    fn blocks_holding_part_of_the_budget_never_wait_for_each_other() {
+        let budget: &'static Budget = Box::leak(Box::new(Budget::new(100)));
+        let (holds, a_holds) = mpsc::channel();
+        let (b_holds_tx, b_holds) = mpsc::channel();
+        let (said, answers) = mpsc::channel();
+        let said_b = said.clone();
+        let a = std::thread::spawn(move || {
+            let me = std::thread::current().id();
+            assert!(budget.take_for_block(60));
+            holds.send(()).unwrap();
+            b_holds.recv().unwrap();
+            let second = budget.take_for_block(30);
+            said.send(("a", second)).unwrap();
+            budget.give(if second { 90 } else { 60 }, Some(me));
+        });
+        let b = std::thread::spawn(move || {
+            let me = std::thread::current().id();
+            a_holds.recv().unwrap();
+            assert!(budget.take_for_block(40));
+            b_holds_tx.send(()).unwrap();
+            // Until the first block waits for its second object's bytes.
+            while budget.lock().waiting_holders == 0 {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            let second = budget.take_for_block(30);
+            said_b.send(("b", second)).unwrap();
+            budget.give(if second { 70 } else { 40 }, Some(me));
+        });
+        let wait = Duration::from_secs(20);
+        let first = answers.recv_timeout(wait);
+        assert_eq!(first, Ok(("b", false)), "the later block waited for the earlier");
+        let second = answers.recv_timeout(wait);
+        assert_eq!(second, Ok(("a", true)), "the earlier block never got its bytes");
+        a.join().unwrap();
+        b.join().unwrap();
+        assert_eq!(budget.lock().bytes, 0);
+        assert_eq!(budget.peak(), 100);
     }
 }

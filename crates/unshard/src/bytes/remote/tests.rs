@@ -354,9 +354,6 @@ fn bytes_fetched_ahead_never_exceed_the_budget() {
                 for (src, _) in &sources {
                     src.will_need_together(&ranges);
                 }
-                for (src, _) in &sources {
-                    src.start_together();
-                }
                 for (src, want) in &sources {
                     for piece in 0..4 {
                         let at = k * half + piece * (half / 4);
