@@ -12,7 +12,12 @@
    Two more rows tell the server's cost apart from the client's: boto3 making
    unshard's requests (one GET per 16 MiB span, 32 in flight), and 20 ranged GETs
    of 4 KiB one after another (the cost of a request on this server, whatever its
-   size).
+   size); --skip-diagnostics leaves them out.
+   Several builds compare side by side in one run: give --unshard once per build,
+   as LABEL=PATH, and --env LABEL:NAME=VALUE for a variable set for one of them
+   only (the same binary may appear under two labels with different variables).
+   Each gets its own rows ("unshard merge from S3 (LABEL)"), interleaved with the
+   others, in an order that rotates from round to round.
 2. `--part I/N` over N local processes run at once against one process, same
    output (on the inputs' disk), rows interleaved: the wall time from the first
    start to the last exit, each part's own wall time and peak RSS (the largest
@@ -27,10 +32,15 @@ Input: a directory written by bench/gen.py (uses base/ and policy.pt, or --input
   /work/venv/bin/python bench/gen.py --out /tmp/bench-4l --layers 4 --kinds policy
   /work/venv/bin/python bench/remote.py --data /tmp/bench-4l --unshard target/release/unshard \\
       --json bench/results/remote.json
+  python3 bench/remote.py --data /tmp/bench-4l --skip-diagnostics --repeat 3 \\
+      --unshard old=/tmp/unshard-old --unshard new=target/release/unshard \\
+      --unshard "new 128 MiB=target/release/unshard" \\
+      --env "new 128 MiB:UNSHARD_REMOTE_AHEAD_MIB=128" --json bench/results/compare.json
   python3 bench/remote.py --data /data/bench/tinyllama-22l --skip-s3 --parts 1,2,4 --warm \\
       --json bench/results/parts.json --note "how the machine was shared"
 
-With --skip-s3 only the --part rows run (moto_server is still started).
+With --skip-s3 only the --part rows run (moto_server is still started); they use
+the first --unshard.
 
 Needs boto3 and moto[server] (pip install 'moto[server]').
 """
@@ -128,7 +138,14 @@ for i in range(20):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--data", required=True, help="a bench/gen.py directory")
-    ap.add_argument("--unshard", default="target/release/unshard")
+    ap.add_argument("--unshard", action="append",
+                    help="[LABEL=]PATH of a build; repeat to compare builds side by side "
+                    "(default target/release/unshard)")
+    ap.add_argument("--env", action="append", default=[],
+                    help="LABEL:NAME=VALUE, set for that --unshard's commands only")
+    ap.add_argument("--skip-diagnostics", action="store_true",
+                    help="leave out the rows of boto3 making unshard's requests and of "
+                    "20 small GETs")
     ap.add_argument("--parts", default="", help="part counts for the --part rows (e.g. 2,4)")
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--json", help="write the results here")
@@ -142,7 +159,30 @@ def main():
     ap.add_argument("--note", help="how the machine was shared etc., kept in the JSON")
     args = ap.parse_args()
     data = os.path.abspath(args.data)
-    unshard = os.path.abspath(args.unshard)
+    builds = []  # (label, absolute path, extra environment)
+    for spec in args.unshard or ["target/release/unshard"]:
+        label, eq, path = spec.partition("=")
+        if not eq:
+            label, path = "", spec
+        if any(label == b[0] for b in builds):
+            sys.exit(f"--unshard {spec}: the label {label!r} is given twice")
+        builds.append((label, os.path.abspath(path), {}))
+    if len(builds) > 1 and not all(b[0] for b in builds):
+        sys.exit("--unshard: with several builds, give each as LABEL=PATH")
+    for spec in args.env:
+        label, colon, var = spec.partition(":")
+        name, eq, value = var.partition("=")
+        hit = [b for b in builds if b[0] == label]
+        if not (colon and eq and name and hit):
+            sys.exit(f"--env {spec}: expected LABEL:NAME=VALUE with LABEL one of the --unshard labels")
+        hit[0][2][name] = value
+    for _, path, _ in builds:
+        if not os.access(path, os.X_OK):
+            sys.exit(f"--unshard: {path} is not an executable")
+    unshard = builds[0][1]
+
+    def labelled(row, label):
+        return f"{row} ({label})" if label else row
     moto = shutil.which("moto_server") or os.path.join(os.path.dirname(sys.executable), "moto_server")
     moto_version = subprocess.run([sys.executable, "-c", "import moto; print(moto.__version__)"],
                                   capture_output=True, text=True).stdout.strip()
@@ -175,9 +215,9 @@ def main():
         size = os.path.getsize(policy)
         rows = {}
 
-        def record(name, cmd, env=env):
+        def record(name, cmd, env=env, extra=None):
             before = log.gets()
-            w, rss = timed(cmd, env)
+            w, rss = timed(cmd, dict(env, **extra) if extra else env)
             r = rows.setdefault(name, {"walls": [], "rss": [], "gets": []})
             r["walls"].append(w)
             r["rss"].append(rss)
@@ -194,16 +234,23 @@ def main():
                        [sys.executable, "-c", down_script, dl])
                 os.remove(dl)
                 out = os.path.join(tmp, f"out{i}")
-                record("unshard merge from S3",
-                       [unshard, "merge", "s3://bench/policy.pt", "--base", "s3://bench/base", "-o", out, "-q"])
-                shutil.rmtree(out)
-                record("boto3 with unshard's requests (16 MiB GETs, 32 in flight)",
-                       [sys.executable, "-c", PATTERN, endpoint, str(size), str(16 << 20), "32"])
-                record("boto3, 20 ranged GETs of 4 KiB one after another",
-                       [sys.executable, "-c", SMALL_GETS, endpoint])
-                record("unshard merge from local disk",
-                       [unshard, "merge", policy, "--base", os.path.join(data, "base"), "-o", out, "-q"])
-                shutil.rmtree(out)
+                # The builds in an order that rotates from round to round.
+                order = builds[i % len(builds):] + builds[:i % len(builds)]
+                for label, exe, extra in order:
+                    record(labelled("unshard merge from S3", label),
+                           [exe, "merge", "s3://bench/policy.pt", "--base", "s3://bench/base",
+                            "-o", out, "-q"], extra=extra)
+                    shutil.rmtree(out)
+                if not args.skip_diagnostics:
+                    record("boto3 with unshard's requests (16 MiB GETs, 32 in flight)",
+                           [sys.executable, "-c", PATTERN, endpoint, str(size), str(16 << 20), "32"])
+                    record("boto3, 20 ranged GETs of 4 KiB one after another",
+                           [sys.executable, "-c", SMALL_GETS, endpoint])
+                for label, exe, extra in order:
+                    record(labelled("unshard merge from local disk", label),
+                           [exe, "merge", policy, "--base", os.path.join(data, "base"), "-o", out,
+                            "-q"], extra=extra)
+                    shutil.rmtree(out)
             # --part: N processes at once against one, rows interleaved, and what
             # every part pays besides its share of the bytes: opening the inputs and
             # planning (a part of 64 that gets no shard), and the commit (the same
@@ -274,11 +321,14 @@ def main():
         for name, r in rows.items():
             wall = statistics.median(r["walls"])
             rss = max(r["rss"]) if r["rss"] else 0
+            rss_median = statistics.median(r["rss"]) if r["rss"] else 0
             gets = statistics.median(r["gets"]) if r["gets"] else None
             mem = f"{rss / 2**20:6.0f} MiB" if rss else "      -"
             g = f"{gets:5.0f} GETs" if gets is not None else ""
-            print(f"{name:66s} {wall:7.2f} s  peak RSS {mem}  {g}")
+            med = f" (median {rss_median / 2**20:4.0f})" if rss else ""
+            print(f"{name:66s} {wall:7.2f} s  peak RSS {mem}{med}  {g}")
             res = dict(row=name, wall=wall, walls=r["walls"], rss=rss,
+                       rss_median=rss_median, rss_each=r["rss"],
                        gets=gets, gets_each=r["gets"])
             if "part_rss" in r:
                 # Peak RSS: the largest part's (rss, max over runs), and the sum of
@@ -305,6 +355,9 @@ def main():
                 if not args.skip_s3:
                     doc.update(server=f"moto_server {moto_version} on loopback",
                                input=dict(path=policy, bytes=size))
+                if len(builds) > 1:
+                    doc.update(builds=[dict(label=lb, path=exe, env=extra)
+                                       for lb, exe, extra in builds])
                 if args.parts:
                     doc.update(parts_input=dict(path=src, bytes=du(src)),
                                max_shard_size=shard, cache="warm" if args.warm else "as left",

@@ -79,7 +79,8 @@ load (the load averages at the end).
 layout=remote (bench/remote.py's JSON; options file, match=REGEX, cols): one row
 per row of each file whose name REGEX finds. Columns: row (its name), wall, runs,
 gets (GET requests the server logged, median), rss (the largest peak over the
-runs, of the largest part), rss_sum (the parts' peaks summed), cpu (CPU seconds of
+runs, of the largest part), rss_med (the median peak over the runs; files from
+before it was kept have none), rss_sum (the parts' peaks summed), cpu (CPU seconds of
 all the parts, median), parts (processes), xrow:PREFIX (wall time over the wall
 time of the one row of the same file whose name starts with PREFIX).
 
@@ -573,7 +574,7 @@ def render_lora(args, opts):
 # keeps the rows whose name it finds).
 REMOTE_HEADERS = {
     "row": "what ran", "wall": "wall s", "runs": "runs, s", "gets": "GETs",
-    "rss": "peak RSS", "rss_sum": "peak RSS, sum over the parts", "cpu": "CPU s",
+    "rss": "peak RSS", "rss_med": "peak RSS, median", "rss_sum": "peak RSS, sum over the parts", "cpu": "CPU s",
     "parts": "processes", "xrow:": "x %s",
 }
 
@@ -598,6 +599,11 @@ def remote_cell(col, r, doc, name):
     if col == "rss":
         # remote.py keeps the largest peak over the runs (of the largest part).
         return fmt_bytes(r["rss"]) if r.get("rss") else ""
+    if col == "rss_med":
+        if "rss_median" not in r:
+            raise Bad("%s: row %r has no rss_median (bench/remote.py before it kept one)"
+                      % (name, r["row"]))
+        return fmt_bytes(r["rss_median"]) if r["rss_median"] else ""
     if col == "rss_sum":
         return fmt_bytes(r["rss_sum"]) if "rss_sum" in r else ""
     if col == "cpu":
@@ -628,6 +634,8 @@ def render_remote(args, opts):
 
     def how(doc):
         how = "median of %d interleaved runs; peak RSS the largest over the runs" % doc["repeat"]
+        if any(n == "rss_med" for n, _ in cols):
+            how += " (and their median)"
         if "cache" in doc:
             how = "%s page cache; %s" % (doc["cache"], how)
         if "server" in doc:

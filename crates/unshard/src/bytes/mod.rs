@@ -79,8 +79,10 @@ pub trait ByteSource: Send + Sync + fmt::Debug {
     /// A hint: every `(offset, len)` range here is read by one unit of work (an output
     /// block of the engine), soon, in any order. A source whose cost is per request
     /// (an object store) fetches them with as few requests as it can, and keeps what
-    /// it fetched until [`ByteSource::done_with`] is called with the same ranges. The
-    /// default does nothing: a local file gets [`ByteSource::will_need`] per piece.
+    /// it fetched until [`ByteSource::done_with`] is called with the same ranges. A
+    /// source that bounds the bytes it holds ahead may wait here until they fit
+    /// (the unit takes its own memory after this call). The default does nothing: a
+    /// local file gets [`ByteSource::will_need`] per piece.
     fn will_need_together(&self, ranges: &[(u64, u64)]) {
         let _ = ranges;
     }

@@ -4,8 +4,10 @@
 //! ([`ByteSource::will_need_together`](crate::source::ByteSource::will_need_together)):
 //! neighbouring tensors of a file lie a few bytes of headers apart, so the source
 //! serves the whole block with one ranged GET per file instead of one per piece.
-//! What was fetched is let go when the block is done (also on error). Local files
-//! ignore both calls and keep their per-piece hints.
+//! An object store may wait there until the block's bytes fit in its read-ahead
+//! budget; the worker takes its output buffer after. What was fetched is let go
+//! when the block is done (also on error). Local files ignore both calls and keep
+//! their per-piece hints.
 
 use std::sync::Arc;
 

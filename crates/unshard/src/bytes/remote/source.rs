@@ -12,17 +12,22 @@
 //!   one GET per input file it reads (two where it holds the end of one tensor and
 //!   the start of another stored apart), and each input byte is fetched once (the
 //!   gaps, a few hundred bytes of headers, are all that may be fetched twice).
-//! - **In flight**: [`READERS`] = 32 workers when any input is remote, each waiting
-//!   on its block's GET, so 32 GETs of 8-16 MiB are in flight. One S3 stream
-//!   delivers ~80-100 MB/s: 14 streams fill a 10 Gbit NIC (1.25 GB/s), 32 fill 25
-//!   Gbit (3.1 GB/s); `UNSHARD_REMOTE_READERS` changes it (1-256). The engine keeps 2
-//!   per core for local inputs.
-//! - **Memory** while merging from a bucket is bounded by 32 × (16 MiB fetched
-//!   for a block + 8 MiB block + 1 MiB chunk) = 800 MiB in the worst case (a
-//!   float32 to bfloat16 merge), 32 × (8 + 8) = 512 MiB when nothing is converted.
-//!   The fetched bytes are capped process-wide by [`ahead_limit`] ([`AHEAD_PER_READER`]
-//!   = 16 MiB per worker, 512 MiB with 32) with at most [`readers`] fetches in flight;
-//!   past the cap a hint is ignored and reads go to the store one by one.
+//! - **In flight**: [`READERS`] = 32 workers when any input is remote
+//!   (`UNSHARD_REMOTE_READERS`, 1-256). What bounds the requests is bytes, not
+//!   workers: a block's fetches start only when their bytes fit in the process's
+//!   [`Budget`] of [`ahead_limit`] = 64 MiB (`UNSHARD_REMOTE_AHEAD_MIB`), four
+//!   blocks of float32 input; the worker waits for that in
+//!   [`ByteSource::will_need_together`], before it takes its output buffer, so
+//!   waiting workers hold no memory. The bytes come back when the block is done.
+//!   A block that reads several objects takes their bytes object by object; it
+//!   waits for a later object's only while another block holding bytes is still
+//!   working, so no two blocks wait for each other (the last to ask reads that
+//!   object directly, a GET per read).
+//! - **Memory** while merging from a bucket: the budget, plus an output block
+//!   (8 MiB) and a conversion chunk (1 MiB) per worker that got its bytes. Hints
+//!   that are not a block's take at most half the budget, so a block always fits
+//!   once the other blocks are done. A block whose input alone exceeds the budget
+//!   (more than 64 MiB read for 8 MiB of output) is fetched when nothing else is.
 //! - **Metadata**: [`ByteSource::read_ranges`] (zip local headers, both ends of DCP
 //!   chunk archives) coalesces ranges less than [`GAP`] = 1 MiB apart into runs of at
 //!   most [`MAX_RUN`] = 16 MiB (one request costs ~10-50 ms; 1 MiB streams in ~10 ms)
@@ -60,21 +65,140 @@ pub const GAP: u64 = 1 << 20;
 pub const MAX_RUN: u64 = 16 << 20;
 /// Requests [`ByteSource::read_ranges`] keeps in flight.
 pub const IN_FLIGHT: usize = 32;
-/// Bytes fetched ahead and not yet read, per worker: the input of one output block
-/// (8 MiB of bfloat16 output from float32 input).
-pub const AHEAD_PER_READER: u64 = 16 << 20;
-/// Bytes fetched ahead and not yet read, over all objects: [`AHEAD_PER_READER`] for
-/// each of the [`readers`] (512 MiB with 32).
+/// Bytes fetched ahead and not yet read, over all objects and workers, by default:
+/// four blocks' input (8 MiB of bfloat16 output from float32 input each).
+pub const AHEAD_BYTES: u64 = 64 << 20;
+/// [`AHEAD_BYTES`], or `UNSHARD_REMOTE_AHEAD_MIB` MiB when set (64 to 65536): more
+/// for a fast link far away, where more bytes must be on the way to fill it.
 pub fn ahead_limit() -> u64 {
-    (readers() as u64 * AHEAD_PER_READER).max(MAX_AHEAD)
+    static N: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
+    *N.get_or_init(|| {
+        std::env::var("UNSHARD_REMOTE_AHEAD_MIB")
+            .ok()
+            .and_then(|v| v.trim().parse::<u64>().ok())
+            .map_or(AHEAD_BYTES, |n| n.clamp(64, 65536) << 20)
+    })
 }
 /// The longest span one hint fetches ahead (a block's input read from float64).
+/// At most half of [`ahead_limit`], so that a block always fits beside what hints
+/// that are not a block's hold (see [`Budget::try_take`]).
 const MAX_AHEAD: u64 = 32 << 20;
 /// Ranges of one block closer than this are fetched by one request: what lies
 /// between two tensors of a file is a few hundred bytes of headers.
 pub const BLOCK_GAP: u64 = 64 << 10;
 
-static AHEAD_BYTES: AtomicU64 = AtomicU64::new(0);
+/// The bytes fetched ahead and not yet let go: started by a hint, until read or
+/// until the block that announced them is done. A worker that announces a block
+/// waits here until its bytes fit under the limit, before it takes its output
+/// buffer, so the memory of a merge from a bucket does not grow with the number of
+/// workers.
+pub(crate) struct Budget {
+    limit: u64,
+    used: Mutex<Used>,
+    freed: Condvar,
+    /// The most bytes ever held at once (tests and benchmarks).
+    peak: AtomicU64,
+}
+
+#[derive(Default)]
+struct Used {
+    bytes: u64,
+    /// Bytes held by blocks, per thread that announced them.
+    by_thread: std::collections::HashMap<std::thread::ThreadId, u64>,
+    /// Threads that hold bytes for a block and wait for more (a block that reads
+    /// several files announces them one by one).
+    waiting_holders: usize,
+}
+
+impl Budget {
+    pub(crate) fn new(limit: u64) -> Budget {
+        Budget {
+            limit,
+            used: Mutex::new(Used::default()),
+            freed: Condvar::new(),
+            peak: AtomicU64::new(0),
+        }
+    }
+
+    /// The most bytes held at once so far.
+    #[cfg_attr(not(test), allow(dead_code))]
+    pub(crate) fn peak(&self) -> u64 {
+        self.peak.load(Ordering::Relaxed)
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Used> {
+        self.used.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn took(&self, used: &mut Used, n: u64, owner: Option<std::thread::ThreadId>) {
+        used.bytes += n;
+        if let Some(t) = owner {
+            *used.by_thread.entry(t).or_default() += n;
+        }
+        self.peak.fetch_max(used.bytes, Ordering::Relaxed);
+    }
+
+    /// `n` bytes for a hint that is not a block's, if they fit in half the limit
+    /// (so that what such hints hold, read or not, never keeps a block out).
+    fn try_take(&self, n: u64) -> bool {
+        let mut used = self.lock();
+        if used.bytes + n > self.limit / 2 {
+            return false;
+        }
+        self.took(&mut used, n, None);
+        true
+    }
+
+    /// `n` bytes for a block announced by this thread: waits until they fit. A
+    /// thread that already holds bytes for its block (an earlier file of it) waits
+    /// only while another holder is still working, whose bytes will come back;
+    /// otherwise it gets nothing (its reads go to the store one by one) rather than
+    /// wait for itself. A block larger than the limit is fetched when nothing else is.
+    fn take_for_block(&self, n: u64) -> bool {
+        let me = std::thread::current().id();
+        let mut used = self.lock();
+        let holder = used.by_thread.contains_key(&me);
+        loop {
+            let fits = used.bytes + n <= self.limit || used.bytes == 0;
+            if fits && (holder || used.waiting_holders == 0) {
+                self.took(&mut used, n, Some(me));
+                return true;
+            }
+            if holder {
+                let others_working = used.by_thread.len() - 1 - used.waiting_holders;
+                if others_working == 0 {
+                    return false;
+                }
+                used.waiting_holders += 1;
+                used = self.freed.wait(used).unwrap_or_else(|e| e.into_inner());
+                used.waiting_holders -= 1;
+            } else {
+                used = self.freed.wait(used).unwrap_or_else(|e| e.into_inner());
+            }
+        }
+    }
+
+    fn give(&self, n: u64, owner: Option<std::thread::ThreadId>) {
+        let mut used = self.lock();
+        used.bytes -= n;
+        if let Some(t) = owner {
+            if let Some(held) = used.by_thread.get_mut(&t) {
+                *held -= n;
+                if *held == 0 {
+                    used.by_thread.remove(&t);
+                }
+            }
+        }
+        drop(used);
+        self.freed.notify_all();
+    }
+}
+
+/// The process's [`Budget`], of [`ahead_limit`] bytes.
+fn budget() -> &'static Budget {
+    static B: std::sync::OnceLock<Budget> = std::sync::OnceLock::new();
+    B.get_or_init(|| Budget::new(ahead_limit()))
+}
 
 /// GET requests made for object contents, and the bytes they asked for.
 static GETS: AtomicU64 = AtomicU64::new(0);
@@ -96,8 +220,8 @@ pub fn fetched() -> (u64, u64) {
 }
 
 /// Fetches started by hints in flight at once, over all objects ([`readers`] of
-/// them): a DCP checkpoint of thousands of chunk files asks for both ends of each
-/// when it is opened, and each engine worker asks for its block's input.
+/// them, or [`IN_FLIGHT`]): a DCP checkpoint of thousands of chunk files asks for
+/// both ends of each when it is opened. The bytes are bounded by the [`Budget`].
 fn ahead_in_flight() -> &'static tokio::sync::Semaphore {
     static S: std::sync::OnceLock<tokio::sync::Semaphore> = std::sync::OnceLock::new();
     S.get_or_init(|| tokio::sync::Semaphore::new(readers().max(IN_FLIGHT)))
@@ -117,11 +241,15 @@ struct Ahead {
     /// Started for a block ([`ByteSource::will_need_together`]): kept until the block
     /// is done, whatever order its pieces are read in.
     block: bool,
+    /// Its bytes are counted here until it is dropped; for a block, as held by the
+    /// thread that announced it.
+    budget: &'static Budget,
+    owner: Option<std::thread::ThreadId>,
 }
 
 impl Drop for Ahead {
     fn drop(&mut self) {
-        AHEAD_BYTES.fetch_sub(self.end - self.start, Ordering::Relaxed);
+        self.budget.give(self.end - self.start, self.owner);
     }
 }
 
@@ -129,7 +257,48 @@ impl Drop for Ahead {
 pub struct ObjectSource {
     loc: Location,
     len: u64,
-    ahead: Mutex<Vec<Ahead>>,
+    ahead: Arc<Mutex<Vec<Ahead>>>,
+    budget: &'static Budget,
+}
+
+/// Whether `[offset, end)` of an object of `len` bytes is worth a fetch ahead: not
+/// empty, not too long, inside the object, and not covered by a fetch started.
+fn wanted(ahead: &[Ahead], len: u64, offset: u64, end: u64) -> bool {
+    let n = end.saturating_sub(offset);
+    n > 0 && n <= MAX_AHEAD && end <= len && !ahead.iter().any(|a| a.start <= offset && end <= a.end)
+}
+
+/// Starts fetching `[offset, end)` of `loc` in the background; its bytes were taken
+/// from `budget` (for `owner`'s block, or for a hint when `None`).
+fn fetch_ahead(
+    ahead: &mut Vec<Ahead>,
+    loc: &Location,
+    budget: &'static Budget,
+    (offset, end): (u64, u64),
+    owner: Option<std::thread::ThreadId>,
+) {
+    let len = end - offset;
+    let slot = Arc::new(Slot::default());
+    let (store, key, filled) = (loc.store.clone(), loc.key.clone(), slot.clone());
+    count_get(&(offset..end));
+    drop(store::spawn(async move {
+        let _permit = ahead_in_flight().acquire().await;
+        let got = store::again(|| store.get_range(&key, offset..end)).await;
+        let got = match got {
+            Ok(b) if b.len() as u64 == len => Ok(b),
+            _ => Err(()),
+        };
+        *filled.data.lock().unwrap_or_else(|e| e.into_inner()) = Some(got);
+        filled.ready.notify_all();
+    }));
+    ahead.push(Ahead {
+        start: offset,
+        end,
+        slot,
+        block: owner.is_some(),
+        budget,
+        owner,
+    });
 }
 
 impl std::fmt::Debug for ObjectSource {
@@ -157,8 +326,16 @@ impl ObjectSource {
         Ok(ObjectSource {
             loc,
             len,
-            ahead: Mutex::new(Vec::new()),
+            ahead: Arc::new(Mutex::new(Vec::new())),
+            budget: budget(),
         })
+    }
+
+    /// The same source counting its fetches ahead in `budget` instead of the
+    /// process's (tests).
+    #[cfg(test)]
+    pub(crate) fn with_budget(self, budget: &'static Budget) -> ObjectSource {
+        ObjectSource { budget, ..self }
     }
 
     fn get(&self, offset: u64, len: u64) -> Result<bytes::Bytes> {
@@ -187,42 +364,6 @@ impl ObjectSource {
             .map(|&(o, l)| (o.min(self.len), l.min(self.len.saturating_sub(o))))
             .collect();
         coalesce(&inside, BLOCK_GAP, MAX_AHEAD)
-    }
-
-    /// Starts fetching `[offset, end)` in the background, unless a fetch already
-    /// covers it, it is too long, or the read-ahead cap is reached (the reads then go
-    /// to the store one by one).
-    fn fetch_ahead(&self, ahead: &mut Vec<Ahead>, offset: u64, end: u64, block: bool) {
-        let len = end.saturating_sub(offset);
-        if len == 0 || len > MAX_AHEAD || end > self.len {
-            return;
-        }
-        if ahead.iter().any(|a| a.start <= offset && end <= a.end) {
-            return;
-        }
-        if AHEAD_BYTES.fetch_add(len, Ordering::Relaxed) + len > ahead_limit() {
-            AHEAD_BYTES.fetch_sub(len, Ordering::Relaxed);
-            return;
-        }
-        let slot = Arc::new(Slot::default());
-        let (store, key, filled) = (self.loc.store.clone(), self.loc.key.clone(), slot.clone());
-        count_get(&(offset..end));
-        drop(store::spawn(async move {
-            let _permit = ahead_in_flight().acquire().await;
-            let got = store.get_range(&key, offset..end).await;
-            let got = match got {
-                Ok(b) if b.len() as u64 == len => Ok(b),
-                _ => Err(()),
-            };
-            *filled.data.lock().unwrap_or_else(|e| e.into_inner()) = Some(got);
-            filled.ready.notify_all();
-        }));
-        ahead.push(Ahead {
-            start: offset,
-            end,
-            slot,
-            block,
-        });
     }
 
     /// The bytes at `offset` from a fetch started by a hint, if one covers them.
@@ -332,22 +473,49 @@ impl ByteSource for ObjectSource {
     }
 
     /// Starts fetching `[offset, offset + len)` in the background, unless a fetch
-    /// already covers it, it is too long, or the read-ahead cap is reached.
+    /// already covers it, it is too long, or the bytes do not fit in the budget now
+    /// (the reads then go to the store one by one).
     fn will_need(&self, offset: u64, len: u64) {
         let len = len.min(self.len.saturating_sub(offset));
-        if len == 0 || len > MAX_AHEAD {
-            return;
-        }
+        let end = offset.saturating_add(len);
         let mut ahead = self.ahead.lock().unwrap_or_else(|e| e.into_inner());
-        self.fetch_ahead(&mut ahead, offset, offset + len, false);
+        if wanted(&ahead, self.len, offset, end) && self.budget.try_take(len) {
+            fetch_ahead(&mut ahead, &self.loc, self.budget, (offset, end), None);
+        }
     }
 
     /// Coalesces the block's ranges (less than [`BLOCK_GAP`] apart, runs of at most
-    /// 32 MiB) and starts one fetch per run: one GET per block and input file.
+    /// 32 MiB), waits until their bytes fit in the budget, then starts one fetch
+    /// per run. The worker takes its output buffer after this, so workers waiting
+    /// here hold no memory. A block that reads several objects waits for a later
+    /// one only while another block holding bytes is still working; otherwise that
+    /// object's reads go to the store one by one (see `Budget::take_for_block`).
     fn will_need_together(&self, ranges: &[(u64, u64)]) {
+        let wanted_runs = |ahead: &[Ahead]| -> Vec<(u64, u64)> {
+            self.block_runs(ranges)
+                .into_iter()
+                .map(|r| (r.start, r.end))
+                .filter(|&(start, end)| wanted(ahead, self.len, start, end))
+                .collect()
+        };
+        let runs = wanted_runs(&self.ahead.lock().unwrap_or_else(|e| e.into_inner()));
+        let total: u64 = runs.iter().map(|&(s, e)| e - s).sum();
+        if total == 0 || !self.budget.take_for_block(total) {
+            return;
+        }
+        let me = std::thread::current().id();
+        let mut left = total;
         let mut ahead = self.ahead.lock().unwrap_or_else(|e| e.into_inner());
-        for run in self.block_runs(ranges) {
-            self.fetch_ahead(&mut ahead, run.start, run.end, true);
+        for run in runs {
+            // Another worker may have started the same run while this one waited.
+            if wanted(&ahead, self.len, run.0, run.1) {
+                left -= run.1 - run.0;
+                fetch_ahead(&mut ahead, &self.loc, self.budget, run, Some(me));
+            }
+        }
+        drop(ahead);
+        if left > 0 {
+            self.budget.give(left, Some(me));
         }
     }
 
@@ -367,5 +535,58 @@ impl ByteSource for ObjectSource {
 
     fn readers(&self) -> usize {
         readers()
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::Budget;
+    use std::sync::mpsc;
+    use std::time::Duration;
+
+    /// Two blocks that each read two objects hold part of the budget for their first
+    /// one, and each wants more for its second than is left: the later to ask reads
+    /// its second object without fetching ahead (no other block is working, so
+    /// waiting would be for ever), and the earlier gets its bytes once the later is
+    /// done. Neither waits for the other.
+    #[test]
+    fn blocks_holding_part_of_the_budget_never_wait_for_each_other() {
+        let budget: &'static Budget = Box::leak(Box::new(Budget::new(100)));
+        let (holds, a_holds) = mpsc::channel();
+        let (b_holds_tx, b_holds) = mpsc::channel();
+        let (said, answers) = mpsc::channel();
+        let said_b = said.clone();
+        let a = std::thread::spawn(move || {
+            let me = std::thread::current().id();
+            assert!(budget.take_for_block(60));
+            holds.send(()).unwrap();
+            b_holds.recv().unwrap();
+            let second = budget.take_for_block(30);
+            said.send(("a", second)).unwrap();
+            budget.give(if second { 90 } else { 60 }, Some(me));
+        });
+        let b = std::thread::spawn(move || {
+            let me = std::thread::current().id();
+            a_holds.recv().unwrap();
+            assert!(budget.take_for_block(40));
+            b_holds_tx.send(()).unwrap();
+            // Until the first block waits for its second object's bytes.
+            while budget.lock().waiting_holders == 0 {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            let second = budget.take_for_block(30);
+            said_b.send(("b", second)).unwrap();
+            budget.give(if second { 70 } else { 40 }, Some(me));
+        });
+        let wait = Duration::from_secs(20);
+        let first = answers.recv_timeout(wait);
+        assert_eq!(first, Ok(("b", false)), "the later block waited for the earlier");
+        let second = answers.recv_timeout(wait);
+        assert_eq!(second, Ok(("a", true)), "the earlier block never got its bytes");
+        a.join().unwrap();
+        b.join().unwrap();
+        assert_eq!(budget.lock().bytes, 0);
+        assert_eq!(budget.peak(), 100);
     }
 }

@@ -309,6 +309,65 @@ fn an_error_names_the_url_without_its_secrets() {
     assert!(!shown.contains("PASSWORD1234") && !shown.contains("SIGNATURE5678"), "{shown}");
 }
 
+/// Eight workers read 64 blocks, each announcing ranges of two objects, through
+/// sources whose read-ahead budget is 256 KiB (four blocks of 64 KiB): the bytes
+/// fetched and not yet let go never exceed it, though the workers together ask for
+/// twice that, and every read returns the object's bytes.
+#[test]
+fn bytes_fetched_ahead_never_exceed_the_budget() {
+    use super::source::{Budget, ObjectSource};
+    use crate::bytes::ByteSource;
+    let mem = Arc::new(InMemory::new());
+    store::register("s3://ahead-budget", mem.clone());
+    let (blocks, half) = (64u64, 32u64 << 10);
+    let body = |seed: u8| -> Vec<u8> {
+        (0..blocks * half)
+            .map(|i| (i as u8).wrapping_mul(31) ^ seed)
+            .collect()
+    };
+    let (a, b) = (body(1), body(2));
+    for (key, bytes) in [("a", &a), ("b", &b)] {
+        store::block_on(mem.put(&key.into(), PutPayload::from(bytes.clone()))).unwrap();
+    }
+    let limit = 4 * 2 * half;
+    let budget: &'static Budget = Box::leak(Box::new(Budget::new(limit)));
+    let open = |key: &str| {
+        let loc = store::locate(std::path::Path::new(&format!("s3://ahead-budget/{key}"))).unwrap();
+        ObjectSource::open(loc, None).unwrap().with_budget(budget)
+    };
+    let sources = [(open("a"), &a), (open("b"), &b)];
+    let next = std::sync::atomic::AtomicU64::new(0);
+    std::thread::scope(|s| {
+        for _ in 0..8 {
+            s.spawn(|| loop {
+                let k = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                if k >= blocks {
+                    break;
+                }
+                let ranges = [(k * half, half)];
+                for (src, _) in &sources {
+                    src.will_need_together(&ranges);
+                }
+                for (src, want) in &sources {
+                    for piece in 0..4 {
+                        let at = k * half + piece * (half / 4);
+                        let mut buf = vec![0u8; (half / 4) as usize];
+                        src.read_at(at, &mut buf).unwrap();
+                        assert_eq!(buf, want[at as usize..at as usize + buf.len()]);
+                        std::thread::sleep(std::time::Duration::from_millis(1));
+                    }
+                }
+                for (src, _) in &sources {
+                    src.done_with(&ranges);
+                }
+            });
+        }
+    });
+    let peak = budget.peak();
+    assert!(peak <= limit, "{peak} bytes held ahead, over the budget of {limit}");
+    assert!(peak >= limit / 2, "{peak} bytes: the workers never overlapped");
+}
+
 /// Connections cut in the middle of a merge from a store to a store, before the
 /// server did the work (reads, parts) and after it (small files, the completion of
 /// an upload, whose repeat finds the upload gone): every request is made again,
