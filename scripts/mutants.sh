@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Mutation testing with cargo-mutants (`cargo install --locked cargo-mutants`).
 #
-#   scripts/mutants.sh                      the policy modules (list below)
+#   scripts/mutants.sh                      the policy modules (listed in the script)
 #   scripts/mutants.sh --changed [BASE]     the crates' source files this branch and
 #                                           the work tree change against BASE (default
 #                                           main; compared from their merge base)
