@@ -464,7 +464,14 @@ mod tests {
         let f = m.fill(&mut opts).unwrap();
         assert_eq!(
             flags(&f.taken),
-            ["--against", "--base", "--key", "--dtype", "--rename", "--strict"]
+            [
+                "--against",
+                "--base",
+                "--key",
+                "--dtype",
+                "--rename",
+                "--strict"
+            ]
         );
         assert!(f.overridden.is_empty(), "{:?}", f.overridden);
         assert_eq!(opts.checkpoint, Path::new(&ckpt));
