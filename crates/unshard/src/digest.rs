@@ -266,6 +266,30 @@ mod tests {
         assert_eq!(d.tree(), None);
     }
 
+    /// Blocks of any power of two of at least 1 KiB merge to the file's hash; digests
+    /// said to be of blocks of another size (which cannot be subtrees of a BLAKE3
+    /// tree) give no checksum rather than a wrong one or a panic.
+    #[test]
+    fn a_window_that_is_no_subtree_size_gives_no_checksum() {
+        let bytes: Vec<u8> = (0..3 * 1024 + 5).map(|i| (i % 251) as u8).collect();
+        let size = bytes.len() as u64;
+        let d = FileDigest {
+            size,
+            blocks: bytes
+                .chunks(1024)
+                .enumerate()
+                .map(|(k, c)| block(c, k as u64 * 1024, size))
+                .collect(),
+        };
+        assert_eq!(d.tree_in(1024), Some(<Sha>::from(blake3::hash(&bytes))));
+        let fake = |size: u64, n: usize| FileDigest {
+            size,
+            blocks: vec![Some([0; 32]); n],
+        };
+        assert_eq!(fake(2048, 4).tree_in(512), None, "under a chunk");
+        assert_eq!(fake(6144, 2).tree_in(3072), None, "not a power of two");
+    }
+
     /// A block that is not a complete subtree of the file's tree (not a power of
     /// two, or not at a multiple of its size) has no digest, rather than a wrong
     /// one or a panic inside the hash; a shorter last block has one.
@@ -278,5 +302,8 @@ mod tests {
         assert!(block(&b[..4096], 4096, 100_000).is_some());
         assert!(block(&b, 16384, 16384 + 12288).is_some(), "the last block");
         assert_eq!(block(&[], 4096, 100_000), None);
+        // Nor is an empty block at the end of the file (BLAKE3 has no empty
+        // subtree but the empty file's root).
+        assert_eq!(block(&[], 4096, 4096), None, "an empty last block");
     }
 }

@@ -425,3 +425,94 @@ fn parse_hex(s: &str) -> Option<[u8; 32]> {
     }
     Some(out)
 }
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+
+    /// The options `verify` is left with, and the flags its notes name: taken from
+    /// `unshard.json` when not given, reported when given otherwise, silent when
+    /// given the same (docs/cli.md, `verify`).
+    #[test]
+    fn verify_takes_what_is_not_given_and_names_what_is_given_otherwise() {
+        let tmp = tempfile::tempdir().unwrap();
+        let root = tmp.path().canonicalize().unwrap();
+        for d in ["ckpt", "base", "other", "sub"] {
+            std::fs::create_dir(root.join(d)).unwrap();
+        }
+        let ckpt = root.join("ckpt").to_string_lossy().into_owned();
+        let base = root.join("base").to_string_lossy().into_owned();
+        let m: Manifest = serde_json::from_value(serde_json::json!({
+            "unshard_version": "0.1.0",
+            "inputs": {"checkpoint": ckpt, "checkpoint_format": "dcp", "base": base},
+            "options": {"dtype": "bfloat16", "key": "model", "strict": true,
+                        "renames": [["^a\\.", "b."]], "max_shard_size": 5_000_000_000u64},
+            "checksum": {"algorithm": "blake3", "block_size": 8_388_608},
+            "files": [],
+        }))
+        .unwrap();
+        let flags = |notes: &[String]| -> Vec<String> {
+            notes
+                .iter()
+                .map(|n| n.split(' ').next().unwrap().to_string())
+                .collect()
+        };
+
+        // Nothing given: everything recorded is taken.
+        let mut opts = VerifyOptions::default();
+        let f = m.fill(&mut opts).unwrap();
+        assert_eq!(
+            flags(&f.taken),
+            [
+                "--against",
+                "--base",
+                "--key",
+                "--dtype",
+                "--rename",
+                "--strict"
+            ]
+        );
+        assert!(f.overridden.is_empty(), "{:?}", f.overridden);
+        assert_eq!(opts.checkpoint, Path::new(&ckpt));
+        assert_eq!(opts.base.as_deref(), Some(Path::new(&base)));
+        assert_eq!(opts.open.key.as_deref(), Some("model"));
+        assert_eq!(
+            opts.plan.dtype,
+            DtypeChoice::Fixed(DType::from_torch_name("bfloat16").unwrap())
+        );
+        assert!(opts.plan.strict);
+        assert_eq!(opts.plan.renames.len(), 1);
+
+        // The same values given (the checkpoint spelled another way): no note.
+        let same = |opts: &mut VerifyOptions| {
+            opts.checkpoint = root.join("sub/../ckpt");
+            opts.base = Some(PathBuf::from(&base));
+            opts.open.key = Some("model".into());
+            opts.plan.dtype = DtypeChoice::Fixed(DType::from_torch_name("bfloat16").unwrap());
+            opts.plan.renames = vec![(regex::Regex::new("^a\\.").unwrap(), "b.".into())];
+            opts.plan.strict = true;
+        };
+        let mut opts = VerifyOptions::default();
+        same(&mut opts);
+        let f = m.fill(&mut opts).unwrap();
+        assert!(f.taken.is_empty(), "{:?}", f.taken);
+        assert!(f.overridden.is_empty(), "{:?}", f.overridden);
+
+        // Other values given: they stay, and each is named.
+        let mut opts = VerifyOptions::default();
+        same(&mut opts);
+        opts.checkpoint = root.join("other");
+        opts.open.key = Some("state".into());
+        opts.plan.dtype = DtypeChoice::Fixed(DType::from_torch_name("float16").unwrap());
+        opts.plan.renames = vec![(regex::Regex::new("^c\\.").unwrap(), "d.".into())];
+        let f = m.fill(&mut opts).unwrap();
+        assert!(f.taken.is_empty(), "{:?}", f.taken);
+        assert_eq!(
+            flags(&f.overridden),
+            ["--against", "--key", "--dtype", "--rename"]
+        );
+        assert_eq!(opts.checkpoint, root.join("other"));
+        assert_eq!(opts.open.key.as_deref(), Some("state"));
+    }
+}

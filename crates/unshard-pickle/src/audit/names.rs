@@ -504,4 +504,22 @@ mod tests {
         assert!(!dangerous("functools", "lru_cache"));
         assert!(!dangerous("torch", "Size"));
     }
+
+    #[test]
+    fn what_picklescan_could_not_resolve_is_dangerous() {
+        // picklescan's scanner: "unknown" in the module or in the name is Dangerous.
+        assert!(dangerous("unknown", "Thing"));
+        assert!(dangerous("mymodule", "unknown"));
+    }
+
+    #[test]
+    fn names_past_the_length_bounds_are_dangerous() {
+        // 32 dotted segments and 2048 bytes of `module.name` pass; one more does not.
+        let dotted = |n: usize| vec!["a"; n].join(".");
+        assert!(!dangerous("m", &dotted(31)));
+        assert!(dangerous("m", &dotted(32)));
+        assert!(!dangerous("m", &"n".repeat(2046)));
+        assert!(dangerous("m", &"n".repeat(2047)));
+        assert!(!dangerous(&"m".repeat(100), &"n".repeat(100)));
+    }
 }
