@@ -11,10 +11,7 @@
 # Each mutant (a plausible one-line bug) is built and tested; "caught" means a test
 # failed. The run works on a snapshot of the tree (tracked and untracked files, in
 # /tmp), mutated in place and built in this tree's target/ (so the dependencies are
-# not rebuilt), so the tree can be edited meanwhile. In the snapshot, lib.rs also
-# declares each module of its `modules!` list as `#[cfg(any())] mod name;` (never
-# compiled): cargo-mutants, like rustfmt, does not expand macros and would find no
-# module behind the list.
+# not rebuilt), so the tree can be edited meanwhile.
 #
 # The files are grouped by crate and each crate is run on its own (`-p`), judged
 # by its own tests: unshard-pickle, unshard-cli and unshard-py by all of theirs,
@@ -131,7 +128,6 @@ flock -n 9 || {
   echo "another mutants.sh run uses $snapshot" >&2
   exit 2
 }
-lib=crates/unshard/src/lib.rs
 copy_if_changed() { # FROM TO
   if ! cmp -s "$1" "$2"; then
     mkdir -p "$(dirname "$2")"
@@ -140,18 +136,12 @@ copy_if_changed() { # FROM TO
 }
 git ls-files -z --cached --others --exclude-standard |
   while IFS= read -r -d '' f; do
-    if [ -f "$f" ] && [ "$f" != "$lib" ]; then copy_if_changed "$f" "$snapshot/$f"; fi
+    if [ -f "$f" ]; then copy_if_changed "$f" "$snapshot/$f"; fi
   done
 (cd "$snapshot" && find . -type f -printf '%P\0') |
   while IFS= read -r -d '' f; do
     if [ ! -e "$f" ]; then rm -f "$snapshot/$f"; fi
   done
-modules=$(mktemp)
-cp "$lib" "$modules"
-perl -0ne 'print map { "#[cfg(any())]\nmod $_;\n" } grep { length } map { s/\s//gr }
-  split(/,/, $1) if /^modules!\(\s*([^)]*)\);/m' "$lib" >> "$modules"
-copy_if_changed "$modules" "$snapshot/$lib"
-rm -f "$modules"
 
 status=0
 for dir in "${crates[@]}"; do

@@ -79,7 +79,9 @@ pub fn resolve_in(cache: &Path, repo: &str, rev: Option<&str>) -> Result<PathBuf
             rev,
             &format!("it is not in the Hugging Face cache {}", cache.display()),
         );
-        if let (Some(near), Error::Plan { hint: Some(h), .. }) = (closest_cached(cache, repo), &mut e) {
+        if let (Some(near), Error::Plan { hint: Some(h), .. }) =
+            (closest_cached(cache, repo), &mut e)
+        {
             *h = format!("did you mean {near} (in the cache)? Otherwise, {h}");
         }
         return Err(e);
@@ -182,7 +184,11 @@ mod tests {
     #[test]
     fn a_typo_gets_the_nearest_cached_id() {
         let cache = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
-        for d in ["models--Qwen--Qwen2.5-0.5B", "models--meta-llama--Llama-3.2-1B", "datasets--a--b"] {
+        for d in [
+            "models--Qwen--Qwen2.5-0.5B",
+            "models--meta-llama--Llama-3.2-1B",
+            "datasets--a--b",
+        ] {
             std::fs::create_dir(cache.path().join(d)).unwrap_or_else(|e| panic!("{e}"));
         }
         let hint = |repo: &str| {

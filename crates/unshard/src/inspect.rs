@@ -122,7 +122,12 @@ pub fn report(ckpt: &Checkpoint, stats: Option<Vec<TensorStats>>) -> InspectRepo
                 kind: e.kind.clone(),
             })
             .collect(),
-        notes: ckpt.notes.iter().cloned().chain(packed_note(ckpt)).collect(),
+        notes: ckpt
+            .notes
+            .iter()
+            .cloned()
+            .chain(packed_note(ckpt))
+            .collect(),
         unsafe_calls: ckpt.unsafe_calls.clone(),
     }
 }
@@ -151,7 +156,13 @@ fn packed_note(ckpt: &Checkpoint) -> Option<String> {
         .filter(|n| {
             let pattern: Vec<&str> = n
                 .split('.')
-                .map(|c| if c.bytes().all(|b| b.is_ascii_digit()) { "#" } else { c })
+                .map(|c| {
+                    if c.bytes().all(|b| b.is_ascii_digit()) {
+                        "#"
+                    } else {
+                        c
+                    }
+                })
                 .collect();
             let pattern = pattern.join(".");
             *seen

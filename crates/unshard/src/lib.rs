@@ -45,22 +45,124 @@
 //! the crate's own integration tests and fuzz targets only: they are no API.
 #![deny(missing_docs)]
 
-/// Declares the library's modules: crate-private, or public (hidden from the docs)
-/// under the `internals` feature.
-macro_rules! modules {
-    ($($name:ident),* $(,)?) => {$(
-        #[cfg(feature = "internals")]
-        #[doc(hidden)]
-        pub mod $name;
-        #[cfg(not(feature = "internals"))]
-        mod $name;
-    )*};
-}
-
-modules!(
-    arch, bytes, cancel, diff, digest, dtype, error, hub, inspect, lora, manifest, merge, options,
-    parts, plan, prepare, read, scan, source, stats, text, verify, write,
-);
+// The library's modules: crate-private, or public (hidden from the docs) under the
+// `internals` feature. Declared one by one, not through a macro, so that rustfmt
+// and cargo-mutants, which do not expand macros, find their files.
+#[cfg(feature = "internals")]
+#[doc(hidden)]
+pub mod arch;
+#[cfg(not(feature = "internals"))]
+mod arch;
+#[cfg(feature = "internals")]
+#[doc(hidden)]
+pub mod bytes;
+#[cfg(not(feature = "internals"))]
+mod bytes;
+#[cfg(feature = "internals")]
+#[doc(hidden)]
+pub mod cancel;
+#[cfg(not(feature = "internals"))]
+mod cancel;
+#[cfg(feature = "internals")]
+#[doc(hidden)]
+pub mod diff;
+#[cfg(not(feature = "internals"))]
+mod diff;
+#[cfg(feature = "internals")]
+#[doc(hidden)]
+pub mod digest;
+#[cfg(not(feature = "internals"))]
+mod digest;
+#[cfg(feature = "internals")]
+#[doc(hidden)]
+pub mod dtype;
+#[cfg(not(feature = "internals"))]
+mod dtype;
+#[cfg(feature = "internals")]
+#[doc(hidden)]
+pub mod error;
+#[cfg(not(feature = "internals"))]
+mod error;
+#[cfg(feature = "internals")]
+#[doc(hidden)]
+pub mod hub;
+#[cfg(not(feature = "internals"))]
+mod hub;
+#[cfg(feature = "internals")]
+#[doc(hidden)]
+pub mod inspect;
+#[cfg(not(feature = "internals"))]
+mod inspect;
+#[cfg(feature = "internals")]
+#[doc(hidden)]
+pub mod lora;
+#[cfg(not(feature = "internals"))]
+mod lora;
+#[cfg(feature = "internals")]
+#[doc(hidden)]
+pub mod manifest;
+#[cfg(not(feature = "internals"))]
+mod manifest;
+#[cfg(feature = "internals")]
+#[doc(hidden)]
+pub mod merge;
+#[cfg(not(feature = "internals"))]
+mod merge;
+#[cfg(feature = "internals")]
+#[doc(hidden)]
+pub mod options;
+#[cfg(not(feature = "internals"))]
+mod options;
+#[cfg(feature = "internals")]
+#[doc(hidden)]
+pub mod parts;
+#[cfg(not(feature = "internals"))]
+mod parts;
+#[cfg(feature = "internals")]
+#[doc(hidden)]
+pub mod plan;
+#[cfg(not(feature = "internals"))]
+mod plan;
+#[cfg(feature = "internals")]
+#[doc(hidden)]
+pub mod prepare;
+#[cfg(not(feature = "internals"))]
+mod prepare;
+#[cfg(feature = "internals")]
+#[doc(hidden)]
+pub mod read;
+#[cfg(not(feature = "internals"))]
+mod read;
+#[cfg(feature = "internals")]
+#[doc(hidden)]
+pub mod scan;
+#[cfg(not(feature = "internals"))]
+mod scan;
+#[cfg(feature = "internals")]
+#[doc(hidden)]
+pub mod source;
+#[cfg(not(feature = "internals"))]
+mod source;
+#[cfg(feature = "internals")]
+#[doc(hidden)]
+pub mod stats;
+#[cfg(not(feature = "internals"))]
+mod stats;
+#[cfg(feature = "internals")]
+#[doc(hidden)]
+pub mod text;
+#[cfg(not(feature = "internals"))]
+mod text;
+#[cfg(feature = "internals")]
+#[doc(hidden)]
+pub mod verify;
+#[cfg(not(feature = "internals"))]
+mod verify;
+#[cfg(feature = "internals")]
+#[doc(hidden)]
+pub mod write;
+#[cfg(not(feature = "internals"))]
+mod write;
 
 pub use cancel::Cancel;
 pub use diff::{diff, DiffReport, DiffSide, TensorDiff, ValueDiff};

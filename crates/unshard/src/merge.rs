@@ -10,7 +10,10 @@ pub use crate::prepare::Base;
 
 use serde::Serialize;
 
+use crate::digest::hex;
+use crate::dtype::ConvertStats;
 use crate::dtype::DType;
+use crate::error::NonFiniteTensor;
 use crate::error::{Error, Result};
 use crate::lora;
 use crate::manifest::{FileEntry, Manifest, MANIFEST};
@@ -19,9 +22,6 @@ use crate::prepare::{Prepared, Sources};
 use crate::source;
 use crate::source::audit::UnsafeCall;
 use crate::verify::{self, VerifyReport};
-use crate::digest::hex;
-use crate::error::NonFiniteTensor;
-use crate::dtype::ConvertStats;
 use crate::write::{self, Progress, Sink, StagingDir, WriteOptions};
 
 /// What a merge did: what the command line's summary and `merge --json` show,

@@ -18,8 +18,8 @@ use crate::plan::megatron::Megatron;
 use crate::plan::torchtitan::Torchtitan;
 pub use crate::plan::Inputs;
 use crate::plan::{self, BaseView, Plan, PlanOptions};
-use crate::source::hf_dir::HfDir;
 use crate::source::audit::UnsafeCall;
+use crate::source::hf_dir::HfDir;
 use crate::source::{self, megatron, Checkpoint, OpenOptions};
 
 /// The opened inputs and the plan, ready to write or to verify against.
@@ -232,7 +232,8 @@ pub fn prepare<'a>(opts: impl Into<Sources<'a>>) -> Result<Prepared> {
     let opts: Sources<'a> = opts.into();
     // A peft adapter (directory, or a checkpoint of a peft-wrapped model) is the
     // checkpoint here, resolved against its config before anything is planned.
-    let (mut ckpt, adapter) = lora::input::open(opts.checkpoint, opts.base, opts.adapter, opts.open)?;
+    let (mut ckpt, adapter) =
+        lora::input::open(opts.checkpoint, opts.base, opts.adapter, opts.open)?;
     // Parsing a checkpoint of thousands of ranks takes a while: stop here if asked.
     opts.cancel.check()?;
     let local = ckpt.tensors.iter().find(|t| {

@@ -13,9 +13,9 @@ pub mod conversions;
 pub mod eval;
 pub mod table;
 
-pub use check::{check, placeholders};
 #[cfg(feature = "internals")]
 pub use check::PLACEHOLDER_HINT;
+pub use check::{check, placeholders};
 pub use eval::{expected, Expected};
 #[cfg(feature = "internals")]
 pub use eval::{family_for, ExpectedTensor, Unknown};

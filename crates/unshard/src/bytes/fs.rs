@@ -60,7 +60,8 @@ pub fn secrets_removed(path: &Path) -> bool {
         return true;
     }
     let set = WITHHELD.lock().unwrap_or_else(|e| e.into_inner());
-    set.iter().any(|w| path.starts_with(w) || w.starts_with(path))
+    set.iter()
+        .any(|w| path.starts_with(w) || w.starts_with(path))
 }
 
 /// Whether `path` is a directory (locally) or a key prefix with objects below it.

@@ -26,7 +26,9 @@ pub mod remote;
 #[cfg(test)]
 mod tests;
 
-pub use coalesce::{coalesce, read_runs, Run};
+#[cfg(feature = "remote")]
+pub use coalesce::Run;
+pub use coalesce::{coalesce, read_runs};
 pub(crate) use local::advise_will_need;
 pub use local::LocalFile;
 pub use memory::MemBytes;

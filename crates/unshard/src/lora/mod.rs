@@ -33,15 +33,15 @@ pub mod mapping;
 pub use crate::dtype::fuse as math;
 pub mod names;
 pub mod reference;
-pub mod summary;
 pub mod resolve;
+pub mod summary;
 
 pub use crate::error::{AdapterOption, AdapterRemedy};
 #[cfg(feature = "internals")]
 pub use config::AdapterConfig;
-pub use input::AdapterOptions;
 #[cfg(feature = "internals")]
 pub use input::AdapterInput;
+pub use input::AdapterOptions;
 pub use mapping::LoraFuse;
 #[cfg(feature = "internals")]
 pub use resolve::{resolve, Fuse, Resolved};

@@ -440,7 +440,11 @@ mod tests {
             cut.arm("put", 1, after);
             assert_eq!(a.mark_done(&[]).unwrap(), [1], "after: {after}");
             cut.arm("put", 1, after);
-            assert_eq!(b.mark_done(&[]).unwrap(), Vec::<usize>::new(), "after: {after}");
+            assert_eq!(
+                b.mark_done(&[]).unwrap(),
+                Vec::<usize>::new(),
+                "after: {after}"
+            );
             cut.arm("put", 1, after);
             let claims = [a.claim_commit().unwrap(), b.claim_commit().unwrap()];
             assert_eq!(claims, [true, false], "after: {after}");

@@ -201,7 +201,14 @@ pub fn merge_part(opts: &MergeOptions, part: Part, progress: &dyn Progress) -> R
         // The last part: index, config and the base's small files, then the rename.
         let small = write::write_into(&last, inputs, &dir, &extra, &write::NoProgress)?;
         if !opts.no_manifest {
-            let bytes = manifest(opts, &ckpt, &plan, shard_checksums(dir.path())?, &small, &calls);
+            let bytes = manifest(
+                opts,
+                &ckpt,
+                &plan,
+                shard_checksums(dir.path())?,
+                &small,
+                &calls,
+            );
             write::write_file(&dir.path().join(MANIFEST), &bytes)?;
         }
         if let Some(a) = adapter.as_deref().filter(|a| a.no_fuse()) {
@@ -233,7 +240,11 @@ fn shard_checksums(dir: &Path) -> Result<Vec<FileEntry>> {
         .map_err(|e| Error::io("list", dir, e))?
         .flatten()
     {
-        if !e.file_name().to_string_lossy().starts_with(shared_dir::CHECKSUMS) {
+        if !e
+            .file_name()
+            .to_string_lossy()
+            .starts_with(shared_dir::CHECKSUMS)
+        {
             continue;
         }
         let bytes = std::fs::read(e.path()).map_err(|err| Error::io("read", e.path(), err))?;

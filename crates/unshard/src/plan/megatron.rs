@@ -242,12 +242,18 @@ impl Mapping for Megatron {
                     emit(&mut out, hf.into(), take(&c, src, &[], Some(&blocks), hf)?);
                 }
                 "decoder.final_layernorm.weight" => {
-                    emit(&mut out, "model.norm.weight".into(), whole(&c, src, &[], "model.norm.weight")?);
+                    emit(
+                        &mut out,
+                        "model.norm.weight".into(),
+                        whole(&c, src, &[], "model.norm.weight")?,
+                    );
                 }
                 n if n.starts_with("decoder.layers.") => {
                     let rest = &n["decoder.layers.".len()..];
                     let (layer, sub) = match rest.split_once('.') {
-                        Some((l, sub)) if l.bytes().all(|b| b.is_ascii_digit()) && !l.is_empty() => {
+                        Some((l, sub))
+                            if l.bytes().all(|b| b.is_ascii_digit()) && !l.is_empty() =>
+                        {
                             let l: u64 = l.parse().map_err(|_| unexplained(&c, &shape))?;
                             (Some(l), sub)
                         }
@@ -314,7 +320,10 @@ fn within(c: &Candidate, what: &str, n: u64, config: Option<u64>, count: bool) -
             "checkpoint tensor '{}' {:?} {said}, and the base's config.json has {}",
             c.source_name,
             c.shape,
-            config.map_or_else(|| format!("no {what} count (at most {MAX_STACKED} are read)"), |k| format!("{k}"))
+            config.map_or_else(
+                || format!("no {what} count (at most {MAX_STACKED} are read)"),
+                |k| format!("{k}")
+            )
         ),
         Some("pass the base the training started from".into()),
     ))
@@ -375,7 +384,11 @@ fn layer_tensors(
     }
     match sub {
         "self_attention.linear_qkv.weight" | "self_attention.linear_qkv.bias" => {
-            let kind = if sub.ends_with("weight") { "weight" } else { "bias" };
+            let kind = if sub.ends_with("weight") {
+                "weight"
+            } else {
+                "bias"
+            };
             let rows = dim(c, src, fixed.len())?;
             for (proj, blocks) in qkv_blocks(c, shape, rows)? {
                 let name = format!("{p}self_attn.{proj}.{kind}");
@@ -485,8 +498,22 @@ fn swiglu_blocks(c: &Candidate, rows: u64) -> Result<[(&'static str, Vec<Rows>);
     }
     let f = rows / 2;
     Ok([
-        ("gate_proj", vec![Rows { from: 0, len: f, to: 0 }]),
-        ("up_proj", vec![Rows { from: f, len: f, to: 0 }]),
+        (
+            "gate_proj",
+            vec![Rows {
+                from: 0,
+                len: f,
+                to: 0,
+            }],
+        ),
+        (
+            "up_proj",
+            vec![Rows {
+                from: f,
+                len: f,
+                to: 0,
+            }],
+        ),
     ])
 }
 
@@ -508,7 +535,10 @@ fn take(
     let ndim = src.shape.len();
     let fail = |why: String| {
         Error::plan(
-            format!("checkpoint tensor '{}' {:?}, as '{name}': {why}", c.source_name, src.shape),
+            format!(
+                "checkpoint tensor '{}' {:?}, as '{name}': {why}",
+                c.source_name, src.shape
+            ),
             Some(HINT.into()),
         )
     };
@@ -518,8 +548,16 @@ fn take(
         )));
     }
     let region = |from: u64, len: u64| Region {
-        start: fixed.iter().copied().chain([from]).chain(std::iter::repeat_n(0, ndim - k - 1)).collect(),
-        len: std::iter::repeat_n(1, k).chain([len]).chain(src.shape[k + 1..].iter().copied()).collect(),
+        start: fixed
+            .iter()
+            .copied()
+            .chain([from])
+            .chain(std::iter::repeat_n(0, ndim - k - 1))
+            .collect(),
+        len: std::iter::repeat_n(1, k)
+            .chain([len])
+            .chain(src.shape[k + 1..].iter().copied())
+            .collect(),
         kept: (k..ndim).collect(),
     };
     let slice = narrow(src, &region(0, src.shape[k]), name).map_err(&fail)?;
@@ -585,7 +623,10 @@ mod tests {
         // 2 layers; 4 heads in 2 groups of head_dim 16: 128 rows of 4 columns.
         let got = run(
             Some(LLAMA),
-            vec![stored("decoder.layers.self_attention.linear_qkv.weight", &[2, 128, 4])],
+            vec![stored(
+                "decoder.layers.self_attention.linear_qkv.weight",
+                &[2, 128, 4],
+            )],
         )
         .unwrap();
         let names: Vec<&str> = got.iter().map(|c| c.name.as_str()).collect();
@@ -595,7 +636,9 @@ mod tests {
             .find(|c| c.name == "model.layers.1.self_attn.q_proj.weight")
             .unwrap();
         assert_eq!(q.shape, [64, 4]);
-        let Content::Copy(t) = &q.content else { panic!() };
+        let Content::Copy(t) = &q.content else {
+            panic!()
+        };
         let at: Vec<(u64, Vec<u64>, Vec<u64>)> = t
             .pieces
             .iter()
@@ -613,7 +656,9 @@ mod tests {
             .iter()
             .find(|c| c.name == "model.layers.0.self_attn.v_proj.weight")
             .unwrap();
-        let Content::Copy(t) = &v.content else { panic!() };
+        let Content::Copy(t) = &v.content else {
+            panic!()
+        };
         let starts: Vec<u64> = t.pieces.iter().map(|p| p.byte_offset / 8).collect();
         // Group 0's v head at row 48, group 1's at row 112.
         assert_eq!(starts, [48, 112]);
@@ -621,7 +666,11 @@ mod tests {
 
     #[test]
     fn a_padded_vocabulary_keeps_the_base_s_rows() {
-        let got = run(Some(LLAMA), vec![stored("embedding.word_embeddings.weight", &[8, 4])]).unwrap();
+        let got = run(
+            Some(LLAMA),
+            vec![stored("embedding.word_embeddings.weight", &[8, 4])],
+        )
+        .unwrap();
         assert_eq!(got[0].name, "model.embed_tokens.weight");
         assert_eq!(got[0].shape, [6, 4]);
     }
@@ -632,22 +681,34 @@ mod tests {
             Some(LLAMA),
             vec![
                 stored("embedding.word_embeddings.weight", &[6, 4]),
-                stored("decoder.layers.0.mlp.shared_experts.linear_fc1.weight", &[4, 4]),
+                stored(
+                    "decoder.layers.0.mlp.shared_experts.linear_fc1.weight",
+                    &[4, 4],
+                ),
             ],
         )
         .unwrap_err()
         .to_string();
-        assert!(e.contains("'decoder.layers.0.mlp.shared_experts.linear_fc1.weight'"), "{e}");
+        assert!(
+            e.contains("'decoder.layers.0.mlp.shared_experts.linear_fc1.weight'"),
+            "{e}"
+        );
     }
 
     #[test]
     fn megatron_names_need_a_config_and_a_known_model_type() {
         let t = || vec![stored("output_layer.weight", &[6, 4])];
         let e = run(None, t()).unwrap_err().to_string();
-        assert!(e.contains("'output_layer.weight'") && e.contains("no config.json"), "{e}");
-        let e = run(Some(r#"{"model_type": "gpt2", "num_attention_heads": 4}"#), t())
-            .unwrap_err()
-            .to_string();
+        assert!(
+            e.contains("'output_layer.weight'") && e.contains("no config.json"),
+            "{e}"
+        );
+        let e = run(
+            Some(r#"{"model_type": "gpt2", "num_attention_heads": 4}"#),
+            t(),
+        )
+        .unwrap_err()
+        .to_string();
         assert!(e.contains("model_type 'gpt2'"), "{e}");
     }
 
@@ -655,7 +716,10 @@ mod tests {
     fn qkv_rows_the_heads_do_not_make_are_refused() {
         let e = run(
             Some(LLAMA),
-            vec![stored("decoder.layers.0.self_attention.linear_qkv.weight", &[100, 4])],
+            vec![stored(
+                "decoder.layers.0.self_attention.linear_qkv.weight",
+                &[100, 4],
+            )],
         )
         .unwrap_err()
         .to_string();
@@ -679,7 +743,11 @@ mod tests {
         let e = refused(cfg, name, &[5, 4, 2]);
         assert!(e.contains("holds 5 experts"), "{e}");
         // A stacked count the config does not give is bounded.
-        let e = refused(LLAMA, "decoder.layers.input_layernorm.weight", &[1 << 40, 4]);
+        let e = refused(
+            LLAMA,
+            "decoder.layers.input_layernorm.weight",
+            &[1 << 40, 4],
+        );
         assert!(e.contains("no layer count"), "{e}");
     }
 

@@ -246,7 +246,9 @@ pub struct Plan {
 fn shape_hint(ckpt: &Checkpoint, e: crate::error::Error) -> crate::error::Error {
     use crate::error::Error;
     match (e, crate::source::hf_sharded::shape_hint(ckpt)) {
-        (Error::Plan { msg, .. }, Some(hint)) if msg.contains("shape") => Error::plan(msg, Some(hint)),
+        (Error::Plan { msg, .. }, Some(hint)) if msg.contains("shape") => {
+            Error::plan(msg, Some(hint))
+        }
         (e, _) => e,
     }
 }

@@ -425,7 +425,12 @@ impl Torchtitan {
             v.extend(one_head(base + (hpk + 1) * hd, g * hd, hd, false));
         }
         Ok(vec![
-            self.selected(c, &joined(q), n_heads * hd, format!("{prefix}q_proj.weight"))?,
+            self.selected(
+                c,
+                &joined(q),
+                n_heads * hd,
+                format!("{prefix}q_proj.weight"),
+            )?,
             self.selected(c, &joined(k), n_kv * hd, format!("{prefix}k_proj.weight"))?,
             self.selected(c, &joined(v), n_kv * hd, format!("{prefix}v_proj.weight"))?,
         ])
@@ -616,9 +621,9 @@ fn joined(runs: Vec<Run>) -> Vec<Run> {
 #[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
-    use crate::source::Piece;
     use crate::dtype::DType;
     use crate::plan::testing::{checkpoint, tensor};
+    use crate::source::Piece;
 
     fn cfg(json: &str) -> Map<String, Value> {
         serde_json::from_str(json).unwrap()
@@ -802,7 +807,9 @@ mod tests {
         // wk of 2 heads of 8 rows, saved in chunks of 5 and 11 rows: the cut falls
         // inside head 0, between an even and an odd row.
         let src = chunked("wk", 16, 3, &[0, 5]);
-        let runs: Vec<Run> = (0..2).flat_map(|h| one_head(h * 8, h * 8, 8, true)).collect();
+        let runs: Vec<Run> = (0..2)
+            .flat_map(|h| one_head(h * 8, h * 8, 8, true))
+            .collect();
         let out = select_rows(&src, &runs, 16, "k").unwrap();
         assert_eq!(out.shape, [16, 3]);
         assert_eq!(source_rows(&src, &out), rope_order(2, 8));
@@ -852,7 +859,11 @@ mod tests {
                     &[2, 6, 32],
                 ),
                 tensor("layers.0.moe.expert_bias_E", DType::F32, &[2]),
-                tensor("optimizer.state.tok_embeddings.weight.step", DType::F32, &[]),
+                tensor(
+                    "optimizer.state.tok_embeddings.weight.step",
+                    DType::F32,
+                    &[],
+                ),
             ],
         );
         let out = m
@@ -865,8 +876,14 @@ mod tests {
         assert_eq!(
             got,
             [
-                ("model.layers.0.mlp.experts.0.gate_proj.weight", &[6, 32][..]),
-                ("model.layers.0.mlp.experts.1.gate_proj.weight", &[6, 32][..])
+                (
+                    "model.layers.0.mlp.experts.0.gate_proj.weight",
+                    &[6, 32][..]
+                ),
+                (
+                    "model.layers.0.mlp.experts.1.gate_proj.weight",
+                    &[6, 32][..]
+                )
             ]
         );
         let mut r = Report::default();
@@ -890,7 +907,10 @@ mod tests {
             vec![tensor("layers.0.moe.experts.w2", DType::F32, &[2, 32, 32])],
         );
         let e = m
-            .map(crate::plan::mapping::candidates(&square), MapInputs::default())
+            .map(
+                crate::plan::mapping::candidates(&square),
+                MapInputs::default(),
+            )
             .unwrap_err()
             .to_string();
         assert!(e.contains("'layers.0.moe.experts.w2' [2, 32, 32]"), "{e}");
@@ -927,7 +947,10 @@ mod tests {
             ],
         );
         let e = l
-            .map(crate::plan::mapping::candidates(&mixed), MapInputs::default())
+            .map(
+                crate::plan::mapping::candidates(&mixed),
+                MapInputs::default(),
+            )
             .unwrap_err()
             .to_string();
         assert!(e.contains("two eras"), "{e}");
@@ -946,7 +969,11 @@ mod tests {
         let l = llama();
         let ck = checkpoint(
             "c",
-            vec![tensor("layers.0.attention.wq.weight", DType::F32, &[24, 32])],
+            vec![tensor(
+                "layers.0.attention.wq.weight",
+                DType::F32,
+                &[24, 32],
+            )],
         );
         let e = l
             .map(crate::plan::mapping::candidates(&ck), MapInputs::default())

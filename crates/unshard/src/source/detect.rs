@@ -5,8 +5,8 @@ use std::path::Path;
 use std::sync::Arc;
 
 use super::{
-    dcp, deepspeed, fs, hf_dir, hf_sharded, hints, legacy, megatron, safetensors, sharded, torch, Blob,
-    Checkpoint,
+    dcp, deepspeed, fs, hf_dir, hf_sharded, hints, legacy, megatron, safetensors, sharded, torch,
+    Blob, Checkpoint,
 };
 use crate::error::{Error, Result};
 

@@ -130,13 +130,15 @@ pub fn open(dir: &Path) -> Result<Checkpoint> {
             hint: Some("expected shard-0000R-model-0000K-of-0000N.safetensors files".into()),
         });
     };
-    let incomplete = |msg: String| Error::Incomplete {
+    let incomplete = |msg: String| {
+        Error::Incomplete {
         path: dir.to_path_buf(),
         msg,
         hint: Some(
             "copy every rank's files of the save into the folder (or pass the folder holding all of them)"
                 .into(),
         ),
+    }
     };
     if let Some((_, _, _, name, _)) = found.iter().find(|f| f.2 != count) {
         return Err(Error::Corrupt {
@@ -231,7 +233,10 @@ pub fn open(dir: &Path) -> Result<Checkpoint> {
                 }
             }
         }
-        if let Some(extra) = sharding.keys().find(|k| !header.tensors.iter().any(|t| &t.0 == *k)) {
+        if let Some(extra) = sharding
+            .keys()
+            .find(|k| !header.tensors.iter().any(|t| &t.0 == *k))
+        {
             return Err(Error::bad_tensor(
                 path,
                 extra,
@@ -249,7 +254,11 @@ pub fn open(dir: &Path) -> Result<Checkpoint> {
         for p in &g.pieces {
             for (d, s) in shape.iter_mut().enumerate() {
                 let end = p.global_offset[d].checked_add(p.shape[d]).ok_or_else(|| {
-                    Error::bad_tensor(dir, &name, format!("saved_offsets {:?} overflow", p.global_offset))
+                    Error::bad_tensor(
+                        dir,
+                        &name,
+                        format!("saved_offsets {:?} overflow", p.global_offset),
+                    )
                 })?;
                 *s = (*s).max(end);
             }
@@ -344,6 +353,9 @@ mod tests {
         assert_eq!(parse_name("model-00001-of-00005.safetensors"), None);
         assert_eq!(parse_name("shard-00002-model-00003-of-00005.bin"), None);
         assert_eq!(parse_name("shard--model-00003-of-00005.safetensors"), None);
-        assert_eq!(parse_name("shard-0x2-model-00003-of-00005.safetensors"), None);
+        assert_eq!(
+            parse_name("shard-0x2-model-00003-of-00005.safetensors"),
+            None
+        );
     }
 }

@@ -61,9 +61,9 @@ pub use crate::bytes::{fs, Blob, ByteSource};
 #[cfg(feature = "internals")]
 pub use crate::bytes::{LocalFile, MemBytes};
 pub(crate) use detect::format_id;
-pub use detect::{open, Format, OpenOptions};
 #[cfg(feature = "internals")]
 pub use detect::open_blob;
+pub use detect::{open, Format, OpenOptions};
 
 /// Index of a [`Blob`] in [`Checkpoint::files`].
 pub type FileId = usize;

@@ -182,7 +182,10 @@ mod json {
 
     impl<'de> DeserializeSeed<'de> for Top<'_> {
         type Value = Parsed;
-        fn deserialize<D: de::Deserializer<'de>>(self, d: D) -> std::result::Result<Self::Value, D::Error> {
+        fn deserialize<D: de::Deserializer<'de>>(
+            self,
+            d: D,
+        ) -> std::result::Result<Self::Value, D::Error> {
             d.deserialize_map(self)
         }
     }
@@ -192,7 +195,10 @@ mod json {
         fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
             f.write_str("a JSON object")
         }
-        fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> std::result::Result<Self::Value, A::Error> {
+        fn visit_map<A: MapAccess<'de>>(
+            self,
+            mut map: A,
+        ) -> std::result::Result<Self::Value, A::Error> {
             let mut tensors: Vec<Entry> = Vec::new();
             let mut metadata = Vec::new();
             // A name given twice keeps its first place and its last entry, as a JSON
@@ -211,7 +217,8 @@ mod json {
                     Ok(e) => e,
                     Err(e) if self.fault.is_some() => return Err(e),
                     Err(e) => {
-                        let msg = format!("is not an object with dtype, shape and data_offsets ({e})");
+                        let msg =
+                            format!("is not an object with dtype, shape and data_offsets ({e})");
                         return Err(fail(self.fault, Fault::Tensor(name, msg)));
                     }
                 };
@@ -233,7 +240,10 @@ mod json {
 
     impl<'de> DeserializeSeed<'de> for Meta<'_> {
         type Value = Vec<(String, String)>;
-        fn deserialize<D: de::Deserializer<'de>>(self, d: D) -> std::result::Result<Self::Value, D::Error> {
+        fn deserialize<D: de::Deserializer<'de>>(
+            self,
+            d: D,
+        ) -> std::result::Result<Self::Value, D::Error> {
             d.deserialize_any(self)
         }
     }
@@ -243,7 +253,10 @@ mod json {
         fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
             f.write_str("an object of strings")
         }
-        fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> std::result::Result<Self::Value, A::Error> {
+        fn visit_map<A: MapAccess<'de>>(
+            self,
+            mut map: A,
+        ) -> std::result::Result<Self::Value, A::Error> {
             let mut out = Vec::new();
             while let Some(k) = map.next_key::<String>()? {
                 match map.next_value::<serde_json::Value>()? {
@@ -256,7 +269,10 @@ mod json {
             }
             Ok(out)
         }
-        fn visit_seq<A: de::SeqAccess<'de>>(self, _: A) -> std::result::Result<Self::Value, A::Error> {
+        fn visit_seq<A: de::SeqAccess<'de>>(
+            self,
+            _: A,
+        ) -> std::result::Result<Self::Value, A::Error> {
             Err(self.not_object())
         }
         fn visit_str<E: de::Error>(self, _: &str) -> std::result::Result<Self::Value, E> {
@@ -272,7 +288,10 @@ mod json {
 
     impl Meta<'_> {
         fn not_object<E: de::Error>(self) -> E {
-            fail(self.fault, Fault::File("__metadata__ is not an object".into()))
+            fail(
+                self.fault,
+                Fault::File("__metadata__ is not an object".into()),
+            )
         }
     }
 
@@ -283,7 +302,10 @@ mod json {
 
     impl<'de> DeserializeSeed<'de> for Tensor<'_, '_> {
         type Value = (DType, Vec<u64>, u64, u64);
-        fn deserialize<D: de::Deserializer<'de>>(self, d: D) -> std::result::Result<Self::Value, D::Error> {
+        fn deserialize<D: de::Deserializer<'de>>(
+            self,
+            d: D,
+        ) -> std::result::Result<Self::Value, D::Error> {
             d.deserialize_map(self)
         }
     }
@@ -293,22 +315,29 @@ mod json {
         fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
             f.write_str("an object with dtype, shape and data_offsets")
         }
-        fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> std::result::Result<Self::Value, A::Error> {
+        fn visit_map<A: MapAccess<'de>>(
+            self,
+            mut map: A,
+        ) -> std::result::Result<Self::Value, A::Error> {
             let name = self.name;
             let fault = self.fault;
-            let mut bad = |msg: &str| fail::<A::Error>(fault, Fault::Tensor(name.into(), msg.into()));
+            let mut bad =
+                |msg: &str| fail::<A::Error>(fault, Fault::Tensor(name.into(), msg.into()));
             let (mut dtype, mut shape, mut offsets) = (None, None, None);
             while let Some(k) = map.next_key::<String>()? {
                 match k.as_str() {
                     "dtype" => {
-                        let s = map.next_value::<String>().map_err(|_| bad("dtype is not a string"))?;
+                        let s = map
+                            .next_value::<String>()
+                            .map_err(|_| bad("dtype is not a string"))?;
                         let d = DType::from_safetensors_name(&s)
                             .ok_or_else(|| bad(&format!("unsupported dtype {s}")))?;
                         dtype = Some(d);
                     }
                     "shape" => {
                         let v = map.next_value::<Vec<u64>>();
-                        shape = Some(v.map_err(|_| bad("shape is not a list of non-negative ints"))?);
+                        shape =
+                            Some(v.map_err(|_| bad("shape is not a list of non-negative ints"))?);
                     }
                     "data_offsets" => {
                         let v = map.next_value::<Vec<u64>>();
@@ -506,7 +535,10 @@ mod tests {
             (r#"{"__metadata__":{"k":1}}"#, "'k' is not a string"),
             (r#"{"__metadata__":[]}"#, "__metadata__ is not an object"),
             ("[]", "not a JSON object"),
-            (r#"{"a":{"dtype":7,"shape":[1],"data_offsets":[0,4]}}"#, "dtype is not a string"),
+            (
+                r#"{"a":{"dtype":7,"shape":[1],"data_offsets":[0,4]}}"#,
+                "dtype is not a string",
+            ),
             (r#"{"a":[]}"#, "is not an object with dtype"),
         ] {
             let f = file(json, 0, 4);

@@ -64,9 +64,9 @@ pub use crate::digest::Expected;
 #[cfg(feature = "internals")]
 pub use crate::digest::ExpectedDigest;
 pub use checks::{check_finite, drop_cached, nonfinite_tensors, unchanged_from_base};
-pub use report::{FirstDiff, Mismatch, Problem, VerifyReport};
 #[cfg(feature = "internals")]
 pub use report::unravel;
+pub use report::{FirstDiff, Mismatch, Problem, VerifyReport};
 
 use report::problem;
 use structure::{check_config, Located, Written};

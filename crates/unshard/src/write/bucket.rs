@@ -409,7 +409,9 @@ impl Drop for BucketSink {
         let url = self.dest.url.to_string_lossy().into_owned();
         let bucket = url
             .split_once("://")
-            .map_or("BUCKET", |(_, rest)| rest.split('/').next().unwrap_or("BUCKET"))
+            .map_or("BUCKET", |(_, rest)| {
+                rest.split('/').next().unwrap_or("BUCKET")
+            })
             .to_string();
         let scheme = url.split_once("://").map_or("", |(s, _)| s).to_string();
         let bucket_a = bucket.clone();

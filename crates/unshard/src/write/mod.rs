@@ -43,9 +43,9 @@ mod staging;
 
 pub use crate::digest::{FileDigest, WINDOW_BYTES};
 pub use crate::plan::Inputs;
-pub use crate::read::{read_tensor_range, windows};
 #[cfg(feature = "internals")]
 pub use crate::read::read_tensor;
+pub use crate::read::{read_tensor_range, windows};
 pub(crate) use direct::OutFile;
 pub use sink::{ShardFile, Sink, StagingDir};
 pub use staging::check_output;

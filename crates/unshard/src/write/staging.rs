@@ -131,13 +131,15 @@ pub fn create_staging(out: &Path) -> Result<Staging> {
     let parent = parent_of(out);
     // The output is written beside itself and renamed into place: a failure here
     // is about the output's directory, not the internal staging name.
-    let unwritable = |e: std::io::Error| Error::Output {
+    let unwritable = |e: std::io::Error| {
+        Error::Output {
         path: out.to_path_buf(),
         msg: format!("cannot write into {}: {e}", parent.display()),
         hint: Some(
             "choose an output in a directory you can write to, or fix that directory's permissions (`ls -ld` shows them)"
                 .into(),
         ),
+    }
     };
     std::fs::create_dir_all(&parent).map_err(unwritable)?;
     let path = parent.join(format!("{}{}", staging_prefix(out), std::process::id()));

@@ -121,7 +121,12 @@ impl Cut {
 
 #[async_trait::async_trait]
 impl ObjectStore for Cut {
-    async fn put_opts(&self, k: &Key, p: PutPayload, o: PutOptions) -> object_store::Result<PutResult> {
+    async fn put_opts(
+        &self,
+        k: &Key,
+        p: PutPayload,
+        o: PutOptions,
+    ) -> object_store::Result<PutResult> {
         self.call("put", self.inner.put_opts(k, p, o)).await
     }
     async fn put_multipart_opts(
@@ -166,7 +171,8 @@ impl MultipartStore for Cut {
         n: usize,
         p: PutPayload,
     ) -> object_store::Result<PartId> {
-        self.call("put_part", self.inner.put_part(k, id, n, p)).await
+        self.call("put_part", self.inner.put_part(k, id, n, p))
+            .await
     }
     async fn complete_multipart(
         &self,
@@ -174,7 +180,9 @@ impl MultipartStore for Cut {
         id: &MultipartId,
         parts: Vec<PartId>,
     ) -> object_store::Result<PutResult> {
-        let done = self.call("complete", self.inner.complete_multipart(k, id, parts)).await;
+        let done = self
+            .call("complete", self.inner.complete_multipart(k, id, parts))
+            .await;
         // A completion cut after the work ended the upload too.
         if done.is_ok() || self.inner.head(k).await.is_ok() {
             self.uploads.lock().unwrap().1.push(id.clone());
@@ -187,4 +195,3 @@ impl MultipartStore for Cut {
         Ok(())
     }
 }
-

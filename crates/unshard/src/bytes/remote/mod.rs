@@ -14,11 +14,11 @@
 //! The output side, an output prefix as a `Sink` (multipart uploads, the index and
 //! config last, undone on failure), is `write::bucket`, beside the other sinks.
 
+#[cfg(test)]
+pub(crate) mod cut;
 pub mod profile;
 pub mod source;
 pub mod store;
-#[cfg(test)]
-pub(crate) mod cut;
 #[cfg(test)]
 mod tests;
 

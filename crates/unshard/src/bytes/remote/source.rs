@@ -265,7 +265,10 @@ pub struct ObjectSource {
 /// empty, not too long, inside the object, and not covered by a fetch started.
 fn wanted(ahead: &[Ahead], len: u64, offset: u64, end: u64) -> bool {
     let n = end.saturating_sub(offset);
-    n > 0 && n <= MAX_AHEAD && end <= len && !ahead.iter().any(|a| a.start <= offset && end <= a.end)
+    n > 0
+        && n <= MAX_AHEAD
+        && end <= len
+        && !ahead.iter().any(|a| a.start <= offset && end <= a.end)
 }
 
 /// Starts fetching `[offset, end)` of `loc` in the background; its bytes were taken
@@ -350,7 +353,7 @@ impl ObjectSource {
         let body = store::block_on(store::again(|| {
             self.loc.store.get_range(&self.loc.key, offset..end)
         }))
-            .map_err(|e| io_error("read", &self.loc.url, e))?;
+        .map_err(|e| io_error("read", &self.loc.url, e))?;
         if body.len() as u64 != len {
             return Err(short_read(&self.loc.url, offset, len));
         }
@@ -581,9 +584,17 @@ mod tests {
         });
         let wait = Duration::from_secs(20);
         let first = answers.recv_timeout(wait);
-        assert_eq!(first, Ok(("b", false)), "the later block waited for the earlier");
+        assert_eq!(
+            first,
+            Ok(("b", false)),
+            "the later block waited for the earlier"
+        );
         let second = answers.recv_timeout(wait);
-        assert_eq!(second, Ok(("a", true)), "the earlier block never got its bytes");
+        assert_eq!(
+            second,
+            Ok(("a", true)),
+            "the earlier block never got its bytes"
+        );
         a.join().unwrap();
         b.join().unwrap();
         assert_eq!(budget.lock().bytes, 0);

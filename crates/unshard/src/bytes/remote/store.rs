@@ -119,7 +119,9 @@ where
 fn cut_connection(e: &object_store::Error) -> bool {
     let mut cause: Option<&(dyn std::error::Error + 'static)> = Some(e);
     while let Some(c) = cause {
-        if c.downcast_ref::<object_store::client::HttpError>().is_some() {
+        if c.downcast_ref::<object_store::client::HttpError>()
+            .is_some()
+        {
             return true;
         }
         cause = c.source();
@@ -220,7 +222,10 @@ pub fn locate(p: &Path) -> Result<Location> {
                 ObjectStoreScheme::Http => TIMEOUTS
                     .iter()
                     .fold(HttpBuilder::new(), |b, &(k, v)| b.with_config(k, v))
-                    .with_config(ClientConfigKey::AllowHttp, (url.scheme() == "http").to_string())
+                    .with_config(
+                        ClientConfigKey::AllowHttp,
+                        (url.scheme() == "http").to_string(),
+                    )
                     .with_url(base)
                     .with_retry(retry())
                     .build()

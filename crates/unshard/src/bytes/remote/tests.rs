@@ -9,8 +9,8 @@ use std::time::{Duration, Instant};
 use object_store::memory::InMemory;
 use object_store::{ObjectStore, ObjectStoreExt, PutPayload};
 
-use super::source::fetched;
 use super::cut::Cut;
+use super::source::fetched;
 use super::store;
 use crate::dtype::DType;
 use crate::merge::merge;
@@ -142,20 +142,104 @@ struct Family {
 }
 
 const FAMILIES: &[Family] = &[
-    Family { name: "torch_save_policy", upload: "ckpt/llama_policy.pt", checkpoint: "ckpt/llama_policy.pt", base: Some("models/llama-bf16"), key: None },
-    Family { name: "dcp", upload: "sharded/llama_w2_dcp", checkpoint: "sharded/llama_w2_dcp", base: Some("models/llama-bf16"), key: None },
-    Family { name: "rank_files", upload: "sharded/llama_w2_ranks", checkpoint: "sharded/llama_w2_ranks", base: Some("models/llama-bf16"), key: None },
-    Family { name: "deepspeed_zero2", upload: "deepspeed/llama_z2_fp16_w3_aligned", checkpoint: "deepspeed/llama_z2_fp16_w3_aligned", base: Some("deepspeed/base/llama12-fp16"), key: None },
-    Family { name: "deepspeed_zero3", upload: "deepspeed/llama_z3_bf16_w2", checkpoint: "deepspeed/llama_z3_bf16_w2", base: Some("deepspeed/base/llama-bf16"), key: None },
-    Family { name: "deepspeed_tag_folder", upload: "deepspeed/llama_z3_bf16_w2", checkpoint: "deepspeed/llama_z3_bf16_w2/global_step1", base: Some("deepspeed/base/llama-bf16"), key: None },
-    Family { name: "deepspeed_trainer_no_base", upload: "deepspeed/llama_trainer_z3_w2", checkpoint: "deepspeed/llama_trainer_z3_w2", base: None, key: None },
-    Family { name: "lora_adapter", upload: "lora/adapters/llama_lora", checkpoint: "lora/adapters/llama_lora", base: Some("models/llama-bf16"), key: None },
-    Family { name: "megatron_torch_dist", upload: "megatron/ckpt/llama_tp2", checkpoint: "megatron/ckpt/llama_tp2", base: Some("megatron/base/llama"), key: None },
-    Family { name: "torchtitan", upload: "torchtitan/llama3/checkpoint", checkpoint: "torchtitan/llama3/checkpoint/step-10", base: Some("torchtitan/llama3/base"), key: None },
-    Family { name: "moe_policy", upload: "moe/mixtral/policy.pt", checkpoint: "moe/mixtral/policy.pt", base: Some("moe/mixtral/base"), key: Some("state") },
-    Family { name: "moe_dcp", upload: "moe/mixtral/dcp", checkpoint: "moe/mixtral/dcp", base: Some("moe/mixtral/base"), key: None },
-    Family { name: "megatron_legacy", upload: "megatron/ckpt/llama_tp2_pp2_legacy", checkpoint: "megatron/ckpt/llama_tp2_pp2_legacy", base: Some("megatron/base/llama_4layers"), key: None },
-    Family { name: "hf_sharded", upload: "torchtitan/hf_sharded/qwen3_f32_2x2", checkpoint: "torchtitan/hf_sharded/qwen3_f32_2x2", base: Some("torchtitan/qwen3/base"), key: None },
+    Family {
+        name: "torch_save_policy",
+        upload: "ckpt/llama_policy.pt",
+        checkpoint: "ckpt/llama_policy.pt",
+        base: Some("models/llama-bf16"),
+        key: None,
+    },
+    Family {
+        name: "dcp",
+        upload: "sharded/llama_w2_dcp",
+        checkpoint: "sharded/llama_w2_dcp",
+        base: Some("models/llama-bf16"),
+        key: None,
+    },
+    Family {
+        name: "rank_files",
+        upload: "sharded/llama_w2_ranks",
+        checkpoint: "sharded/llama_w2_ranks",
+        base: Some("models/llama-bf16"),
+        key: None,
+    },
+    Family {
+        name: "deepspeed_zero2",
+        upload: "deepspeed/llama_z2_fp16_w3_aligned",
+        checkpoint: "deepspeed/llama_z2_fp16_w3_aligned",
+        base: Some("deepspeed/base/llama12-fp16"),
+        key: None,
+    },
+    Family {
+        name: "deepspeed_zero3",
+        upload: "deepspeed/llama_z3_bf16_w2",
+        checkpoint: "deepspeed/llama_z3_bf16_w2",
+        base: Some("deepspeed/base/llama-bf16"),
+        key: None,
+    },
+    Family {
+        name: "deepspeed_tag_folder",
+        upload: "deepspeed/llama_z3_bf16_w2",
+        checkpoint: "deepspeed/llama_z3_bf16_w2/global_step1",
+        base: Some("deepspeed/base/llama-bf16"),
+        key: None,
+    },
+    Family {
+        name: "deepspeed_trainer_no_base",
+        upload: "deepspeed/llama_trainer_z3_w2",
+        checkpoint: "deepspeed/llama_trainer_z3_w2",
+        base: None,
+        key: None,
+    },
+    Family {
+        name: "lora_adapter",
+        upload: "lora/adapters/llama_lora",
+        checkpoint: "lora/adapters/llama_lora",
+        base: Some("models/llama-bf16"),
+        key: None,
+    },
+    Family {
+        name: "megatron_torch_dist",
+        upload: "megatron/ckpt/llama_tp2",
+        checkpoint: "megatron/ckpt/llama_tp2",
+        base: Some("megatron/base/llama"),
+        key: None,
+    },
+    Family {
+        name: "torchtitan",
+        upload: "torchtitan/llama3/checkpoint",
+        checkpoint: "torchtitan/llama3/checkpoint/step-10",
+        base: Some("torchtitan/llama3/base"),
+        key: None,
+    },
+    Family {
+        name: "moe_policy",
+        upload: "moe/mixtral/policy.pt",
+        checkpoint: "moe/mixtral/policy.pt",
+        base: Some("moe/mixtral/base"),
+        key: Some("state"),
+    },
+    Family {
+        name: "moe_dcp",
+        upload: "moe/mixtral/dcp",
+        checkpoint: "moe/mixtral/dcp",
+        base: Some("moe/mixtral/base"),
+        key: None,
+    },
+    Family {
+        name: "megatron_legacy",
+        upload: "megatron/ckpt/llama_tp2_pp2_legacy",
+        checkpoint: "megatron/ckpt/llama_tp2_pp2_legacy",
+        base: Some("megatron/base/llama_4layers"),
+        key: None,
+    },
+    Family {
+        name: "hf_sharded",
+        upload: "torchtitan/hf_sharded/qwen3_f32_2x2",
+        checkpoint: "torchtitan/hf_sharded/qwen3_f32_2x2",
+        base: Some("torchtitan/qwen3/base"),
+        key: None,
+    },
 ];
 
 /// Copies a local file, or a folder recursively, to `key` in `mem`.
@@ -213,18 +297,28 @@ fn every_fixture_family_merges_from_a_store_as_from_disk() {
             upload(&mem, &fixtures.join(b), &format!("{}/base", f.name));
             format!("{url}/base")
         });
-        let opts = |checkpoint: std::path::PathBuf, base: Option<std::path::PathBuf>, out: &str| MergeOptions {
-            checkpoint,
-            base,
-            output: dir.path().join(f.name).join(out),
-            open: crate::source::OpenOptions {
-                key: f.key.map(str::to_string),
-                ..Default::default()
-            },
-            ..MergeOptions::default()
+        let opts = |checkpoint: std::path::PathBuf, base: Option<std::path::PathBuf>, out: &str| {
+            MergeOptions {
+                checkpoint,
+                base,
+                output: dir.path().join(f.name).join(out),
+                open: crate::source::OpenOptions {
+                    key: f.key.map(str::to_string),
+                    ..Default::default()
+                },
+                ..MergeOptions::default()
+            }
         };
-        let local = opts(fixtures.join(f.checkpoint), f.base.map(|b| fixtures.join(b)), "local");
-        let remote = opts(remote_ckpt.clone().into(), remote_base.clone().map(Into::into), "remote");
+        let local = opts(
+            fixtures.join(f.checkpoint),
+            f.base.map(|b| fixtures.join(b)),
+            "local",
+        );
+        let remote = opts(
+            remote_ckpt.clone().into(),
+            remote_base.clone().map(Into::into),
+            "remote",
+        );
         if let Err(e) = merge(&local, &NoProgress) {
             failures.push(format!("{}: the local merge failed: {e}", f.name));
             continue;
@@ -242,9 +336,15 @@ fn every_fixture_family_merges_from_a_store_as_from_disk() {
             }
             *j = text.into_bytes();
         }
-        let names = |t: &std::collections::BTreeMap<String, Vec<u8>>| t.keys().cloned().collect::<Vec<_>>();
+        let names =
+            |t: &std::collections::BTreeMap<String, Vec<u8>>| t.keys().cloned().collect::<Vec<_>>();
         if names(&want) != names(&got) {
-            failures.push(format!("{}: files {:?} locally, {:?} from the store", f.name, names(&want), names(&got)));
+            failures.push(format!(
+                "{}: files {:?} locally, {:?} from the store",
+                f.name,
+                names(&want),
+                names(&got)
+            ));
             continue;
         }
         for (name, bytes) in &want {
@@ -264,11 +364,17 @@ fn secrets_in_a_url_are_never_written() {
     let mem = Arc::new(InMemory::new());
     store::register("s3://secret-urls", mem.clone());
     let fixtures = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures");
-    upload(&mem, &fixtures.join("ckpt/llama_policy.pt"), "ckpt/policy.pt");
+    upload(
+        &mem,
+        &fixtures.join("ckpt/llama_policy.pt"),
+        "ckpt/policy.pt",
+    );
     let dir = tempfile::tempdir().unwrap();
     let output = dir.path().join("out");
     let opts = MergeOptions {
-        checkpoint: "s3://AKIDUSER:PASSWORD1234@secret-urls/ckpt/policy.pt?X-Amz-Signature=SIGNATURE5678".into(),
+        checkpoint:
+            "s3://AKIDUSER:PASSWORD1234@secret-urls/ckpt/policy.pt?X-Amz-Signature=SIGNATURE5678"
+                .into(),
         base: Some(fixtures.join("models/llama-bf16")),
         output: output.clone(),
         ..MergeOptions::default()
@@ -282,13 +388,15 @@ fn secrets_in_a_url_are_never_written() {
             assert!(!text.contains(secret), "{name} holds {secret}");
         }
     }
-    let manifest: serde_json::Value =
-        serde_json::from_slice(&files["unshard.json"]).unwrap();
+    let manifest: serde_json::Value = serde_json::from_slice(&files["unshard.json"]).unwrap();
     assert_eq!(
         manifest["inputs"]["checkpoint"],
         "s3://secret-urls/ckpt/policy.pt"
     );
-    assert!(manifest["inputs"]["urls_redacted"].is_string(), "{manifest}");
+    assert!(
+        manifest["inputs"]["urls_redacted"].is_string(),
+        "{manifest}"
+    );
 }
 
 /// An error about a missing object names its URL without the user info or query.
@@ -305,8 +413,14 @@ fn an_error_names_the_url_without_its_secrets() {
     };
     let e = merge(&opts, &NoProgress).unwrap_err();
     let shown = format!("{e} {e:?}");
-    assert!(shown.contains("s3://secret-errors/none/policy.pt"), "{shown}");
-    assert!(!shown.contains("PASSWORD1234") && !shown.contains("SIGNATURE5678"), "{shown}");
+    assert!(
+        shown.contains("s3://secret-errors/none/policy.pt"),
+        "{shown}"
+    );
+    assert!(
+        !shown.contains("PASSWORD1234") && !shown.contains("SIGNATURE5678"),
+        "{shown}"
+    );
 }
 
 /// Eight workers read 64 blocks, each announcing ranges of two objects, through
@@ -364,8 +478,14 @@ fn bytes_fetched_ahead_never_exceed_the_budget() {
         }
     });
     let peak = budget.peak();
-    assert!(peak <= limit, "{peak} bytes held ahead, over the budget of {limit}");
-    assert!(peak >= limit / 2, "{peak} bytes: the workers never overlapped");
+    assert!(
+        peak <= limit,
+        "{peak} bytes held ahead, over the budget of {limit}"
+    );
+    assert!(
+        peak >= limit / 2,
+        "{peak} bytes: the workers never overlapped"
+    );
 }
 
 /// Connections cut in the middle of a merge from a store to a store, before the
@@ -386,7 +506,11 @@ fn requests_cut_off_by_the_network_are_made_again() {
     let output = Arc::new(Cut::new(&plan));
     store::register("s3://cut-in", input.clone());
     store::register("s3://cut-out", output.clone());
-    upload(&input.inner, &fixtures.join("ckpt/llama_policy.pt"), "ckpt/policy.pt");
+    upload(
+        &input.inner,
+        &fixtures.join("ckpt/llama_policy.pt"),
+        "ckpt/policy.pt",
+    );
     let dir = tempfile::tempdir().unwrap();
     let local = dir.path().join("local");
     let opts = |checkpoint: std::path::PathBuf, out: std::path::PathBuf| MergeOptions {
@@ -395,9 +519,16 @@ fn requests_cut_off_by_the_network_are_made_again() {
         output: out,
         ..MergeOptions::default()
     };
-    merge(&opts(fixtures.join("ckpt/llama_policy.pt"), local.clone()), &NoProgress).unwrap();
     merge(
-        &opts("s3://cut-in/ckpt/policy.pt".into(), "s3://cut-out/out".into()),
+        &opts(fixtures.join("ckpt/llama_policy.pt"), local.clone()),
+        &NoProgress,
+    )
+    .unwrap();
+    merge(
+        &opts(
+            "s3://cut-in/ckpt/policy.pt".into(),
+            "s3://cut-out/out".into(),
+        ),
         &NoProgress,
     )
     .unwrap();
@@ -428,7 +559,10 @@ fn requests_cut_off_by_the_network_are_made_again() {
         have.keys().collect::<Vec<_>>()
     );
     for (name, bytes) in &want {
-        assert!(have[name] == *bytes, "{name} differs from the local merge's");
+        assert!(
+            have[name] == *bytes,
+            "{name} differs from the local merge's"
+        );
     }
 }
 
@@ -466,7 +600,10 @@ fn a_merge_refused_mid_upload_leaves_nothing_in_the_store() {
             chain.push_str(&format!(": {c}"));
             cause = c.source();
         }
-        assert!(chain.contains("refused by the test store"), "{kind}: {chain}");
+        assert!(
+            chain.contains("refused by the test store"),
+            "{kind}: {chain}"
+        );
         let left = store::block_on(futures_util::TryStreamExt::try_collect::<Vec<_>>(
             output.inner.list(None),
         ))
@@ -485,21 +622,18 @@ fn a_merge_refused_mid_upload_leaves_nothing_in_the_store() {
 fn cut_requests_are_tried_again_only_until_the_time_is_over() {
     let tries = std::sync::atomic::AtomicUsize::new(0);
     let start = Instant::now();
-    let r: object_store::Result<()> = store::block_on(store::again_within(
-        Duration::from_millis(800),
-        || {
+    let r: object_store::Result<()> =
+        store::block_on(store::again_within(Duration::from_millis(800), || {
             tries.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
             async { Err(Cut::error()) }
-        },
-    ));
+        }));
     assert!(r.is_err());
     let n = tries.swap(0, std::sync::atomic::Ordering::SeqCst);
     // Waits of 0.1, 0.2 and 0.4 s fit in 0.8 s: four tries, three on a slow machine.
     assert!((3..=4).contains(&n), "{n} tries");
     assert!(start.elapsed() < Duration::from_secs(5));
-    let r: object_store::Result<()> = store::block_on(store::again_within(
-        Duration::from_secs(60),
-        || {
+    let r: object_store::Result<()> =
+        store::block_on(store::again_within(Duration::from_secs(60), || {
             tries.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
             async {
                 Err(object_store::Error::NotFound {
@@ -507,8 +641,7 @@ fn cut_requests_are_tried_again_only_until_the_time_is_over() {
                     source: "gone".into(),
                 })
             }
-        },
-    ));
+        }));
     assert!(matches!(r, Err(object_store::Error::NotFound { .. })));
     assert_eq!(tries.load(std::sync::atomic::Ordering::SeqCst), 1);
 }

@@ -67,10 +67,7 @@ pub(crate) fn names(dir: &Path) -> Result<Names> {
         Regex::new(r"^(?:(bf16_)?zero_pp_rank_(\d+)_)?mp_rank_(\d+)_(model|optim)_states\.pt$")
             .map_err(|e| Error::corrupt(dir, e.to_string()))?;
     let mut out = Names::default();
-    let list: Vec<String> = fs::list(dir)?
-        .into_iter()
-        .map(|e| e.name)
-        .collect();
+    let list: Vec<String> = fs::list(dir)?.into_iter().map(|e| e.name).collect();
     for name in list {
         let Some(c) = re.captures(&name) else {
             out.other.push(name);
@@ -160,7 +157,10 @@ pub fn find(path: &Path, opts: &OpenOptions) -> Result<Option<Found>> {
         (None, false) => return Ok(None),
     };
     let tags = tags_in(path);
-    if tags.is_empty() && !fs::is_dir(&path.join(&tag)) && (opts.tag.is_none() || !fs::is_file(&latest)) {
+    if tags.is_empty()
+        && !fs::is_dir(&path.join(&tag))
+        && (opts.tag.is_none() || !fs::is_file(&latest))
+    {
         // No tag folder, and a `latest` of something else (or none): not DeepSpeed.
         return Ok(None);
     }
@@ -214,7 +214,8 @@ pub fn config_dir_for(checkpoint: &Path) -> Option<PathBuf> {
     } else {
         checkpoint.parent()?
     };
-    let with_config = |d: &Path| fs::is_file(&d.join("config.json")) && fs::is_file(&d.join("latest"));
+    let with_config =
+        |d: &Path| fs::is_file(&d.join("config.json")) && fs::is_file(&d.join("latest"));
     if with_config(dir) {
         return Some(dir.to_path_buf());
     }

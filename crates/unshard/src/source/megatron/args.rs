@@ -228,18 +228,29 @@ mod tests {
             ("llama_tp2_pp2_legacy/iter_0000100", "model_optim_rng.pt"),
         ] {
             let a = read(&fixture(case)).unwrap().unwrap();
-            assert!(a.file.to_string_lossy().ends_with(file), "{case}: {}", a.source());
+            assert!(
+                a.file.to_string_lossy().ends_with(file),
+                "{case}: {}",
+                a.source()
+            );
             assert_eq!(a.get("hidden_size"), Some(&Arg::Int(64)), "{case}");
             assert_eq!(a.get("num_query_groups"), Some(&Arg::Int(2)), "{case}");
             assert_eq!(a.get("normalization"), Some(&Arg::Str("RMSNorm".into())));
             assert_eq!(a.get("norm_epsilon"), Some(&Arg::Float(1e-5)));
             assert_eq!(a.get("num_experts"), Some(&Arg::None));
             assert_eq!(a.get("bf16"), Some(&Arg::Bool(true)));
-            assert_eq!(a.get("params_dtype"), Some(&Arg::Global("torch.bfloat16".into())));
+            assert_eq!(
+                a.get("params_dtype"),
+                Some(&Arg::Global("torch.bfloat16".into()))
+            );
         }
-        let legacy = read(&fixture("llama_tp2_pp2_legacy/iter_0000100")).unwrap().unwrap();
+        let legacy = read(&fixture("llama_tp2_pp2_legacy/iter_0000100"))
+            .unwrap()
+            .unwrap();
         assert_eq!(legacy.get("num_layers"), Some(&Arg::Int(4)));
-        let dcp = read(&fixture("llama_tp2_common_in_dcp/iter_0000100")).unwrap().unwrap();
+        let dcp = read(&fixture("llama_tp2_common_in_dcp/iter_0000100"))
+            .unwrap()
+            .unwrap();
         assert!(dcp.at.starts_with("common_state/shard_0_1"), "{}", dcp.at);
     }
 
@@ -253,8 +264,13 @@ mod tests {
 
     #[test]
     fn a_layer_pattern_is_a_list() {
-        let a = read(&fixture("qwen3_moe_tp2_dense_first")).unwrap().unwrap();
-        assert_eq!(a.get("moe_layer_freq"), Some(&Arg::List(vec![Arg::Int(0), Arg::Int(1)])));
+        let a = read(&fixture("qwen3_moe_tp2_dense_first"))
+            .unwrap()
+            .unwrap();
+        assert_eq!(
+            a.get("moe_layer_freq"),
+            Some(&Arg::List(vec![Arg::Int(0), Arg::Int(1)]))
+        );
     }
 
     #[test]

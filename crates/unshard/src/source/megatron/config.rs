@@ -112,7 +112,10 @@ impl Args<'_> {
         match self.int(name)? {
             None => Ok(None),
             Some(i) if (1..=MAX_SIZE).contains(&i) => Ok(Some(i as u64)),
-            Some(_) => Err(self.refuse(name, &format!("a positive integer of at most {MAX_SIZE} is needed"))),
+            Some(_) => Err(self.refuse(
+                name,
+                &format!("a positive integer of at most {MAX_SIZE} is needed"),
+            )),
         }
     }
 
@@ -166,7 +169,10 @@ pub fn hf_config(training: &TrainingArgs) -> Result<DerivedConfig> {
     refuse_unsupported(&a)?;
     let layers = a.size("num_layers")?;
     if layers > MAX_LAYERS {
-        return Err(a.refuse("num_layers", &format!("more than {MAX_LAYERS} layers are not believed")));
+        return Err(a.refuse(
+            "num_layers",
+            &format!("more than {MAX_LAYERS} layers are not believed"),
+        ));
     }
     let hidden = a.size("hidden_size")?;
     let heads = a.size("num_attention_heads")?;
@@ -182,13 +188,21 @@ pub fn hf_config(training: &TrainingArgs) -> Result<DerivedConfig> {
     let head_dim = match a.optional_size("kv_channels")? {
         Some(d) => d,
         None if hidden % heads == 0 => hidden / heads,
-        None => return Err(a.refuse("kv_channels", "hidden_size is not a multiple of num_attention_heads")),
+        None => {
+            return Err(a.refuse(
+                "kv_channels",
+                "hidden_size is not a multiple of num_attention_heads",
+            ))
+        }
     };
     let positions = match a.optional_size("max_position_embeddings")? {
         Some(p) => p,
-        None => a
-            .size("seq_length")
-            .map_err(|_| a.refuse("max_position_embeddings", "neither it nor seq_length is set"))?,
+        None => a.size("seq_length").map_err(|_| {
+            a.refuse(
+                "max_position_embeddings",
+                "neither it nor seq_length is set",
+            )
+        })?,
     };
     let vocab = a.size("padded_vocab_size")?;
     let eps = match a.float("layernorm_epsilon")? {
@@ -288,7 +302,14 @@ pub fn hf_config(training: &TrainingArgs) -> Result<DerivedConfig> {
             if family == Family::Mixtral {
                 // transformers writes null for the default hidden / heads.
                 let default = head_dim * heads == hidden;
-                c.insert("head_dim", if default { Value::Null } else { json!(head_dim) });
+                c.insert(
+                    "head_dim",
+                    if default {
+                        Value::Null
+                    } else {
+                        json!(head_dim)
+                    },
+                );
                 c.insert("intermediate_size", json!(moe.ffn));
                 c.insert("router_jitter_noise", py_float(0.0));
             } else {
@@ -330,9 +351,16 @@ fn py_float(f: f64) -> Value {
             format!("{sign}0.{}{digits}", "0".repeat((-point) as usize))
         } else {
             let point = point as usize;
-            let int = if digits.len() > point { &digits[..point] } else { &digits };
+            let int = if digits.len() > point {
+                &digits[..point]
+            } else {
+                &digits
+            };
             let frac = digits.get(point..).filter(|f| !f.is_empty()).unwrap_or("0");
-            format!("{sign}{int}{}.{frac}", "0".repeat(point.saturating_sub(digits.len())))
+            format!(
+                "{sign}{int}{}.{frac}",
+                "0".repeat(point.saturating_sub(digits.len()))
+            )
         }
     } else {
         let e = if exp < 0 { '-' } else { '+' };
@@ -343,12 +371,27 @@ fn py_float(f: f64) -> Value {
 
 /// Features no derived family has.
 fn refuse_unsupported(a: &Args<'_>) -> Result<()> {
-    a.not_on("multi_latent_attention", "multi-latent attention (DeepSeek's) has no config unshard derives")?;
-    a.not_set("experimental_attention_variant", "an attention variant no config unshard derives has")?;
-    a.not_set("linear_attention_freq", "linear-attention layers have no config unshard derives")?;
-    a.not_on("attention_output_gate", "gated attention has no config unshard derives")?;
+    a.not_on(
+        "multi_latent_attention",
+        "multi-latent attention (DeepSeek's) has no config unshard derives",
+    )?;
+    a.not_set(
+        "experimental_attention_variant",
+        "an attention variant no config unshard derives has",
+    )?;
+    a.not_set(
+        "linear_attention_freq",
+        "linear-attention layers have no config unshard derives",
+    )?;
+    a.not_on(
+        "attention_output_gate",
+        "gated attention has no config unshard derives",
+    )?;
     a.not_set("window_size", "sliding-window attention is not derived")?;
-    a.not_set("softmax_scale", "a custom softmax scale has no config field")?;
+    a.not_set(
+        "softmax_scale",
+        "a custom softmax scale has no config field",
+    )?;
     a.not_on(
         "apply_residual_connection_post_layernorm",
         "post-norm residuals have no config unshard derives",
@@ -359,32 +402,70 @@ fn refuse_unsupported(a: &Args<'_>) -> Result<()> {
         _ => return Err(a.refuse("position_embedding_type", "only plain rope is derived")),
     }
     if a.float("rotary_percent")?.is_some_and(|p| p != 1.0) {
-        return Err(a.refuse("rotary_percent", "partial rotary embeddings are not derived"));
+        return Err(a.refuse(
+            "rotary_percent",
+            "partial rotary embeddings are not derived",
+        ));
     }
-    a.not_on("rotary_interleaved", "interleaved rope is not what the derived families compute")?;
-    a.not_on("use_rope_scaling", "rope scaling (Llama 3.1's) is not derived")?;
-    a.not_set("rotary_seq_len_interpolation_factor", "rope interpolation is not derived")?;
+    a.not_on(
+        "rotary_interleaved",
+        "interleaved rope is not what the derived families compute",
+    )?;
+    a.not_on(
+        "use_rope_scaling",
+        "rope scaling (Llama 3.1's) is not derived",
+    )?;
+    a.not_set(
+        "rotary_seq_len_interpolation_factor",
+        "rope interpolation is not derived",
+    )?;
     a.not_set("no_rope_freq", "layers without rope are not derived")?;
     if a.text("normalization")? != Some("RMSNorm") {
         return Err(a.refuse("normalization", "only RMSNorm models are derived"));
     }
-    a.not_on("layernorm_zero_centered_gamma", "zero-centered norm weights are not derived")?;
-    a.not_on("apply_layernorm_1p", "zero-centered norm weights are not derived")?;
+    a.not_on(
+        "layernorm_zero_centered_gamma",
+        "zero-centered norm weights are not derived",
+    )?;
+    a.not_on(
+        "apply_layernorm_1p",
+        "zero-centered norm weights are not derived",
+    )?;
     if !a.flag("swiglu")? {
         return Err(a.refuse("swiglu", "only SwiGLU MLPs are derived"));
     }
-    a.not_on("add_bias_linear", "biases on every linear layer have no config unshard derives")?;
-    a.not_set("moe_shared_expert_intermediate_size", "shared experts have no config unshard derives")?;
+    a.not_on(
+        "add_bias_linear",
+        "biases on every linear layer have no config unshard derives",
+    )?;
+    a.not_set(
+        "moe_shared_expert_intermediate_size",
+        "shared experts have no config unshard derives",
+    )?;
     if let Some(f) = a.text("moe_router_score_function")? {
         if f != "softmax" {
-            return Err(a.refuse("moe_router_score_function", "only a softmax router is derived"));
+            return Err(a.refuse(
+                "moe_router_score_function",
+                "only a softmax router is derived",
+            ));
         }
     }
-    if a.float("moe_router_topk_scaling_factor")?.is_some_and(|s| s != 1.0) {
-        return Err(a.refuse("moe_router_topk_scaling_factor", "scaled routing weights are not derived"));
+    if a.float("moe_router_topk_scaling_factor")?
+        .is_some_and(|s| s != 1.0)
+    {
+        return Err(a.refuse(
+            "moe_router_topk_scaling_factor",
+            "scaled routing weights are not derived",
+        ));
     }
-    a.not_set("moe_router_num_groups", "group-limited routing is not derived")?;
-    a.not_on("moe_router_enable_expert_bias", "a router expert bias is not derived")?;
+    a.not_set(
+        "moe_router_num_groups",
+        "group-limited routing is not derived",
+    )?;
+    a.not_on(
+        "moe_router_enable_expert_bias",
+        "a router expert bias is not derived",
+    )?;
     a.not_set("moe_latent_size", "latent experts are not derived")?;
     Ok(())
 }
@@ -465,7 +546,10 @@ fn moe(a: &Args<'_>, family: Family, layers: u64) -> Result<Moe> {
             return Err(a.refuse("moe_layer_freq", why));
         }
         if pre_softmax {
-            return Err(a.refuse("moe_router_pre_softmax", "Mixtral renormalizes the top-k weights"));
+            return Err(a.refuse(
+                "moe_router_pre_softmax",
+                "Mixtral renormalizes the top-k weights",
+            ));
         }
     }
     Ok(Moe {

@@ -94,7 +94,8 @@ fn split_of(name: &str) -> Option<Split> {
         Split::Rows
     } else if module.ends_with("linear_fc1") && (leaf == "weight" || leaf == "bias") {
         Split::GateUp
-    } else if (module.ends_with("linear_proj") || module.ends_with("linear_fc2")) && leaf == "weight"
+    } else if (module.ends_with("linear_proj") || module.ends_with("linear_fc2"))
+        && leaf == "weight"
     {
         Split::Columns
     } else if module.ends_with("layernorm")
@@ -213,14 +214,16 @@ pub fn open_legacy(dir: &Path, ranks: &Ranks, opts: &OpenOptions) -> Result<Chec
                 .iter()
                 .enumerate()
                 .map(|(t, ts)| {
-                    ts.iter().find(|s| s.name == first.name).ok_or_else(|| Error::Corrupt {
-                        path: dir.join(folder(t, p)).join(MODEL_FILE),
-                        msg: format!(
-                            "tensor '{}' of {}/ is missing here",
-                            first.name,
-                            folder(0, p)
-                        ),
-                    })
+                    ts.iter()
+                        .find(|s| s.name == first.name)
+                        .ok_or_else(|| Error::Corrupt {
+                            path: dir.join(folder(t, p)).join(MODEL_FILE),
+                            msg: format!(
+                                "tensor '{}' of {}/ is missing here",
+                                first.name,
+                                folder(0, p)
+                            ),
+                        })
                 })
                 .collect::<Result<_>>()?;
             // Embeddings tied across stages are stored on the first and the last.
@@ -282,7 +285,9 @@ fn join(
             });
         }
     }
-    let layout = Some(format!("Megatron legacy, {tp} tensor x {pp} pipeline ranks"));
+    let layout = Some(format!(
+        "Megatron legacy, {tp} tensor x {pp} pipeline ranks"
+    ));
     let dim = match split {
         Split::Replicated => {
             let mut t = first.clone();
@@ -371,21 +376,45 @@ mod tests {
     #[test]
     fn local_layer_numbers_are_shifted_by_the_stage_offset() {
         let (n, local) = global_name("decoder.layers.1.mlp.linear_fc1.weight", 2);
-        assert_eq!((n.as_str(), local), ("decoder.layers.3.mlp.linear_fc1.weight", Some(1)));
+        assert_eq!(
+            (n.as_str(), local),
+            ("decoder.layers.3.mlp.linear_fc1.weight", Some(1))
+        );
         let (n, local) = global_name("decoder.final_layernorm.weight", 2);
-        assert_eq!((n.as_str(), local), ("decoder.final_layernorm.weight", None));
+        assert_eq!(
+            (n.as_str(), local),
+            ("decoder.final_layernorm.weight", None)
+        );
     }
 
     #[test]
     fn parallel_dimensions_per_parameter() {
         let s = |n: &str| split_of(n);
-        assert_eq!(s("decoder.layers.0.self_attention.linear_qkv.bias"), Some(Split::Rows));
+        assert_eq!(
+            s("decoder.layers.0.self_attention.linear_qkv.bias"),
+            Some(Split::Rows)
+        );
         assert_eq!(s("embedding.word_embeddings.weight"), Some(Split::Rows));
-        assert_eq!(s("decoder.layers.0.mlp.linear_fc1.weight"), Some(Split::GateUp));
-        assert_eq!(s("decoder.layers.0.mlp.linear_fc2.weight"), Some(Split::Columns));
-        assert_eq!(s("decoder.layers.0.self_attention.linear_proj.bias"), Some(Split::Replicated));
-        assert_eq!(s("decoder.layers.0.input_layernorm.weight"), Some(Split::Replicated));
-        assert_eq!(s("decoder.layers.0.mlp.experts.local_experts.0.linear_fc1.weight"), Some(Split::GateUp));
+        assert_eq!(
+            s("decoder.layers.0.mlp.linear_fc1.weight"),
+            Some(Split::GateUp)
+        );
+        assert_eq!(
+            s("decoder.layers.0.mlp.linear_fc2.weight"),
+            Some(Split::Columns)
+        );
+        assert_eq!(
+            s("decoder.layers.0.self_attention.linear_proj.bias"),
+            Some(Split::Replicated)
+        );
+        assert_eq!(
+            s("decoder.layers.0.input_layernorm.weight"),
+            Some(Split::Replicated)
+        );
+        assert_eq!(
+            s("decoder.layers.0.mlp.experts.local_experts.0.linear_fc1.weight"),
+            Some(Split::GateUp)
+        );
         assert_eq!(s("decoder.layers.0.mlp.shared_experts.gate_weight"), None);
     }
 
@@ -402,7 +431,10 @@ mod tests {
         };
         // Rows 3..5 of the tensor: the piece's rows 1..3, placed at 10.
         let q = rows_of(&p, 3, 2, 10).unwrap();
-        assert_eq!((q.byte_offset, q.shape.clone(), q.global_offset.clone()), (106, vec![2, 3], vec![10, 0]));
+        assert_eq!(
+            (q.byte_offset, q.shape.clone(), q.global_offset.clone()),
+            (106, vec![2, 3], vec![10, 0])
+        );
         assert!(rows_of(&p, 6, 2, 0).is_none());
     }
 }

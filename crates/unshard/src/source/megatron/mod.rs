@@ -94,7 +94,10 @@ pub fn refuse_unread(path: &Path) -> Result<()> {
             return Err(Error::Unsupported {
                 path: path.to_path_buf(),
                 what: format!("a Megatron-Core distributed checkpoint with sharded backend '{b}'"),
-                hint: Some("re-save it with Megatron's torch_dist backend (--ckpt-format torch_dist)".into()),
+                hint: Some(
+                    "re-save it with Megatron's torch_dist backend (--ckpt-format torch_dist)"
+                        .into(),
+                ),
             });
         }
     }

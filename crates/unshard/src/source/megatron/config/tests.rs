@@ -43,12 +43,22 @@ fn derived(dir: &Path) -> DerivedConfig {
 }
 
 /// Fields of transformers' config.json the training arguments cannot give.
-const NOT_IN_ARGS: &[&str] = &["bos_token_id", "eos_token_id", "pad_token_id", "transformers_version"];
+const NOT_IN_ARGS: &[&str] = &[
+    "bos_token_id",
+    "eos_token_id",
+    "pad_token_id",
+    "transformers_version",
+];
 
 /// Compares a derived config with the config.json transformers wrote, field by
 /// field: every field of transformers' is there with its value, and nothing else,
 /// but for the token ids (null) and a padded `vocab_size`.
-fn assert_matches(case: &str, got: &Map<String, Value>, want: &Map<String, Value>, padded: Option<u64>) {
+fn assert_matches(
+    case: &str,
+    got: &Map<String, Value>,
+    want: &Map<String, Value>,
+    padded: Option<u64>,
+) {
     for (k, v) in want {
         if NOT_IN_ARGS.contains(&k.as_str()) {
             continue;
@@ -64,7 +74,10 @@ fn assert_matches(case: &str, got: &Map<String, Value>, want: &Map<String, Value
             assert_eq!(v, &Value::Null, "{case}: {k}");
             continue;
         }
-        assert!(want.contains_key(k), "{case}: field {k} is not in transformers' config");
+        assert!(
+            want.contains_key(k),
+            "{case}: field {k} is not in transformers' config"
+        );
     }
 }
 
@@ -104,7 +117,10 @@ fn derived_configs_of_arguments_alone_match_transformers() {
         if let Ok(name) = std::fs::read_to_string(dir.join("refuses")) {
             let a = args::read(&dir).unwrap().unwrap();
             let e = hf_config(&a).unwrap_err();
-            assert!(e.to_string().contains(&format!("{} = True", name.trim())), "{case}: {e}");
+            assert!(
+                e.to_string().contains(&format!("{} = True", name.trim())),
+                "{case}: {e}"
+            );
             assert!(e.hint().unwrap_or_default().contains("--base"), "{case}");
             refused_seen += 1;
             continue;
@@ -127,18 +143,38 @@ fn derived_configs_of_arguments_alone_match_transformers() {
 fn the_warnings_say_what_was_derived_and_that_the_vocabulary_is_padded() {
     let d = derived(&fixtures().join("ckpt/llama_tp2_padded_vocab"));
     assert_eq!(d.warnings.len(), 2, "{:?}", d.warnings);
-    assert!(d.warnings[0].contains("common.pt") && d.warnings[0].contains("as a llama model"), "{}", d.warnings[0]);
-    assert!(d.warnings[1].contains("vocab_size 256") && d.warnings[1].contains("--base"), "{}", d.warnings[1]);
+    assert!(
+        d.warnings[0].contains("common.pt") && d.warnings[0].contains("as a llama model"),
+        "{}",
+        d.warnings[0]
+    );
+    assert!(
+        d.warnings[1].contains("vocab_size 256") && d.warnings[1].contains("--base"),
+        "{}",
+        d.warnings[1]
+    );
 }
 
 #[test]
 fn the_warning_names_the_training_s_tokenizer_when_the_arguments_do() {
-    let d = with(&[("tokenizer_model", Arg::Str("meta-llama/Llama-3.2-1B".into()))]).unwrap();
-    assert!(d.warnings[0].contains("--base <HF model dir or Hub id> (the training's tokenizer: meta-llama/Llama-3.2-1B)"), "{}", d.warnings[0]);
+    let d = with(&[(
+        "tokenizer_model",
+        Arg::Str("meta-llama/Llama-3.2-1B".into()),
+    )])
+    .unwrap();
+    assert!(
+        d.warnings[0].contains(
+            "--base <HF model dir or Hub id> (the training's tokenizer: meta-llama/Llama-3.2-1B)"
+        ),
+        "{}",
+        d.warnings[0]
+    );
 }
 
 fn llama_args() -> TrainingArgs {
-    args::read(&fixtures().join("ckpt/llama_tp2/iter_0000100")).unwrap().unwrap()
+    args::read(&fixtures().join("ckpt/llama_tp2/iter_0000100"))
+        .unwrap()
+        .unwrap()
 }
 
 fn with(changes: &[(&str, Arg)]) -> Result<DerivedConfig> {
@@ -163,7 +199,10 @@ fn what_no_family_expresses_is_refused_by_the_argument_s_name() {
         ("use_rope_scaling", Arg::Bool(true)),
         ("rotary_percent", Arg::Float(0.5)),
         ("normalization", Arg::Str("LayerNorm".into())),
-        ("position_embedding_type", Arg::Str("learned_absolute".into())),
+        (
+            "position_embedding_type",
+            Arg::Str("learned_absolute".into()),
+        ),
         ("add_bias_linear", Arg::Bool(true)),
         ("swiglu", Arg::Bool(false)),
         ("moe_shared_expert_intermediate_size", Arg::Int(32)),
@@ -185,18 +224,27 @@ fn what_no_family_expresses_is_refused_by_the_argument_s_name() {
     let e = refused(&[("num_layers", Arg::None)]);
     assert!(e.contains("num_layers = None"), "{e}");
     let e = refused(&[("hidden_size", Arg::Str("64".into()))]);
-    assert!(e.contains("hidden_size = '64'") && e.contains("not an integer"), "{e}");
+    assert!(
+        e.contains("hidden_size = '64'") && e.contains("not an integer"),
+        "{e}"
+    );
 }
 
 #[test]
 fn features_choose_the_family() {
     let family = |changes: &[(&str, Arg)]| {
-        with(changes).unwrap().config["model_type"].as_str().unwrap().to_string()
+        with(changes).unwrap().config["model_type"]
+            .as_str()
+            .unwrap()
+            .to_string()
     };
     assert_eq!(family(&[]), "llama");
     assert_eq!(family(&[("add_qkv_bias", Arg::Bool(true))]), "qwen2");
     assert_eq!(family(&[("qk_layernorm", Arg::Bool(true))]), "qwen3");
-    let moe = [("num_experts", Arg::Int(4)), ("moe_ffn_hidden_size", Arg::Int(32))];
+    let moe = [
+        ("num_experts", Arg::Int(4)),
+        ("moe_ffn_hidden_size", Arg::Int(32)),
+    ];
     assert_eq!(family(&moe), "mixtral");
     let mut qwen3_moe = moe.to_vec();
     qwen3_moe.push(("qk_layernorm", Arg::Bool(true)));
@@ -230,7 +278,10 @@ fn dtype_comes_from_the_precision_flags_then_params_dtype() {
     let mut f32 = off.to_vec();
     f32.push(("params_dtype", Arg::Global("torch.float32".into())));
     assert_eq!(dtype(&f32), "float32");
-    assert_eq!(dtype(&[("bf16", Arg::Bool(false)), ("fp16", Arg::Bool(true))]), "float16");
+    assert_eq!(
+        dtype(&[("bf16", Arg::Bool(false)), ("fp16", Arg::Bool(true))]),
+        "float16"
+    );
     let mut none = off.to_vec();
     none.push(("params_dtype", Arg::None));
     assert!(refused(&none).contains("params_dtype = None"));
