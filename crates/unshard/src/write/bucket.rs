@@ -36,7 +36,7 @@ use std::sync::{Arc, Mutex};
 
 use object_store::multipart::{MultipartStore, PartId};
 use object_store::path::Path as Key;
-use object_store::{ObjectStoreExt, PutPayload};
+use object_store::{ObjectStoreExt, ObjectStoreScheme, PutPayload};
 
 use super::{ShardFile, Sink, WINDOW_BYTES};
 use crate::bytes::remote::store::{self, block_on, io_error, Location};
@@ -413,7 +413,7 @@ impl Drop for BucketSink {
                 rest.split('/').next().unwrap_or("BUCKET")
             })
             .to_string();
-        let scheme = url.split_once("://").map_or("", |(s, _)| s).to_string();
+        let scheme = store::scheme_of(&self.dest.url);
         let bucket_a = bucket.clone();
         // Each request is retried as long as any (`UNSHARD_RETRY_SECONDS`), so a
         // cleanup that starts during an outage still completes when it ends.
@@ -424,7 +424,7 @@ impl Drop for BucketSink {
                     left.push(format!(
                         "the open multipart upload {id} of {key} ({}); {}",
                         crate::text::scrub(&e.to_string()),
-                        abort_upload_advice(&scheme, &bucket_a, key.as_ref(), id)
+                        abort_upload_advice(scheme.as_ref(), &bucket_a, key.as_ref(), id)
                     ));
                 }
             }
@@ -434,7 +434,7 @@ impl Drop for BucketSink {
                         left.push(format!(
                             "the object {key} ({}); {}",
                             crate::text::scrub(&e.to_string()),
-                            delete_object_advice(&scheme, &bucket, key.as_ref())
+                            delete_object_advice(scheme.as_ref(), &bucket, key.as_ref())
                         ));
                     }
                 }
@@ -460,13 +460,18 @@ impl Drop for BucketSink {
 }
 
 /// How to abort an open multipart upload by hand, in the store's own tool.
-fn abort_upload_advice(scheme: &str, bucket: &str, key: &str, id: &str) -> String {
+fn abort_upload_advice(
+    scheme: Option<&ObjectStoreScheme>,
+    bucket: &str,
+    key: &str,
+    id: &str,
+) -> String {
     match scheme {
-        "gs" => format!(
+        Some(ObjectStoreScheme::GoogleCloudStorage) => format!(
             "abort it with a DELETE of gs://{bucket}/{key}?uploadId={id} (the XML API), or let a lifecycle rule for incomplete multipart uploads remove it"
         ),
         // Azure keeps staged blocks uncommitted, and drops them after seven days.
-        "az" | "abfs" | "abfss" | "azure" => {
+        Some(ObjectStoreScheme::MicrosoftAzure) => {
             "its staged blocks are not visible and Azure drops them after seven days".into()
         }
         _ => format!(
@@ -476,10 +481,12 @@ fn abort_upload_advice(scheme: &str, bucket: &str, key: &str, id: &str) -> Strin
 }
 
 /// How to delete an object by hand, in the store's own tool.
-fn delete_object_advice(scheme: &str, bucket: &str, key: &str) -> String {
+fn delete_object_advice(scheme: Option<&ObjectStoreScheme>, bucket: &str, key: &str) -> String {
     match scheme {
-        "gs" => format!("delete it with `gcloud storage rm gs://{bucket}/{key}`"),
-        "az" | "abfs" | "abfss" | "azure" => format!(
+        Some(ObjectStoreScheme::GoogleCloudStorage) => {
+            format!("delete it with `gcloud storage rm gs://{bucket}/{key}`")
+        }
+        Some(ObjectStoreScheme::MicrosoftAzure) => format!(
             "delete it with `az storage blob delete --container-name {bucket} --name {key}` (with your --account-name) or the portal"
         ),
         _ => format!("delete it with `aws s3 rm s3://{bucket}/{key}`"),
@@ -544,9 +551,7 @@ impl ShardFile for BucketShard {
             // A completion cut off after the server made the object is repeated by
             // `again`, and the repeat finds no upload (S3 answers 404, other stores
             // otherwise): the object is there, at its size.
-            let made = tries > 1
-                && block_on(self.loc.store.head(&self.loc.key))
-                    .is_ok_and(|meta| meta.size == self.size);
+            let made = tries > 1 && store::head(&self.loc).ok().flatten() == Some(self.size);
             if !made {
                 return Err(io_error("finish uploading", &self.loc.url, e));
             }

@@ -494,14 +494,14 @@ impl ByteSource for ObjectSource {
     /// one only while another block holding bytes is still working; otherwise that
     /// object's reads go to the store one by one (see `Budget::take_for_block`).
     fn will_need_together(&self, ranges: &[(u64, u64)]) {
-        let wanted_runs = |ahead: &[Ahead]| -> Vec<(u64, u64)> {
+        let runs: Vec<(u64, u64)> = {
+            let ahead = self.ahead.lock().unwrap_or_else(|e| e.into_inner());
             self.block_runs(ranges)
                 .into_iter()
                 .map(|r| (r.start, r.end))
-                .filter(|&(start, end)| wanted(ahead, self.len, start, end))
+                .filter(|&(start, end)| wanted(&ahead, self.len, start, end))
                 .collect()
         };
-        let runs = wanted_runs(&self.ahead.lock().unwrap_or_else(|e| e.into_inner()));
         let total: u64 = runs.iter().map(|&(s, e)| e - s).sum();
         if total == 0 || !self.budget.take_for_block(total) {
             return;

@@ -172,6 +172,15 @@ pub(crate) fn register<S: ObjectStore + MultipartStore>(base: &str, store: Arc<S
     stores.insert(base.to_string(), client);
 }
 
+/// Which kind of store `url` names (S3, GCS, Azure, HTTP...), read as [`locate`]
+/// reads it; `None` for what is no object store URL.
+pub fn scheme_of(url: &Path) -> Option<ObjectStoreScheme> {
+    let url = url::Url::parse(url.to_str()?.trim_end_matches('/')).ok()?;
+    ObjectStoreScheme::parse(&url)
+        .ok()
+        .map(|(scheme, _)| scheme)
+}
+
 /// The client and key of a URL; clients are cached per bucket.
 pub fn locate(p: &Path) -> Result<Location> {
     let text = p
@@ -353,16 +362,10 @@ pub fn io_error(op: &'static str, url: &Path, e: object_store::Error) -> Error {
     }
     if chain.contains("URL scheme is not allowed") {
         // An S3/GCS/Azure endpoint given as http:// (a local test server).
-        let u = url.to_string_lossy();
-        let var = if u.starts_with("gs://") {
-            "GOOGLE_ALLOW_HTTP"
-        } else if ["az://", "abfs://", "abfss://", "azure://"]
-            .iter()
-            .any(|s| u.starts_with(s))
-        {
-            "AZURE_ALLOW_HTTP"
-        } else {
-            "AWS_ALLOW_HTTP"
+        let var = match scheme_of(url) {
+            Some(ObjectStoreScheme::GoogleCloudStorage) => "GOOGLE_ALLOW_HTTP",
+            Some(ObjectStoreScheme::MicrosoftAzure) => "AZURE_ALLOW_HTTP",
+            _ => "AWS_ALLOW_HTTP",
         };
         msg.push_str(&format!(
             "; the endpoint is plain http://: set {var}=true to allow it (or use https://)"
