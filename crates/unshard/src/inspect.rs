@@ -6,7 +6,7 @@ use std::path::PathBuf;
 
 use serde::Serialize;
 
-use crate::arch::conversions::{self, Ruleset};
+use crate::arch::conversions::Ruleset;
 use crate::dtype::DType;
 use crate::error::Result;
 use crate::options::InspectOptions;
@@ -137,14 +137,7 @@ pub fn report(ckpt: &Checkpoint, stats: Option<Vec<TensorStats>>) -> InspectRepo
 /// matched once per pattern (numbered components aside), so a checkpoint of
 /// tens of thousands of tensors costs a few dozen matches per rule set.
 fn packed_note(ckpt: &Checkpoint) -> Option<String> {
-    let mut rulesets: Vec<Ruleset> = Vec::new();
-    for mt in conversions::model_types() {
-        if let Some(r) = Ruleset::for_model_type(mt) {
-            if !rulesets.iter().any(|x| x.name == r.name) {
-                rulesets.push(r);
-            }
-        }
-    }
+    let rulesets = Ruleset::all();
     let mut seen: HashMap<String, bool> = HashMap::new();
     let packed: Vec<&str> = ckpt
         .tensors

@@ -103,7 +103,7 @@ fn every_family_reproduces_what_transformers_saves() {
             .iter()
             .map(|(n, s)| (n.as_str(), s.as_slice()))
             .collect();
-        unshard::arch::check(&exp, &pairs).unwrap_or_else(|e| panic!("{family}: {e}"));
+        unshard::arch::check(&exp, &pairs, None).unwrap_or_else(|e| panic!("{family}: {e}"));
     }
     // The flag variants are there (biases, tied heads, a null head_dim, ...).
     assert!(count > 2 * FAMILIES.len(), "{count} cases");

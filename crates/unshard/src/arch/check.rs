@@ -56,8 +56,14 @@ pub fn placeholders<'a>(
     ))
 }
 
-/// Checks output names and shapes against the config's layout.
-pub fn check(exp: &Expected, tensors: &[(&str, &[u64])]) -> Result<(), Error> {
+/// Checks output names and shapes against the config's layout. `shape_hint` is
+/// what to say when shapes do not fit, if the input knows better than "another
+/// model size" (rank files whose full shapes are inferred from the pieces present).
+pub fn check(
+    exp: &Expected,
+    tensors: &[(&str, &[u64])],
+    shape_hint: Option<String>,
+) -> Result<(), Error> {
     let layout = pick_layout(exp, tensors);
     let want: HashMap<&str, &ExpectedTensor> =
         layout.iter().map(|t| (t.name.as_str(), t)).collect();
@@ -135,7 +141,7 @@ pub fn check(exp: &Expected, tensors: &[(&str, &[u64])]) -> Result<(), Error> {
                 mismatched.len(),
                 list_some(&mismatched, 4)
             ),
-            Some("the checkpoint was trained from a different model size than this config: pass the config (--base) of the model that was trained".into()),
+            Some(shape_hint.unwrap_or_else(|| "the checkpoint was trained from a different model size than this config: pass the config (--base) of the model that was trained".into())),
         ));
     }
 

@@ -85,6 +85,7 @@ fn table() -> Option<&'static Table> {
 }
 
 /// The model types the table lists, for tests and reports.
+#[cfg_attr(not(feature = "internals"), allow(dead_code))] // for the tests
 pub fn model_types() -> Vec<&'static str> {
     table()
         .map(|t| t.models.keys().map(String::as_str).collect())
@@ -196,16 +197,30 @@ impl Ruleset {
     pub fn for_model_type(model_type: &str) -> Option<Ruleset> {
         let t = table()?;
         let name = &t.models.get(model_type)?.rules;
-        let raw = t.rulesets.get(name)?;
-        let rules = raw
-            .iter()
-            .enumerate()
-            .map(|(index, r)| compile(index, r))
-            .collect();
-        Some(Ruleset {
-            name: name.clone(),
-            rules,
-        })
+        Some(Ruleset::compiled(name, t.rulesets.get(name)?))
+    }
+
+    /// Every rule set of the table, each once (several model types share one).
+    pub fn all() -> Vec<Ruleset> {
+        table()
+            .map(|t| {
+                t.rulesets
+                    .iter()
+                    .map(|(name, raw)| Ruleset::compiled(name, raw))
+                    .collect()
+            })
+            .unwrap_or_default()
+    }
+
+    fn compiled(name: &str, raw: &[RawRule]) -> Ruleset {
+        Ruleset {
+            name: name.to_string(),
+            rules: raw
+                .iter()
+                .enumerate()
+                .map(|(index, r)| compile(index, r))
+                .collect(),
+        }
     }
 
     /// Whether any rule's save side applies to `name`: the name is a packed one.

@@ -84,16 +84,18 @@ pub(crate) fn check_placeholders(
     }
 }
 
-/// The planned tensors against the layout: names and shapes exactly.
+/// The planned tensors against the layout: names and shapes exactly; `shape_hint`
+/// as [`arch::check`] takes it.
 pub(crate) fn check_against_config(
     tensors: &[PlannedTensor],
     layout: &Expected,
+    shape_hint: Option<String>,
 ) -> Result<(), Error> {
     let pairs: Vec<(&str, &[u64])> = tensors
         .iter()
         .map(|t| (t.name.as_str(), t.shape.as_slice()))
         .collect();
-    arch::check(layout, &pairs)
+    arch::check(layout, &pairs, shape_hint)
 }
 
 #[cfg(test)]

@@ -240,19 +240,6 @@ pub struct Plan {
 
 /// Builds the plan for merging `ckpt` onto `base`; `extra` are further inputs
 /// (`Origin::Input(i)`) the mappings may draw on.
-/// A shape error on a checkpoint whose full shapes are inferred from the pieces
-/// present, with the hint that says so (a missing rank's files read as a smaller
-/// model).
-fn shape_hint(ckpt: &Checkpoint, e: crate::error::Error) -> crate::error::Error {
-    use crate::error::Error;
-    match (e, crate::source::hf_sharded::shape_hint(ckpt)) {
-        (Error::Plan { msg, .. }, Some(hint)) if msg.contains("shape") => {
-            Error::plan(msg, Some(hint))
-        }
-        (e, _) => e,
-    }
-}
-
 pub fn plan(
     ckpt: &Checkpoint,
     base: BaseView<'_>,
@@ -313,7 +300,8 @@ pub fn plan(
     )?;
 
     if let Some(e) = &expected {
-        layout::check_against_config(&tensors, e).map_err(|e| shape_hint(ckpt, e))?;
+        let shape_hint = crate::source::hf_sharded::shape_hint(ckpt);
+        layout::check_against_config(&tensors, e, shape_hint)?;
     }
 
     cast::apply_dtype_policy(&mut tensors, base, opts.dtype)?;
