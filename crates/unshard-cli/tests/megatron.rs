@@ -10,7 +10,7 @@
 
 mod common;
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::Output;
 
 use common::{fixtures, model_names, names, text};
@@ -266,20 +266,29 @@ fn every_case_merges_without_a_base_from_its_training_arguments() {
     }
 }
 
+/// A copy of case `name`'s checkpoint in `tmp/ckpt` whose `common.pt` is the one
+/// of the training arguments `args` (`fixtures/megatron/args/<args>/`).
+fn with_common_pt(name: &str, args: &str, tmp: &Path) -> PathBuf {
+    let (input, _, _) = case(name);
+    let m = fixtures().join("megatron");
+    let ckpt = tmp.join("ckpt");
+    copy_dir(&m.join(&input), &ckpt);
+    std::fs::copy(
+        m.join("args").join(args).join("common.pt"),
+        ckpt.join("common.pt"),
+    )
+    .unwrap();
+    ckpt
+}
+
 #[test]
 fn training_arguments_no_derived_config_expresses_are_refused_by_name() {
     // A torch_dist directory whose training arguments turn on Llama 3.1's rope
     // scaling: a config without it would load and compute another model.
-    let (input, base, expected) = case("llama_tp2_per_layer");
+    let (_, base, expected) = case("llama_tp2_per_layer");
     let m = fixtures().join("megatron");
     let tmp = tempfile::tempdir().unwrap();
-    let ckpt = tmp.path().join("ckpt");
-    copy_dir(&m.join(&input), &ckpt);
-    std::fs::copy(
-        m.join("args/llama_rope_scaling/common.pt"),
-        ckpt.join("common.pt"),
-    )
-    .unwrap();
+    let ckpt = with_common_pt("llama_tp2_per_layer", "llama_rope_scaling", tmp.path());
     let out = tmp.path().join("out");
     let o = unshard(&[
         "merge",
@@ -315,16 +324,10 @@ fn training_arguments_no_derived_config_expresses_are_refused_by_name() {
 fn training_arguments_that_would_run_code_are_reported_and_refused_on_request() {
     // common.pt is no file of the DCP reader: its pickle is audited when the
     // arguments are read for a derived config.
-    let (input, _, expected) = case("llama_tp2_per_layer");
+    let (_, _, expected) = case("llama_tp2_per_layer");
     let m = fixtures().join("megatron");
     let tmp = tempfile::tempdir().unwrap();
-    let ckpt = tmp.path().join("ckpt");
-    copy_dir(&m.join(&input), &ckpt);
-    std::fs::copy(
-        m.join("args/llama_hostile/common.pt"),
-        ckpt.join("common.pt"),
-    )
-    .unwrap();
+    let ckpt = with_common_pt("llama_tp2_per_layer", "llama_hostile", tmp.path());
     let out = tmp.path().join("out");
     let merge = |extra: &[&str]| {
         let mut args = vec![
