@@ -86,16 +86,7 @@ impl Bucket {
             .with_secret_access_key("test")
             .build()
             .unwrap();
-        Bucket {
-            endpoint: endpoint.to_string(),
-            name: name.to_string(),
-            server: Server::S3,
-            store: Arc::new(store),
-            rt: tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-                .unwrap(),
-        }
+        Bucket::with(endpoint, name, Server::S3, Arc::new(store))
     }
 
     /// A bucket on `server`, at the endpoint the environment gives for it.
@@ -145,11 +136,15 @@ impl Bucket {
             .with_container_name(name)
             .build()
             .unwrap();
+        Bucket::with(endpoint, name, Server::Azure, Arc::new(store))
+    }
+
+    fn with(endpoint: &str, name: &str, server: Server, store: Arc<dyn ObjectStore>) -> Bucket {
         Bucket {
             endpoint: endpoint.to_string(),
             name: name.to_string(),
-            server: Server::Azure,
-            store: Arc::new(store),
+            server,
+            store,
             rt: tokio::runtime::Builder::new_current_thread()
                 .enable_all()
                 .build()
