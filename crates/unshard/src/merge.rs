@@ -332,8 +332,8 @@ pub fn merge_into(
     // A checkpoint of thousands of ranks takes seconds to open: say what is going on.
     progress.stage(&format!("reading {}", opts.checkpoint.display()));
     let Prepared {
-        checkpoint: ckpt,
-        base,
+        checkpoint: mut ckpt,
+        mut base,
         mut plan,
         adapter,
     } = prepare(Sources::from(opts))?;
@@ -350,12 +350,23 @@ pub fn merge_into(
     if adapter.as_deref().is_some_and(|a| a.no_fuse()) && sink.staged_dir().is_none() {
         return Err(Error::Usage(NO_FUSE_NEEDS_A_DIRECTORY.into()));
     }
-    let inputs = Prepared::inputs_of(&ckpt, base.as_ref());
     // With an adapter, lora::summary says whether the fuse changes anything.
     let unchanged = match adapter {
         Some(_) => None,
-        None => verify::unchanged_from_base(&plan, inputs, &opts.cancel)?,
+        None => verify::unchanged_from_base(
+            &plan,
+            Prepared::inputs_of(&ckpt, base.as_ref()),
+            &opts.cancel,
+        )?,
     };
+    // The plan holds what it takes of the inputs' tensor descriptions; the writer
+    // and verify read the inputs' files only. At DeepSeek-V3's tensor count the
+    // base's descriptions are a fifth of the heap.
+    ckpt.tensors = Vec::new();
+    if let Some(w) = base.as_mut().and_then(|b| b.weights.as_mut()) {
+        w.tensors = Vec::new();
+    }
+    let inputs = Prepared::inputs_of(&ckpt, base.as_ref());
     if let Some(n) = unchanged {
         plan.report.warnings.push(format!(
             "all {n} checkpoint tensor(s) equal the base's after conversion: the output is the base model again (an adapter-only export, or a checkpoint saved before training changed anything?)"
