@@ -150,7 +150,7 @@ fn kill_part(args: &[String], out: &Path, k: usize, n: usize, kill: Kill, what: 
         Kill::BeforeWrite => ("UNSHARD_TEST_STAGE_DELAY_MS", "5000"),
         // Long enough to be caught between publishing and marking, short enough
         // that the pause before reading costs little.
-        _ => ("UNSHARD_TEST_STAGE_DELAY_MS", "700"),
+        _ => ("UNSHARD_TEST_STAGE_DELAY_MS", "1000"),
     };
     let mut child: Child = merge_cmd(args, out, Some((k, n)))
         .env(var, ms)
@@ -224,41 +224,51 @@ fn run(args: &[String], dir: &Path, n: usize, kill: Kill, what: &str) -> PathBuf
     out
 }
 
-#[test]
-fn every_part_count_shard_count_and_kill_point_gives_the_one_process_output() {
-    let mut scenarios = 0;
-    for l in LAYOUTS {
-        let args = args(l);
-        let tmp = tempfile::tempdir().unwrap();
-        let single = tmp.path().join("single");
-        let o = merge_cmd(&args, &single, None).output().unwrap();
-        assert!(o.status.success(), "{}", stderr(&o));
-        let shards = names(&single)
-            .iter()
-            .filter(|f| f.ends_with(".safetensors"))
-            .count();
-        assert_eq!(shards, l.shards, "{}", l.size);
-        if let Some(t) = l.transformers {
-            let t = fixtures().join(t);
-            assert_eq!(model_names(&single), names(&t), "{}", t.display());
-            for f in names(&t) {
-                assert!(
-                    std::fs::read(single.join(&f)).unwrap() == std::fs::read(t.join(&f)).unwrap(),
-                    "{f} differs from transformers' {}",
-                    t.display()
-                );
-            }
-        }
-        for n in 1..=4 {
-            for kill in KILLS {
-                let what = format!("{} shard(s), {n} part(s), {kill:?}", l.shards);
-                let dir = tempfile::tempdir().unwrap();
-                let out = run(&args, dir.path(), n, kill, &what);
-                same_dirs(&single, &out, &what);
-                assert_eq!(names(dir.path()), ["out"], "{what}: staging left behind");
-                scenarios += 1;
-            }
+/// The layout's one-process merge, checked against transformers' files where a
+/// fixture has them, then every part count and kill point against it; returns how
+/// many scenarios ran.
+fn sweep(l: &Layout) -> usize {
+    let args = args(l);
+    let tmp = tempfile::tempdir().unwrap();
+    let single = tmp.path().join("single");
+    let o = merge_cmd(&args, &single, None).output().unwrap();
+    assert!(o.status.success(), "{}", stderr(&o));
+    let shards = names(&single)
+        .iter()
+        .filter(|f| f.ends_with(".safetensors"))
+        .count();
+    assert_eq!(shards, l.shards, "{}", l.size);
+    if let Some(t) = l.transformers {
+        let t = fixtures().join(t);
+        assert_eq!(model_names(&single), names(&t), "{}", t.display());
+        for f in names(&t) {
+            assert!(
+                std::fs::read(single.join(&f)).unwrap() == std::fs::read(t.join(&f)).unwrap(),
+                "{f} differs from transformers' {}",
+                t.display()
+            );
         }
     }
+    let mut scenarios = 0;
+    for n in 1..=4 {
+        for kill in KILLS {
+            let what = format!("{} shard(s), {n} part(s), {kill:?}", l.shards);
+            let dir = tempfile::tempdir().unwrap();
+            let out = run(&args, dir.path(), n, kill, &what);
+            same_dirs(&single, &out, &what);
+            assert_eq!(names(dir.path()), ["out"], "{what}: staging left behind");
+            scenarios += 1;
+        }
+    }
+    scenarios
+}
+
+#[test]
+fn every_part_count_shard_count_and_kill_point_gives_the_one_process_output() {
+    // The layouts run side by side: most of the time is the parts' pauses.
+    let scenarios: usize = std::thread::scope(|s| {
+        let runs: Vec<_> = LAYOUTS.iter().map(|l| s.spawn(move || sweep(l))).collect();
+        runs.into_iter().map(|r| r.join().unwrap()).sum()
+    });
     assert_eq!(scenarios, 48);
 }
