@@ -89,6 +89,42 @@ fn merged_output_verifies_against_the_deepspeed_folder() {
     }
 }
 
+/// The ZeRO factor combinations (`fixtures/deepspeed_combos/`): the binary merges
+/// each into transformers' files and `verify` accepts the output against the
+/// DeepSpeed folder.
+#[test]
+fn every_zero_combination_merges_and_verifies() {
+    let dir = ds("../deepspeed_combos");
+    let cases: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(dir.join("cases.json")).unwrap()).unwrap();
+    let fixtures = dir.join("..");
+    for c in cases["cases"].as_array().unwrap() {
+        let name = c["name"].as_str().unwrap();
+        let ckpt = fixtures.join(c["checkpoint"].as_str().unwrap());
+        let base = fixtures.join(c["base"].as_str().unwrap());
+        let tmp = tempfile::tempdir().unwrap();
+        let out = tmp.path().join("out");
+        let o = merge(&ckpt, Some(&base), &out, &[]);
+        assert!(o.status.success(), "{name}: {}", text(&o.stderr));
+        same_files(&out, &fixtures.join(c["expected_dir"].as_str().unwrap()));
+        let v = unshard(&[
+            "verify".as_ref(),
+            out.as_os_str(),
+            "--against".as_ref(),
+            ckpt.as_os_str(),
+            "--base".as_ref(),
+            base.as_os_str(),
+            "-q".as_ref(),
+        ]);
+        assert!(
+            v.status.success() && text(&v.stdout).starts_with("ok: "),
+            "{name}: verify: {}{}",
+            text(&v.stdout),
+            text(&v.stderr)
+        );
+    }
+}
+
 #[test]
 fn verify_notices_a_changed_weight() {
     let tmp = tempfile::tempdir().unwrap();

@@ -8,11 +8,9 @@
 
 mod common;
 
-use std::collections::BTreeSet;
-use std::path::Path;
 use std::process::{Command, Output};
 
-use common::{f32_safetensors, fixtures};
+use common::{f32_safetensors, fixtures, peft};
 
 fn unshard(args: &[&str]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_unshard"))
@@ -59,78 +57,6 @@ fn extra(case: &serde_json::Value) -> Vec<String> {
         .unwrap_or_default()
 }
 
-/// Values ordered like their bits: adjacent floats of a dtype differ by 1.
-fn ordered(bytes: &[u8], dtype: safetensors::Dtype) -> Vec<i64> {
-    match dtype {
-        safetensors::Dtype::F32 => bytes
-            .chunks_exact(4)
-            .map(|c| {
-                let b = i32::from_le_bytes([c[0], c[1], c[2], c[3]]) as i64;
-                if b < 0 {
-                    -(b & 0x7fff_ffff)
-                } else {
-                    b
-                }
-            })
-            .collect(),
-        _ => bytes
-            .chunks_exact(2)
-            .map(|c| {
-                let b = i16::from_le_bytes([c[0], c[1]]) as i64;
-                if b < 0 {
-                    -(b & 0x7fff)
-                } else {
-                    b
-                }
-            })
-            .collect(),
-    }
-}
-
-/// Compares an output dir's single shard with an expected dir's: same names,
-/// dtypes and shapes; `fused` tensors within 1 ulp, the others byte-identical.
-/// Returns how many fused tensors differ from peft's at all.
-fn compare(out: &Path, expected: &Path, fused: &BTreeSet<String>, name: &str) -> usize {
-    let ours = std::fs::read(out.join("model.safetensors")).unwrap();
-    let ours = safetensors::SafeTensors::deserialize(&ours).unwrap();
-    let theirs = std::fs::read(expected.join("model.safetensors")).unwrap();
-    let theirs = safetensors::SafeTensors::deserialize(&theirs).unwrap();
-    let names = |s: &safetensors::SafeTensors| {
-        s.names()
-            .into_iter()
-            .map(str::to_string)
-            .collect::<BTreeSet<_>>()
-    };
-    assert_eq!(names(&ours), names(&theirs), "{name}: tensor names");
-    let mut inexact = 0;
-    for n in names(&theirs) {
-        let (a, b) = (ours.tensor(&n).unwrap(), theirs.tensor(&n).unwrap());
-        assert_eq!(
-            (a.dtype(), a.shape()),
-            (b.dtype(), b.shape()),
-            "{name}: {n}"
-        );
-        if !fused.contains(&n) {
-            assert!(
-                a.data() == b.data(),
-                "{name}: {n} is not fused but differs from peft's"
-            );
-            continue;
-        }
-        let (x, y) = (ordered(a.data(), a.dtype()), ordered(b.data(), b.dtype()));
-        let worst = x
-            .iter()
-            .zip(&y)
-            .map(|(p, q)| (p - q).abs())
-            .max()
-            .unwrap_or(0);
-        assert!(worst <= 1, "{name}: {n} is {worst} ulp from peft's");
-        inexact += (a.data() != b.data()) as usize;
-    }
-    assert!(!fused.is_empty(), "{name}: nothing fused");
-    inexact
-}
-
 #[test]
 fn every_case_merges_within_one_ulp_of_peft_and_verifies() {
     let all = cases();
@@ -165,13 +91,9 @@ fn every_case_merges_within_one_ulp_of_peft_and_verifies() {
             "{name}: {stderr}"
         );
         // Which tensors the fuse computed: the adapter's modules (lora_A names).
-        let fused = adapter_targets(case);
-        inexact += compare(
-            &out,
-            &fixtures().join(case["expected_dir"].as_str().unwrap()),
-            &fused,
-            name,
-        );
+        let expected = fixtures().join(case["expected_dir"].as_str().unwrap());
+        let fused = peft::changed(&expected, &fixtures().join(case["base"].as_str().unwrap()));
+        inexact += peft::compare(&out, &expected, &fused, name);
 
         let mut vargs = vec![
             "verify",
@@ -193,27 +115,6 @@ fn every_case_merges_within_one_ulp_of_peft_and_verifies() {
     // tensor of these fixtures comes out bit-identical to peft's; another
     // summation order may round an element the other way, which the 1-ulp bound allows.
     eprintln!("fused tensors not bit-identical to peft's: {inexact}");
-}
-
-/// The base names of the weights an adapter case fuses, read from the adapter's
-/// own tensor names (lora_A / lora_embedding_A), with the safetensors crate or,
-/// for a training checkpoint, from the expected dir against the base.
-fn adapter_targets(case: &serde_json::Value) -> BTreeSet<String> {
-    let expected = fixtures().join(case["expected_dir"].as_str().unwrap());
-    let base = fixtures().join(case["base"].as_str().unwrap());
-    let e = std::fs::read(expected.join("model.safetensors")).unwrap();
-    let e = safetensors::SafeTensors::deserialize(&e).unwrap();
-    let b = std::fs::read(base.join("model.safetensors")).unwrap();
-    let b = safetensors::SafeTensors::deserialize(&b).unwrap();
-    e.names()
-        .into_iter()
-        .filter(|n| {
-            b.tensor(n)
-                .map(|t| t.data() != e.tensor(n).unwrap().data())
-                .unwrap_or(true)
-        })
-        .map(str::to_string)
-        .collect()
 }
 
 #[test]

@@ -281,7 +281,14 @@ pub fn prepare<'a>(opts: impl Into<Sources<'a>>) -> Result<Prepared> {
     check_unsafe(opts.unsafe_pickles, &ckpt, base.as_ref())?;
     opts.cancel.check()?;
     let view = base.as_ref().map(Base::view).unwrap_or_default();
-    let adapter = adapter.map(|r| Arc::new(LoraFuse::new(r, opts.adapter.no_fuse)));
+    let model_type = view
+        .config
+        .and_then(|c| c.get("model_type"))
+        .and_then(|v| v.as_str());
+    let adapter = adapter.map(|mut r| {
+        r.use_layer_classes(model_type);
+        Arc::new(LoraFuse::new(r, opts.adapter.no_fuse))
+    });
     let mut plan_opts = opts.plan.clone();
     if let Some(a) = &adapter {
         plan_opts.mappings.insert(0, a.clone());

@@ -1,6 +1,7 @@
 //! Helpers shared by the CLI integration tests.
 #![allow(dead_code, clippy::unwrap_used)]
 
+pub mod peft;
 pub mod s3;
 
 use std::path::{Path, PathBuf};

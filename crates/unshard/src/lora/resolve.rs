@@ -28,8 +28,13 @@ pub struct Fuse {
     pub module: String,
     /// Whether the factors are an embedding's (`lora_embedding_A/B`).
     pub embedding: bool,
-    /// The config says the module stores `[in, out]` (GPT-2 `Conv1D`).
+    /// The module stores `[in, out]` (GPT-2 `Conv1D`): the config's flag, or the
+    /// layer's class once the base's model type is known
+    /// ([`Resolved::use_layer_classes`]).
     pub fan_in_fan_out: bool,
+    /// Whether `fan_in_fan_out` comes from the layer's class (then it is the only
+    /// layout the factors may take) rather than the config.
+    pub class_known: bool,
     /// lora_A (or lora_embedding_A).
     pub a: TensorSource,
     /// lora_B (or lora_embedding_B).
@@ -45,9 +50,10 @@ pub struct Fuse {
 impl Fuse {
     /// The layout of the update over a stored weight of `shape`, or an error naming
     /// the weight when the factors cannot fit it. peft decides `fan_in_fan_out` from
-    /// the layer's class (it corrects the flag for `nn.Linear` and `Conv1D`); unshard
-    /// sees shapes only, so a weight that fits one orientation alone takes it, and
-    /// a square one follows the config.
+    /// the layer's class (it corrects the flag for `nn.Linear` and `Conv1D`, and
+    /// writes the last correction into the config); where the class is known it is
+    /// followed, else a weight that fits one orientation alone takes it, and a
+    /// square one follows the config.
     pub fn layout_for(&self, shape: &[u64]) -> Result<Layout> {
         let bad = |why: String| crate::error::Error::Adapter {
             msg: format!(
@@ -66,6 +72,12 @@ impl Fuse {
         };
         let candidates: &[Layout] = if self.embedding {
             &[Layout::Embedding]
+        } else if self.class_known {
+            if self.fan_in_fan_out {
+                &[Layout::FanInFanOut]
+            } else {
+                &[Layout::Linear]
+            }
         } else if self.fan_in_fan_out {
             &[Layout::FanInFanOut, Layout::Linear]
         } else {
@@ -119,7 +131,45 @@ impl Resolved {
         let module = name.rsplit_once('.').map_or(name, |(m, _)| m);
         self.config.saves(module)
     }
+
+    /// Sets each adapted weight's orientation from its layer's class in the base's
+    /// architecture (`model_type`), as peft does when it wraps the layer: `Conv1D`
+    /// (weights `[in, out]`) for the modules of [`CONV1D_MODULES`], `nn.Linear` for
+    /// every other one of those models. The config's `fan_in_fan_out` cannot be
+    /// trusted there: peft overwrites it for each layer it wraps, so an adapter on
+    /// both kinds keeps the value of the last one. Other model types are left to
+    /// the shapes and the config.
+    pub fn use_layer_classes(&mut self, model_type: Option<&str>) {
+        let Some(conv) = model_type.and_then(|mt| {
+            CONV1D_MODULES
+                .iter()
+                .find(|(t, _)| *t == mt)
+                .map(|(_, m)| *m)
+        }) else {
+            return;
+        };
+        for f in self.fuses.iter_mut().filter(|f| !f.embedding) {
+            let leaf = f.module.rsplit('.').next().unwrap_or(&f.module);
+            f.fan_in_fan_out = conv.contains(&leaf);
+            f.class_known = true;
+        }
+    }
 }
+
+/// The model types of transformers whose layers include `Conv1D` (weights stored
+/// `[in, out]`), and the module names that are one; their other 2-D layers are
+/// `nn.Linear`.
+pub const CONV1D_MODULES: &[(&str, &[&str])] = &[
+    ("gpt2", &["c_attn", "q_attn", "c_proj", "c_fc"]),
+    (
+        "decision_transformer",
+        &["c_attn", "q_attn", "c_proj", "c_fc"],
+    ),
+    ("imagegpt", &["c_attn", "q_attn", "c_proj", "c_fc"]),
+    ("openai-gpt", &["c_attn", "c_proj", "c_fc"]),
+    // The decoder's MLP only; its attention is nn.Linear.
+    ("clvp", &["c_fc", "c_proj"]),
+];
 
 #[derive(Default)]
 struct Factors {
@@ -377,6 +427,7 @@ fn fuse_of(path: &Path, config: &AdapterConfig, module: String, f: Factors) -> R
         scale: config.scale_for(&module),
         embedding: f.embedding,
         fan_in_fan_out: config.fan_in_fan_out,
+        class_known: false,
         magnitude: f.magnitude,
         module,
         a,

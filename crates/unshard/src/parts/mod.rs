@@ -73,6 +73,14 @@ pub struct PartOutcome {
     pub staging: PathBuf,
 }
 
+/// What a part says once its shards are in place, before it marks itself done.
+fn done_stage(part: Part) -> String {
+    format!(
+        "part {} of {}: shards written, marking the part done",
+        part.index, part.count
+    )
+}
+
 /// Runs part `part` of the merge `opts`.
 pub fn merge_part(opts: &MergeOptions, part: Part, progress: &dyn Progress) -> Result<PartOutcome> {
     let remote = fs::is_url(&opts.output);
@@ -152,6 +160,7 @@ pub fn merge_part(opts: &MergeOptions, part: Part, progress: &dyn Progress) -> R
         let sink = meeting.shard_sink()?;
         let written = write::write_into(&mine, inputs, &sink, &wopts, progress)?;
         write::Sink::commit(Box::new(sink))?;
+        progress.stage(&done_stage(part));
         // The done-marker carries this part's checksums, for unshard.json.
         let waiting_for =
             meeting.mark_done(&FileEntry::of_written(&written.files, &written.digests))?;
@@ -184,6 +193,7 @@ pub fn merge_part(opts: &MergeOptions, part: Part, progress: &dyn Progress) -> R
     let dir = PartDir::open(&opts.output, &hash, part)?;
     let written = write::write_into(&mine, inputs, &dir, &wopts, progress)?;
     dir.publish_shards(&shards)?;
+    progress.stage(&done_stage(part));
     if !opts.no_manifest {
         // For the part that commits: it writes every shard's checksum in unshard.json.
         let entries = FileEntry::of_written(&written.files, &written.digests);
