@@ -207,9 +207,11 @@ fn plan_options(k: &Kwargs) -> Result<PlanOptions, Error> {
         None => unshard::ExpertLayout::Base,
         Some("packed") => unshard::ExpertLayout::Packed,
         Some("original") => unshard::ExpertLayout::Original,
-        Some(l) => return Err(Error::Usage(format!(
+        Some(l) => {
+            return Err(Error::Usage(format!(
             "layout={l:?} is not a layout (\"packed\", \"original\", or None: as the base's files)"
-        ))),
+        )))
+        }
     };
     Ok(PlanOptions {
         dtype,

@@ -1,16 +1,24 @@
-//! The `ArchConversion` mapping: a checkpoint in transformers' in-memory layout
-//! (packed expert tensors, `model.state_dict()`'s names) written in the layout of
-//! the model's files (`save_pretrained`'s names), by the base's `model_type`
-//! rules in `arch/conversions.rs`.
+//! The `ArchConversion` mapping: expert tensors between transformers' in-memory
+//! layout (packed expert tensors, `model.state_dict()`'s names) and the layout of
+//! the model's files (`save_pretrained`'s names), by the base's `model_type` rules
+//! in `arch/conversions.rs`.
 //!
 //! It owns the decision of which way to go and the pieces of each output tensor.
-//! The output follows the base's files: a checkpoint whose names the save side
-//! changes is unpacked unless the base itself holds such names (then both are in
-//! the packed layout and nothing changes); a checkpoint already in the files'
-//! layout is left alone. Each unpacked tensor is a box of a packed one, so it stays
-//! a [`Content::Copy`]: its pieces are the packed tensor's pieces narrowed to the
-//! box (byte offset, shape and place change, strides stay), and the engine and
-//! verify treat it as any other copy, bit-exact for every dtype. A rule whose
+//! The output's layout is the one asked for ([`ExpertLayout`]), by default the
+//! base's files': packed when the base holds packed names, else per expert (also
+//! without base weights). The base's own tensors are first read in that layout
+//! ([`ArchConversion::read_base`]), so the overlay sees the output's names; then
+//! the checkpoint's tensors are unpacked or packed to it, or left alone when they
+//! are in it already.
+//!
+//! Unpacking: each unpacked tensor is a box of a packed one, so it stays a
+//! [`Content::Copy`]: its pieces are the packed tensor's pieces narrowed to the
+//! box (byte offset, shape and place change, strides stay). Packing: each packed
+//! tensor is a Copy of the pieces of every tensor of its group (every expert of
+//! every source, by the load side's rules), each placed at the box the save side
+//! cuts that tensor out of the packed one (the experts stacked, gate and up
+//! concatenated), as a sharded tensor's pieces are placed. Either way the engine
+//! and verify treat it as any other copy, bit-exact for every dtype. A rule whose
 //! result is not a box (an interleave, a transpose) is refused naming the tensor
 //! and the rule.
 
@@ -195,12 +203,6 @@ impl Mapping for ArchConversion {
             ExpertLayout::Original => false,
             ExpertLayout::Base => base_packed,
         };
-        if packed && self.layout == ExpertLayout::Base {
-            if candidates.iter().any(|c| self.rules.is_packed(&c.name)) {
-                self.record(Applied::BasePacked);
-            }
-            return Ok(candidates);
-        }
         if packed {
             let had_packed = candidates.iter().any(|c| self.rules.is_packed(&c.name));
             let (out, p) = self.pack(candidates, "checkpoint")?;
