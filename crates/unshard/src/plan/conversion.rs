@@ -313,7 +313,7 @@ impl ArchConversion {
     /// tensor is exactly the one transformers would load from these files.
     fn pack(&self, candidates: Vec<Candidate>, whose: &str) -> Result<(Vec<Candidate>, Packing)> {
         enum Slot {
-            One(Candidate),
+            One(Box<Candidate>),
             Group(usize),
         }
         struct Group {
@@ -340,10 +340,10 @@ impl ArchConversion {
                 .load(&c.name)
                 .map_err(|r| refusal(&c, &r.rule, &r.why))?
             {
-                Loaded::Same => slots.push(Slot::One(c)),
+                Loaded::Same => slots.push(Slot::One(Box::new(c))),
                 Loaded::Renamed(n) => {
                     stats.renamed += 1;
-                    slots.push(Slot::One(Candidate { name: n, ..c }));
+                    slots.push(Slot::One(Box::new(Candidate { name: n, ..c })));
                 }
                 Loaded::Part {
                     rule,
@@ -390,7 +390,7 @@ impl ArchConversion {
         let mut out = Vec::with_capacity(slots.len());
         for s in slots {
             match s {
-                Slot::One(c) => out.push(c),
+                Slot::One(c) => out.push(*c),
                 Slot::Group(i) => {
                     if let Some(c) = made.get_mut(i).and_then(Option::take) {
                         out.push(c);
