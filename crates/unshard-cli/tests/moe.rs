@@ -483,3 +483,35 @@ fn inspect_names_the_packed_expert_tensors() {
     assert!(o.status.success(), "{}", text(&o));
     assert!(!text(&o).contains("packed"), "{}", text(&o));
 }
+
+/// Without base weights (a config-only base), `--layout packed` packs by the
+/// config's model_type alone: transformers' per-expert files and the packed
+/// checkpoint both give `model.state_dict()`'s tensors.
+#[test]
+fn layout_packed_needs_only_the_config() {
+    let tmp = tempfile::tempdir().unwrap();
+    let cfg = tmp.path().join("cfg");
+    std::fs::create_dir(&cfg).unwrap();
+    std::fs::copy(
+        fixtures().join("moe/qwen3_moe/base/config.json"),
+        cfg.join("config.json"),
+    )
+    .unwrap();
+    let want = fixtures().join("moe/qwen3_moe/expected_packed/model.safetensors");
+    for ckpt in ["moe/qwen3_moe/expected", "moe/qwen3_moe/policy.pt"] {
+        let out = tmp.path().join(ckpt.replace('/', "_"));
+        let o = unshard(&[
+            "merge",
+            ckpt,
+            "--base",
+            cfg.to_str().unwrap(),
+            "--output",
+            out.to_str().unwrap(),
+            "--layout",
+            "packed",
+        ]);
+        assert!(o.status.success(), "{ckpt}: {}", text(&o));
+        let got = std::fs::read(out.join("model.safetensors")).unwrap();
+        assert!(got == std::fs::read(&want).unwrap(), "{ckpt}: differs");
+    }
+}
