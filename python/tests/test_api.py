@@ -45,6 +45,18 @@ def test_merge_report_says_what_was_done(tmp_path):
         report.no_such_field
 
 
+def test_layout_packed_writes_what_model_state_dict_holds(tmp_path):
+    # transformers' per-expert files, written packed: the state dict of the model
+    # transformers loads from them, as gen_moe.py saved it; verify takes the layout
+    # back from unshard.json.
+    moe = FIXTURES / "moe/qwen3_moe"
+    out = tmp_path / "out"
+    report = unshard.merge(moe / "expected", out, base=moe / "base", layout="packed", progress=False)
+    assert same_tree(out, moe / "expected_packed") == []
+    assert any("packed into" in n for n in report.notes), report.notes
+    assert unshard.verify(out).ok
+
+
 def test_paths_may_be_pathlike_and_bad_types_are_refused(tmp_path):
     unshard.merge(Path(FIXTURES / "ckpt/llama_policy.pt"), tmp_path / "o", base=FIXTURES / "models/llama-bf16",
                   progress=False)
@@ -61,6 +73,7 @@ def test_paths_may_be_pathlike_and_bad_types_are_refused(tmp_path):
         ("ckpt/qwen2_overflow.pt", {"base": "models/qwen2-fp16"}, unshard.DtypeOverflow),
         ("ckpt/llama_policy.pt", {"dtype": "float8"}, unshard.InvalidOption),
         ("ckpt/llama_policy.pt", {"max_shard_size": "huge"}, unshard.InvalidOption),
+        ("ckpt/llama_policy.pt", {"layout": "stacked"}, unshard.InvalidOption),
     ],
 )
 def test_errors_are_typed_and_leave_nothing(ckpt, kwargs, exc, tmp_path):

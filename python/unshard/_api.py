@@ -166,6 +166,7 @@ def _merge_options(
     weights_only: bool = False,
     refuse_unsafe: bool = False,
     part: Optional[str] = None,
+    layout: Optional[str] = None,
 ) -> str:
     if isinstance(rename, str):
         rename = [rename]
@@ -189,6 +190,7 @@ def _merge_options(
             "weights_only": bool(weights_only),
             "refuse_unsafe": bool(refuse_unsafe),
             "part": None if part is None else str(part),
+            "layout": None if layout is None else str(layout),
         }
     )
 
@@ -215,6 +217,7 @@ def merge(
     weights_only: bool = False,
     refuse_unsafe: bool = False,
     part: Optional[str] = None,
+    layout: Optional[str] = None,
     progress: ProgressArg = True,
 ) -> Union[MergeReport, PartReport]:
     """Merge a training checkpoint (onto a base model) into a Hugging Face model directory.
@@ -243,6 +246,11 @@ def merge(
     ``kind``, ``message``, ``tensor`` and ``file``. ``refuse_unsafe=True`` (or
     ``strict=True``) refuses such a pickle instead, raising :class:`UnsafePickle`.
 
+    ``layout="packed"`` writes a mixture-of-experts model's expert tensors as
+    transformers holds them in memory (``model.state_dict()``: each layer's experts
+    stacked in one tensor per projection), ``layout="original"`` one tensor per expert as
+    ``save_pretrained`` writes them; by default, as the base's files hold them.
+
     ``part="I/N"`` (or ``"auto"``, from torchrun's or Slurm's environment) writes only
     part I of N of the shards, for a merge split over processes sharing the output's
     filesystem; the last part to finish commits the output. It returns a
@@ -252,7 +260,7 @@ def merge(
     """
     opts = _merge_options(
         base, dtype, max_shard_size, strict, key, tag, rename, force, allow_overflow, verify, fail_on_nonfinite,
-        adapter, adapter_config, no_fuse, no_manifest, weights_only, refuse_unsafe, part,
+        adapter, adapter_config, no_fuse, no_manifest, weights_only, refuse_unsafe, part, layout,
     )
     data = _run(
         _native.merge,
@@ -296,6 +304,7 @@ def verify(
     adapter_config: Optional[PathLike] = None,
     no_fuse: bool = False,
     refuse_unsafe: bool = False,
+    layout: Optional[str] = None,
     progress: ProgressArg = False,
 ) -> VerifyReport:
     """Check that ``output`` holds exactly what merging ``against`` with these options gives.
@@ -309,7 +318,7 @@ def verify(
     """
     opts = _merge_options(
         base, dtype, max_shard_size, strict, key, tag, rename, False, False, False, False,
-        adapter, adapter_config, no_fuse, refuse_unsafe=refuse_unsafe,
+        adapter, adapter_config, no_fuse, refuse_unsafe=refuse_unsafe, layout=layout,
     )
     data = _run(
         _native.verify,

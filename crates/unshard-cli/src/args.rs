@@ -5,7 +5,7 @@
 use std::path::PathBuf;
 
 use clap::ValueEnum;
-use unshard::{AdapterOptions, DtypeChoice, PlanOptions};
+use unshard::{AdapterOptions, DtypeChoice, ExpertLayout, PlanOptions};
 use unshard::{DType, Error, RenameError};
 
 /// `--key`: where the state dict sits inside a pickle.
@@ -58,6 +58,16 @@ impl DtypeArg {
     }
 }
 
+/// The layout of a mixture-of-experts model's expert tensors.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum LayoutArg {
+    /// transformers' in-memory layout, what `model.state_dict()` holds: each
+    /// layer's experts stacked in one tensor per projection (gate and up joined).
+    Packed,
+    /// The per-expert tensors `save_pretrained` writes.
+    Original,
+}
+
 /// The options that decide what a merge writes, shared by `merge` (which writes
 /// it) and `verify` (which re-derives it: pass the same values).
 #[derive(clap::Args, Debug)]
@@ -91,6 +101,13 @@ pub struct PlanArgs {
     /// applied after wrapper prefixes are stripped. Repeatable.
     #[arg(long, value_name = "REGEX=REPLACEMENT")]
     pub rename: Vec<String>,
+
+    /// Mixture-of-experts models: write the expert tensors packed (transformers'
+    /// in-memory layout, fewer tensors; transformers 5 loads it) or original (one
+    /// tensor per expert, as save_pretrained writes). By default, as the base's
+    /// files hold them.
+    #[arg(long, value_enum, value_name = "LAYOUT")]
+    pub layout: Option<LayoutArg>,
 
     #[command(flatten)]
     pub adapter: AdapterArgs,
@@ -166,6 +183,11 @@ impl PlanArgs {
             strict: self.strict,
             renames,
             max_shard_size,
+            layout: match self.layout {
+                None => ExpertLayout::Base,
+                Some(LayoutArg::Packed) => ExpertLayout::Packed,
+                Some(LayoutArg::Original) => ExpertLayout::Original,
+            },
             ..PlanOptions::default()
         })
     }

@@ -42,6 +42,8 @@ struct Kwargs {
     refuse_unsafe: bool,
     #[serde(default)]
     part: Option<String>,
+    #[serde(default)]
+    layout: Option<String>,
 }
 
 /// A merge (or the merge a `verify` re-derives), ready to run.
@@ -201,11 +203,22 @@ fn plan_options(k: &Kwargs) -> Result<PlanOptions, Error> {
             }
         })?);
     }
+    let layout = match k.layout.as_deref() {
+        None => unshard::ExpertLayout::Base,
+        Some("packed") => unshard::ExpertLayout::Packed,
+        Some("original") => unshard::ExpertLayout::Original,
+        Some(l) => {
+            return Err(Error::Usage(format!(
+            "layout={l:?} is not a layout (\"packed\", \"original\", or None: as the base's files)"
+        )))
+        }
+    };
     Ok(PlanOptions {
         dtype,
         strict: k.strict,
         renames,
         max_shard_size,
+        layout,
         ..PlanOptions::default()
     })
 }

@@ -176,7 +176,7 @@ pub use manifest::{Manifest, MANIFEST};
 pub use merge::{merge, merge_into, parse_size, MergeReport, Warning, WarningKind};
 pub use options::{DiffOptions, InspectOptions, MergeOptions, UnsafePolicy, VerifyOptions};
 pub use parts::{merge_part, Part};
-pub use plan::{parse_rename, DtypeChoice, Origin, PlanOptions, RenameError};
+pub use plan::{parse_rename, DtypeChoice, ExpertLayout, Origin, PlanOptions, RenameError};
 pub use scan::{scan_file, scan_paths, FileScan, UnsafeCall};
 pub use source::{
     fs::{is_url, location},

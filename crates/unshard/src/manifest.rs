@@ -24,7 +24,7 @@ use crate::digest::{Expected, ExpectedDigest};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::options::{MergeOptions, VerifyOptions};
-use crate::plan::DtypeChoice;
+use crate::plan::{DtypeChoice, ExpertLayout};
 use crate::source::audit::UnsafeCall;
 use crate::write::{FileDigest, WINDOW_BYTES};
 
@@ -123,6 +123,9 @@ pub struct Recorded {
     pub no_fuse: bool,
     /// `--allow-overflow`.
     pub allow_overflow: bool,
+    /// `--layout` (`packed` or `original`); absent: as the base's files.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub layout: Option<String>,
 }
 
 /// How the checksums are computed.
@@ -186,6 +189,7 @@ impl Manifest {
                 adapter_config: opts.adapter.config.as_deref().map(absolute),
                 no_fuse: opts.adapter.no_fuse,
                 allow_overflow: opts.allow_overflow,
+                layout: layout_name(p.layout).map(String::from),
             },
             checksum: Checksum {
                 algorithm: ALGORITHM.into(),
@@ -375,6 +379,26 @@ impl Manifest {
                     .push("--rename (unshard.json records other renames)".into());
             }
         }
+        let recorded_layout = match r.layout.as_deref() {
+            None => ExpertLayout::Base,
+            Some("packed") => ExpertLayout::Packed,
+            Some("original") => ExpertLayout::Original,
+            Some(l) => return Err(self.unreadable(format!("options.layout '{l}' is not a layout"))),
+        };
+        match (opts.plan.layout, layout_name(recorded_layout)) {
+            (ExpertLayout::Base, Some(v)) => {
+                f.taken.push(format!("--layout {v}"));
+                opts.plan.layout = recorded_layout;
+            }
+            (given, rec) if given != ExpertLayout::Base && given != recorded_layout => {
+                f.overridden.push(format!(
+                    "--layout {} (unshard.json: {})",
+                    layout_name(given).unwrap_or("base"),
+                    rec.unwrap_or("as the base's files")
+                ));
+            }
+            _ => {}
+        }
         let mut flag = |name: &str, given: &mut bool, recorded: bool| {
             if recorded && !*given {
                 f.taken.push(name.into());
@@ -397,6 +421,15 @@ impl Manifest {
         Error::Usage(format!(
             "{MANIFEST}: {msg}; pass the merge's options to verify explicitly, or remove {MANIFEST}"
         ))
+    }
+}
+
+/// `--layout`'s value for a layout; `None` for the base's.
+fn layout_name(l: ExpertLayout) -> Option<&'static str> {
+    match l {
+        ExpertLayout::Base => None,
+        ExpertLayout::Packed => Some("packed"),
+        ExpertLayout::Original => Some("original"),
     }
 }
 

@@ -17,7 +17,7 @@ use crate::plan::conversion::ArchConversion;
 use crate::plan::megatron::Megatron;
 use crate::plan::torchtitan::Torchtitan;
 pub use crate::plan::Inputs;
-use crate::plan::{self, BaseView, Plan, PlanOptions};
+use crate::plan::{self, BaseView, ExpertLayout, Plan, PlanOptions};
 use crate::source::audit::UnsafeCall;
 use crate::source::hf_dir::HfDir;
 use crate::source::{self, megatron, Checkpoint, OpenOptions};
@@ -261,7 +261,7 @@ pub fn prepare<'a>(opts: impl Into<Sources<'a>>) -> Result<Prepared> {
     };
     // A Megatron-Core checkpoint with no config anywhere: derived from the
     // training arguments it holds.
-    let (base, derived) = match base {
+    let (mut base, derived) = match base {
         None if Megatron::names_in(&ckpt) => match Derived::from_megatron_args(&ckpt.path)? {
             Some(d) => {
                 // Audited with the checkpoint: the reader may have read the same
@@ -280,6 +280,23 @@ pub fn prepare<'a>(opts: impl Into<Sources<'a>>) -> Result<Prepared> {
     };
     check_unsafe(opts.unsafe_pickles, &ckpt, base.as_ref())?;
     opts.cancel.check()?;
+    // A checkpoint in transformers' in-memory layout (packed experts) is written in
+    // the layout of the base's files, or the one asked for: the base's tensors are
+    // read in that layout first.
+    let config = base.as_ref().and_then(|b| b.dir.config.as_ref());
+    let conversion = ArchConversion::for_config(config, opts.plan.layout).map(Arc::new);
+    let mut layout_note = None;
+    if opts.plan.layout != ExpertLayout::Base && conversion.is_none() {
+        let mt = config
+            .and_then(|c| c.get("model_type")?.as_str())
+            .unwrap_or("none");
+        layout_note = Some(format!(
+            "layout: the base's model_type ({mt}) has no conversion between transformers' in-memory and file layouts: the layout asked for changes nothing"
+        ));
+    }
+    if let (Some(c), Some(w)) = (&conversion, base.as_mut().and_then(|b| b.weights.as_mut())) {
+        c.read_base(w)?;
+    }
     let view = base.as_ref().map(Base::view).unwrap_or_default();
     let model_type = view
         .config
@@ -301,9 +318,6 @@ pub fn prepare<'a>(opts: impl Into<Sources<'a>>) -> Result<Prepared> {
     if let Some(t) = &titan {
         plan_opts.mappings.push(t.clone());
     }
-    // A checkpoint in transformers' in-memory layout (packed experts) is written in
-    // the layout of the base's files.
-    let conversion = ArchConversion::for_config(view.config).map(Arc::new);
     if let Some(c) = &conversion {
         plan_opts.mappings.push(c.clone());
     }
@@ -314,6 +328,7 @@ pub fn prepare<'a>(opts: impl Into<Sources<'a>>) -> Result<Prepared> {
     if let Some(c) = &conversion {
         c.note(&mut plan.report);
     }
+    plan.report.notes.extend(layout_note);
     megatron.note(&mut plan.report);
     if let Some(t) = &titan {
         t.note(&mut plan.report);

@@ -52,6 +52,22 @@ pub(crate) fn apply_dtype_policy(
     Ok(())
 }
 
+/// The dtype the config declares for the model written: the one most floating
+/// elements are written in, so that a few tensors a class keeps in float32
+/// (DeepSeek-V3's router, `_keep_in_fp32_modules`) do not decide it, whichever
+/// comes first.
+pub(crate) fn model_dtype(tensors: &[PlannedTensor]) -> Option<DType> {
+    let mut by: Vec<(DType, u64)> = Vec::new();
+    for t in tensors.iter().filter(|t| t.dtype.is_float()) {
+        match by.iter_mut().find(|(d, _)| *d == t.dtype) {
+            Some((_, n)) => *n = n.saturating_add(t.numel()),
+            None => by.push((t.dtype, t.numel())),
+        }
+    }
+    // The first seen wins a tie.
+    by.iter().rev().max_by_key(|(_, n)| *n).map(|(d, _)| *d)
+}
+
 /// The casts, as `(from, to, count)` in the order first seen.
 pub(crate) fn count_casts(tensors: &[PlannedTensor]) -> Vec<(DType, DType, usize)> {
     let mut casts: Vec<(DType, DType, usize)> = Vec::new();

@@ -1,36 +1,47 @@
-//! The `ArchConversion` mapping: a checkpoint in transformers' in-memory layout
-//! (packed expert tensors, `model.state_dict()`'s names) written in the layout of
-//! the model's files (`save_pretrained`'s names), by the base's `model_type`
-//! rules in `arch/conversions.rs`.
+//! The `ArchConversion` mapping: expert tensors between transformers' in-memory
+//! layout (packed expert tensors, `model.state_dict()`'s names) and the layout of
+//! the model's files (`save_pretrained`'s names), by the base's `model_type` rules
+//! in `arch/conversions.rs`.
 //!
 //! It owns the decision of which way to go and the pieces of each output tensor.
-//! The output follows the base's files: a checkpoint whose names the save side
-//! changes is unpacked unless the base itself holds such names (then both are in
-//! the packed layout and nothing changes); a checkpoint already in the files'
-//! layout is left alone. Each unpacked tensor is a box of a packed one, so it stays
-//! a [`Content::Copy`]: its pieces are the packed tensor's pieces narrowed to the
-//! box (byte offset, shape and place change, strides stay), and the engine and
-//! verify treat it as any other copy, bit-exact for every dtype. A rule whose
+//! The output's layout is the one asked for ([`ExpertLayout`]), by default the
+//! base's files': packed when the base holds packed names, else per expert (also
+//! without base weights). The base's own tensors are first read in that layout
+//! ([`ArchConversion::read_base`]), so the overlay sees the output's names; then
+//! the checkpoint's tensors are unpacked or packed to it, or left alone when they
+//! are in it already.
+//!
+//! Unpacking: each unpacked tensor is a box of a packed one, so it stays a
+//! [`Content::Copy`]: its pieces are the packed tensor's pieces narrowed to the
+//! box (byte offset, shape and place change, strides stay). Packing: each packed
+//! tensor is a Copy of the pieces of every tensor of its group (every expert of
+//! every source, by the load side's rules), each placed at the box the save side
+//! cuts that tensor out of the packed one (the experts stacked, gate and up
+//! concatenated), as a sharded tensor's pieces are placed. Either way the engine
+//! and verify treat it as any other copy, bit-exact for every dtype. A rule whose
 //! result is not a box (an interleave, a transpose) is refused naming the tensor
 //! and the rule.
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::sync::Mutex;
 
 use serde_json::{Map, Value};
 
-use super::{Candidate, Content, MapInputs, Mapping, Report};
-use crate::arch::conversions::{Region, Ruleset, Saved};
+use super::{Candidate, Content, ExpertLayout, MapInputs, Mapping, Origin, Report};
+use crate::arch::conversions::{Loaded, Region, Ruleset, Saved};
 use crate::error::{Error, Result};
-use crate::source::{Piece, TensorSource};
+use crate::source::{Checkpoint, Piece, TensorSource};
 
 /// See the module documentation.
 #[derive(Debug)]
 pub struct ArchConversion {
     model_type: String,
     rules: Ruleset,
+    layout: ExpertLayout,
     /// What the last `map` did, for the report.
     done: Mutex<Option<Applied>>,
+    /// What reading the base in the asked layout did, for the report.
+    base_done: Mutex<Option<Applied>>,
 }
 
 /// What a run of the mapping did.
@@ -42,67 +53,201 @@ enum Applied {
         written: usize,
         renamed: usize,
     },
-    /// The base holds the packed layout too: nothing changed.
+    /// Tensors of the files' layout gathered into this many packed tensors.
+    Packed {
+        from: usize,
+        written: usize,
+        renamed: usize,
+    },
+    /// The checkpoint holds the packed layout, as the output does: nothing changed.
     BasePacked,
+}
+
+/// Counts of a packing.
+#[derive(Clone, Copy, Debug, Default)]
+struct Packing {
+    from: usize,
+    written: usize,
+    renamed: usize,
 }
 
 impl ArchConversion {
     /// The mapping for a base whose config.json names a `model_type` the table
-    /// converts; `None` otherwise.
-    pub fn for_config(config: Option<&Map<String, Value>>) -> Option<ArchConversion> {
+    /// converts, writing expert tensors in `layout`; `None` otherwise.
+    pub fn for_config(
+        config: Option<&Map<String, Value>>,
+        layout: ExpertLayout,
+    ) -> Option<ArchConversion> {
         let mt = config?.get("model_type")?.as_str()?;
         let rules = Ruleset::for_model_type(mt)?;
         Some(ArchConversion {
             model_type: mt.to_string(),
             rules,
+            layout,
             done: Mutex::new(None),
+            base_done: Mutex::new(None),
         })
     }
 
     /// Adds a note on what the mapping did (nothing when it changed nothing).
     pub fn note(&self, report: &mut Report) {
-        let done = self.done.lock().map(|d| d.clone()).unwrap_or(None);
         let rules = format!(
             "transformers' '{}' conversion rules (model_type {})",
             self.rules.name, self.model_type
         );
+        let asked = match self.layout {
+            ExpertLayout::Base => "",
+            ExpertLayout::Packed => " (layout packed)",
+            ExpertLayout::Original => " (layout original)",
+        };
+        let base_done = self.base_done.lock().map(|d| d.clone()).unwrap_or(None);
+        match base_done {
+            Some(Applied::Packed { from, written, renamed }) => report.notes.push(format!(
+                "layout: the base's files hold the per-expert layout; read packed{asked}: {from} tensor(s) as {written} packed tensor(s) and {renamed} renamed, by {rules}"
+            )),
+            Some(Applied::Unpacked { packed, written, renamed }) => report.notes.push(format!(
+                "layout: the base's files hold the in-memory (packed) layout; read per expert{asked}: {packed} packed tensor(s) as {written} tensor(s) and {renamed} renamed, by {rules}"
+            )),
+            _ => {}
+        }
+        let done = self.done.lock().map(|d| d.clone()).unwrap_or(None);
+        let target = match self.layout {
+            ExpertLayout::Base => "the base's file layout",
+            _ => "the files' per-expert layout",
+        };
         match done {
             Some(Applied::Unpacked {
                 packed,
                 written,
                 renamed,
             }) => report.notes.push(format!(
-                "layout: the checkpoint holds transformers' in-memory (packed) names; {packed} packed tensor(s) written as {written} tensor(s) and {renamed} renamed, in the base's file layout, by {rules}"
+                "layout: the checkpoint holds transformers' in-memory (packed) names; {packed} packed tensor(s) written as {written} tensor(s) and {renamed} renamed, in {target}{asked}, by {rules}"
+            )),
+            Some(Applied::Packed {
+                from,
+                written,
+                renamed,
+            }) => report.notes.push(format!(
+                "layout: the checkpoint holds the files' per-expert names; {from} tensor(s) packed into {written} tensor(s) and {renamed} renamed, in transformers' in-memory layout{asked}, by {rules}"
+            )),
+            Some(Applied::BasePacked) if self.layout == ExpertLayout::Base => report.notes.push(format!(
+                "layout: the base holds the in-memory (packed) names too; tensors kept as they are ({rules} not applied)"
             )),
             Some(Applied::BasePacked) => report.notes.push(format!(
-                "layout: the base holds the in-memory (packed) names too; tensors kept as they are ({rules} not applied)"
+                "layout: the checkpoint holds the in-memory (packed) names; tensors kept as they are{asked}"
             )),
             None => {}
         }
+    }
+
+    /// Reads the base's tensors in the layout asked for, when it is not the one
+    /// its files hold: the base's per-expert tensors packed for
+    /// [`ExpertLayout::Packed`], its packed tensors cut per expert for
+    /// [`ExpertLayout::Original`]. Pieces still point into the base's files.
+    pub fn read_base(&self, base: &mut Checkpoint) -> Result<()> {
+        let cands: Vec<Candidate> = base
+            .tensors
+            .iter()
+            .map(|t| Candidate::copy(Origin::Base, t))
+            .collect();
+        let (out, applied) = match self.layout {
+            ExpertLayout::Base => return Ok(()),
+            ExpertLayout::Packed => {
+                let (out, p) = self.pack(cands, "base")?;
+                if p.from == 0 && p.renamed == 0 {
+                    return Ok(());
+                }
+                (
+                    out,
+                    Applied::Packed {
+                        from: p.from,
+                        written: p.written,
+                        renamed: p.renamed,
+                    },
+                )
+            }
+            ExpertLayout::Original => {
+                if !cands.iter().any(|c| self.rules.is_packed(&c.name)) {
+                    return Ok(());
+                }
+                let (out, _, applied) = self.unpack(cands, "base")?;
+                (out, applied)
+            }
+        };
+        let mut tensors = Vec::with_capacity(out.len());
+        for c in out {
+            let Content::Copy(mut t) = c.content else {
+                return Err(Error::plan(
+                    format!("base tensor '{}' is not a copy", c.source_name),
+                    None,
+                ));
+            };
+            t.name = c.name;
+            tensors.push(t);
+        }
+        base.tensors = tensors;
+        if let Ok(mut d) = self.base_done.lock() {
+            *d = Some(applied);
+        }
+        Ok(())
     }
 }
 
 impl Mapping for ArchConversion {
     fn map(&self, candidates: Vec<Candidate>, inputs: MapInputs<'_>) -> Result<Vec<Candidate>> {
+        let base_packed = inputs
+            .base
+            .is_some_and(|b| b.tensors.iter().any(|t| self.rules.is_packed(&t.name)));
+        let packed = match self.layout {
+            ExpertLayout::Packed => true,
+            ExpertLayout::Original => false,
+            ExpertLayout::Base => base_packed,
+        };
+        if packed {
+            let had_packed = candidates.iter().any(|c| self.rules.is_packed(&c.name));
+            let (out, p) = self.pack(candidates, "checkpoint")?;
+            if p.from > 0 || p.renamed > 0 {
+                self.record(Applied::Packed {
+                    from: p.from,
+                    written: p.written,
+                    renamed: p.renamed,
+                });
+            } else if had_packed {
+                self.record(Applied::BasePacked);
+            }
+            return Ok(out);
+        }
         if !candidates.iter().any(|c| self.rules.is_packed(&c.name)) {
             return Ok(candidates);
         }
+        let (out, unexplained, applied) = self.unpack(candidates, "checkpoint")?;
         if let Some(base) = inputs.base {
-            if base.tensors.iter().any(|t| self.rules.is_packed(&t.name)) {
-                self.record(Applied::BasePacked);
-                return Ok(candidates);
-            }
+            self.check_explained(&out, &unexplained, base)?;
         }
+        self.record(applied);
+        Ok(out)
+    }
+}
+
+impl ArchConversion {
+    /// Every packed tensor of `candidates` cut into the tensors of the files'
+    /// layout, and the in-memory names renamed; with the positions of the expert
+    /// tensors no rule rewrote. `whose` names the input in errors.
+    fn unpack(
+        &self,
+        candidates: Vec<Candidate>,
+        whose: &str,
+    ) -> Result<(Vec<Candidate>, Vec<usize>, Applied)> {
         let before: HashSet<String> = candidates.iter().map(|c| c.name.clone()).collect();
         let mut out = Vec::with_capacity(candidates.len());
         let (mut packed, mut written, mut renamed) = (0, 0, 0);
-        // Expert tensors no rule rewrote: checked against the base below.
+        // Expert tensors no rule rewrote: checked against the base by the caller.
         let mut unexplained = Vec::new();
         for c in candidates {
             let saved = self.rules.save(&c.name, &c.shape).map_err(|r| {
                 Error::plan(
                     format!(
-                        "checkpoint tensor '{}' {:?}: transformers' '{}' {} cannot be written as boxes of it: {}",
+                        "{whose} tensor '{}' {:?}: transformers' '{}' {} cannot be written as boxes of it: {}",
                         c.source_name, c.shape, self.rules.name, r.rule, r.why
                     ),
                     Some("convert the checkpoint to the model's file layout with transformers (from_pretrained, load_state_dict, save_pretrained), or pass a base that holds the in-memory layout".into()),
@@ -124,7 +269,7 @@ impl Mapping for ArchConversion {
                     let Content::Copy(src) = &c.content else {
                         return Err(Error::plan(
                             format!(
-                                "checkpoint tensor '{}' is computed (a fused adapter), and transformers' '{}' rule {rule} would split it: only copied tensors are unpacked",
+                                "{whose} tensor '{}' is computed (a fused adapter), and transformers' '{}' rule {rule} would split it: only copied tensors are unpacked",
                                 c.source_name, self.rules.name
                             ),
                             None,
@@ -134,17 +279,14 @@ impl Mapping for ArchConversion {
                         if before.contains(&name) {
                             return Err(Error::plan(
                                 format!(
-                                    "the checkpoint holds both '{}' (packed) and '{name}', which transformers' '{}' rule {rule} makes of it: a mix of the in-memory and the file layout",
+                                    "the {whose} holds both '{}' (packed) and '{name}', which transformers' '{}' rule {rule} makes of it: a mix of the in-memory and the file layout",
                                     c.source_name, self.rules.name
                                 ),
                                 Some("keep one layout in the checkpoint".into()),
                             ));
                         }
                         let t = narrow(src, &region, &name).map_err(|why| {
-                            Error::plan(
-                                format!("checkpoint tensor '{}': {why}", c.source_name),
-                                None,
-                            )
+                            Error::plan(format!("{whose} tensor '{}': {why}", c.source_name), None)
                         })?;
                         written += 1;
                         out.push(c.part(name, t));
@@ -152,19 +294,253 @@ impl Mapping for ArchConversion {
                 }
             }
         }
-        if let Some(base) = inputs.base {
-            self.check_explained(&out, &unexplained, base)?;
-        }
-        self.record(Applied::Unpacked {
-            packed,
-            written,
-            renamed,
-        });
-        Ok(out)
+        Ok((
+            out,
+            unexplained,
+            Applied::Unpacked {
+                packed,
+                written,
+                renamed,
+            },
+        ))
     }
-}
 
-impl ArchConversion {
+    /// The tensors of `candidates` in transformers' in-memory layout: the names
+    /// the load side renames renamed, and each group a convert rule gathers (every
+    /// expert of every source) made one packed tensor whose pieces are the group's
+    /// pieces placed at their boxes. The boxes are the save side's (what
+    /// `save_pretrained` would cut the packed tensor into), so that a packed
+    /// tensor is exactly the one transformers would load from these files.
+    fn pack(&self, candidates: Vec<Candidate>, whose: &str) -> Result<(Vec<Candidate>, Packing)> {
+        enum Slot {
+            One(Box<Candidate>),
+            Group(usize),
+        }
+        struct Group {
+            rule: usize,
+            packed: String,
+            members: Vec<(usize, Option<u64>, Candidate)>,
+        }
+        let refusal = |c: &Candidate, rule: &str, why: &str| {
+            Error::plan(
+                format!(
+                    "{whose} tensor '{}' {:?}: transformers' '{}' {rule} cannot pack it: {why}",
+                    c.source_name, c.shape, self.rules.name
+                ),
+                Some("write the files' layout (layout original), or convert the checkpoint with transformers".into()),
+            )
+        };
+        let mut stats = Packing::default();
+        let mut slots = Vec::with_capacity(candidates.len());
+        let mut groups: Vec<Group> = Vec::new();
+        let mut by_name: HashMap<(usize, String), usize> = HashMap::new();
+        for c in candidates {
+            match self
+                .rules
+                .load(&c.name)
+                .map_err(|r| refusal(&c, &r.rule, &r.why))?
+            {
+                Loaded::Same => slots.push(Slot::One(Box::new(c))),
+                Loaded::Renamed(n) => {
+                    stats.renamed += 1;
+                    slots.push(Slot::One(Box::new(Candidate { name: n, ..c })));
+                }
+                Loaded::Part {
+                    rule,
+                    packed,
+                    source,
+                    expert,
+                } => {
+                    let gi = *by_name.entry((rule, packed.clone())).or_insert_with(|| {
+                        slots.push(Slot::Group(groups.len()));
+                        groups.push(Group {
+                            rule,
+                            packed,
+                            members: Vec::new(),
+                        });
+                        groups.len() - 1
+                    });
+                    stats.from += 1;
+                    groups[gi].members.push((source, expert, c));
+                }
+            }
+        }
+        let kept: HashSet<String> = slots
+            .iter()
+            .filter_map(|s| match s {
+                Slot::One(c) => Some(c.name.clone()),
+                Slot::Group(_) => None,
+            })
+            .collect();
+        let mut made = Vec::with_capacity(groups.len());
+        for g in groups {
+            if kept.contains(&g.packed) {
+                let c = &g.members[0].2;
+                return Err(Error::plan(
+                    format!(
+                        "the {whose} holds both '{}' (packed) and '{}', which transformers' '{}' rule {} packs into it: a mix of the in-memory and the file layout",
+                        g.packed, c.source_name, self.rules.name, g.rule
+                    ),
+                    Some("keep one layout in the checkpoint".into()),
+                ));
+            }
+            made.push(Some(self.packed(g.rule, &g.packed, g.members, whose)?));
+        }
+        stats.written = made.len();
+        let mut out = Vec::with_capacity(slots.len());
+        for s in slots {
+            match s {
+                Slot::One(c) => out.push(*c),
+                Slot::Group(i) => {
+                    if let Some(c) = made.get_mut(i).and_then(Option::take) {
+                        out.push(c);
+                    }
+                }
+            }
+        }
+        Ok((out, stats))
+    }
+
+    /// One packed tensor `packed` of rule `rule` from its group's tensors
+    /// (source pattern, expert, candidate).
+    fn packed(
+        &self,
+        rule: usize,
+        packed: &str,
+        mut members: Vec<(usize, Option<u64>, Candidate)>,
+        whose: &str,
+    ) -> Result<Candidate> {
+        members.sort_by_key(|(s, e, _)| (*s, *e));
+        let first = &members[0].2;
+        let fail = |why: String| {
+            Error::plan(
+                format!(
+                    "{whose} tensors of '{packed}' (transformers' '{}' rule {rule}, from '{}' on): {why}",
+                    self.rules.name, first.source_name
+                ),
+                Some("write the files' layout (layout original), or check that the checkpoint holds every expert".into()),
+            )
+        };
+        let concat = self
+            .rules
+            .load_stacking(rule)
+            .map_err(|r| fail(format!("{} {}", r.rule, r.why)))?;
+        // Experts per source, each 0..E in order, every one of one shape.
+        let mut sources: Vec<(usize, Vec<u64>, u64)> = Vec::new(); // (source, shape, experts)
+        for (s, e, c) in &members {
+            if c.dtype != first.dtype || c.origin != first.origin {
+                return Err(fail(format!(
+                    "'{}' is {} and '{}' is {}: a packed tensor has one dtype",
+                    first.source_name, first.dtype, c.source_name, c.dtype
+                )));
+            }
+            let Some(e) = *e else {
+                return Err(fail(format!("'{}' has no expert index", c.source_name)));
+            };
+            match sources.last_mut() {
+                Some((ls, shape, n)) if ls == s => {
+                    if *n != e {
+                        return Err(fail(format!(
+                            "expert {n} is missing before '{}' (expert {e})",
+                            c.source_name
+                        )));
+                    }
+                    if *shape != c.shape {
+                        return Err(fail(format!(
+                            "'{}' is {:?}, expert 0 of its kind {shape:?}",
+                            c.source_name, c.shape
+                        )));
+                    }
+                    *n += 1;
+                }
+                _ => {
+                    if e != 0 {
+                        return Err(fail(format!(
+                            "expert 0 is missing before '{}' (expert {e})",
+                            c.source_name
+                        )));
+                    }
+                    sources.push((*s, c.shape.clone(), 1));
+                }
+            }
+        }
+        let experts = sources[0].2;
+        let mut shape = Vec::with_capacity(first.shape.len() + 1);
+        shape.push(experts);
+        shape.extend_from_slice(&sources[0].1);
+        for (_, s, n) in &sources[1..] {
+            let Some(d) = concat else {
+                return Err(fail("the rule joins no sources".into()));
+            };
+            let fits = *n == experts
+                && s.len() + 1 == shape.len()
+                && (1..shape.len()).all(|k| k == d || s[k - 1] == shape[k]);
+            if !fits || d >= shape.len() {
+                return Err(fail(format!(
+                    "{n} experts of {s:?} do not join {experts} experts of {:?} along dimension {d}",
+                    sources[0].1
+                )));
+            }
+            shape[d] += s[d - 1];
+        }
+        // The save side's boxes of that tensor name exactly these tensors.
+        let parts = match self.rules.save(packed, &shape) {
+            Ok(Saved::Split { parts, .. }) => parts,
+            Ok(_) => return Err(fail(format!("transformers would not split {shape:?}"))),
+            Err(r) => return Err(fail(format!("{} {}", r.rule, r.why))),
+        };
+        if parts.len() != members.len() {
+            return Err(fail(format!(
+                "transformers writes {} tensors of a {shape:?} tensor, and {} are here",
+                parts.len(),
+                members.len()
+            )));
+        }
+        let index: HashMap<&str, &Candidate> = members
+            .iter()
+            .map(|(_, _, c)| (c.name.as_str(), c))
+            .collect();
+        let mut pieces = Vec::new();
+        for (name, region) in &parts {
+            let Some(c) = index.get(name.as_str()) else {
+                return Err(fail(format!(
+                    "transformers writes '{name}' of a {shape:?} tensor, which is not here"
+                )));
+            };
+            let Content::Copy(t) = &c.content else {
+                return Err(fail(format!(
+                    "'{}' is computed (a fused adapter): only copied tensors are packed",
+                    c.source_name
+                )));
+            };
+            if region.shape() != t.shape {
+                return Err(fail(format!(
+                    "'{}' is {:?}, its box {:?}",
+                    c.source_name,
+                    t.shape,
+                    region.shape()
+                )));
+            }
+            for p in &t.pieces {
+                pieces.push(
+                    placed(p, region).map_err(|why| fail(format!("'{}': {why}", c.source_name)))?,
+                );
+            }
+        }
+        let Content::Copy(t0) = &first.content else {
+            return Err(fail("not a copy".into()));
+        };
+        let t = TensorSource {
+            name: packed.to_string(),
+            dtype: t0.dtype,
+            shape,
+            pieces: pieces.into(),
+            storage: None,
+            layout: t0.layout.clone(),
+        };
+        Ok(first.part(packed.to_string(), t))
+    }
+
     /// An expert tensor of a packed checkpoint that no rule rewrote and the base
     /// does not hold (compared from `layers.`, so that a prefix the plan aligns
     /// later does not count) is an error naming it and the rule nearest to it.
@@ -214,6 +590,55 @@ impl ArchConversion {
             *d = Some(a);
         }
     }
+}
+
+/// A piece of a tensor that is `region` of a larger one, placed in the larger
+/// one: the region's dropped dimensions (length 1) put back, its start added to
+/// the piece's place. The bytes read are the same.
+fn placed(p: &Piece, region: &Region) -> std::result::Result<Piece, String> {
+    let ndim = region.start.len();
+    let k = region.kept.len();
+    if p.shape.len() != k || p.strides.len() != k || p.global_offset.len() != k {
+        return Err(format!(
+            "a piece of shape {:?} does not have its {k} dimension(s)",
+            p.shape
+        ));
+    }
+    let mut shape = region.len.clone();
+    let mut strides = vec![0; ndim];
+    let mut at = region.start.clone();
+    for (i, &d) in region.kept.iter().enumerate() {
+        shape[d] = p.shape[i];
+        strides[d] = p.strides[i];
+        at[d] = region.start[d]
+            .checked_add(p.global_offset[i])
+            .ok_or_else(|| format!("a piece at {:?} overflows", p.global_offset))?;
+    }
+    // A dropped dimension has one index: its stride is never used; it is given
+    // the one a contiguous layout would have.
+    for d in (0..ndim).rev() {
+        if !region.kept.contains(&d) {
+            if region.len[d] != 1 {
+                return Err(format!(
+                    "its box drops dimension {d} of length {}",
+                    region.len[d]
+                ));
+            }
+            strides[d] = match (shape.get(d + 1), strides.get(d + 1)) {
+                (Some(&n), Some(&s)) => n.saturating_mul(s).max(1),
+                _ => 1,
+            };
+        }
+    }
+    Ok(Piece {
+        file: p.file,
+        byte_offset: p.byte_offset,
+        dtype: p.dtype,
+        shape,
+        strides,
+        global_offset: at,
+        big_endian: p.big_endian,
+    })
 }
 
 /// The length of the longest run of characters `a` and `b` share.
@@ -492,7 +917,7 @@ mod tests {
 
     #[test]
     fn packed_names_are_unpacked_unless_the_base_is_packed_too() {
-        let m = ArchConversion::for_config(Some(&cfg("qwen3_moe"))).unwrap();
+        let m = ArchConversion::for_config(Some(&cfg("qwen3_moe")), ExpertLayout::Base).unwrap();
         let ck = checkpoint(
             "c",
             vec![
@@ -534,9 +959,102 @@ mod tests {
         assert_eq!(kept[0].name, "model.layers.0.mlp.experts.down_proj");
     }
 
+    /// One expert tensor of `shape`, contiguous at byte `off` of file 0.
+    fn expert(name: &str, shape: &[u64], off: u64) -> TensorSource {
+        let mut t = tensor(name, DType::BF16, shape);
+        t.pieces = vec![piece(off, shape, &[shape[1], 1], &[0, 0])].into();
+        t
+    }
+
+    #[test]
+    fn per_expert_tensors_are_packed_at_their_boxes() {
+        let m = ArchConversion::for_config(Some(&cfg("qwen3_moe")), ExpertLayout::Packed).unwrap();
+        // 2 experts, intermediate 3, hidden 4: gate_up_proj [2, 6, 4], down_proj [2, 4, 3].
+        let p = "model.layers.0.mlp.experts";
+        let mut ts = Vec::new();
+        for e in 0..2u64 {
+            for (k, proj) in ["gate_proj", "up_proj"].iter().enumerate() {
+                ts.push(expert(
+                    &format!("{p}.{e}.{proj}.weight"),
+                    &[3, 4],
+                    1000 * (2 * e + k as u64),
+                ));
+            }
+            ts.push(expert(
+                &format!("{p}.{e}.down_proj.weight"),
+                &[4, 3],
+                5000 + 100 * e,
+            ));
+        }
+        ts.push(tensor("model.norm.weight", DType::BF16, &[4]));
+        let ck = checkpoint("c", ts);
+        let out = m
+            .map(crate::plan::mapping::candidates(&ck), MapInputs::default())
+            .unwrap();
+        let names: Vec<&str> = out.iter().map(|c| c.name.as_str()).collect();
+        assert_eq!(
+            names,
+            [
+                "model.layers.0.mlp.experts.gate_up_proj",
+                "model.layers.0.mlp.experts.down_proj",
+                "model.norm.weight"
+            ]
+        );
+        assert_eq!(out[0].shape, [2, 6, 4]);
+        assert_eq!(out[1].shape, [2, 4, 3]);
+        let Content::Copy(t) = &out[0].content else {
+            panic!("not a copy")
+        };
+        // (byte offset, place) of each piece: gate of expert e at rows 0..3 of
+        // [e], up at rows 3..6 (transformers' concatenation of gate then up).
+        let mut got: Vec<(u64, Vec<u64>)> = t
+            .pieces
+            .iter()
+            .map(|p| (p.byte_offset, p.global_offset.clone()))
+            .collect();
+        got.sort();
+        assert_eq!(
+            got,
+            [
+                (0, vec![0, 0, 0]),
+                (1000, vec![0, 3, 0]),
+                (2000, vec![1, 0, 0]),
+                (3000, vec![1, 3, 0])
+            ]
+        );
+        assert!(t
+            .pieces
+            .iter()
+            .all(|p| p.shape == [1, 3, 4] && p.strides[1..] == [4, 1]));
+        let mut r = Report::default();
+        m.note(&mut r);
+        assert!(
+            r.notes[0].contains("6 tensor(s) packed into 2 tensor(s)"),
+            "{r:?}"
+        );
+    }
+
+    #[test]
+    fn experts_of_two_dtypes_are_not_packed() {
+        let m = ArchConversion::for_config(Some(&cfg("qwen3_moe")), ExpertLayout::Packed).unwrap();
+        let p = "model.layers.0.mlp.experts";
+        let a = expert(&format!("{p}.0.down_proj.weight"), &[4, 3], 0);
+        let mut b = expert(&format!("{p}.1.down_proj.weight"), &[4, 3], 100);
+        b.dtype = DType::F32;
+        let e = m
+            .map(
+                crate::plan::mapping::candidates(&checkpoint("c", vec![a, b])),
+                MapInputs::default(),
+            )
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("'model.layers.0.mlp.experts.down_proj'"), "{e}");
+        assert!(e.contains("a packed tensor has one dtype"), "{e}");
+    }
+
     #[test]
     fn a_mix_of_layouts_names_both_tensors() {
-        let m = ArchConversion::for_config(Some(&cfg("qwen3_moe"))).unwrap();
+        let m = ArchConversion::for_config(Some(&cfg("qwen3_moe")), ExpertLayout::Base).unwrap();
         let ck = checkpoint(
             "c",
             vec![
@@ -566,7 +1084,8 @@ mod tests {
     #[test]
     fn an_interleaving_rule_is_refused_naming_tensor_and_rule() {
         // inkling2_text's files hold gate and up interleaved row by row.
-        let m = ArchConversion::for_config(Some(&cfg("inkling2_text"))).unwrap();
+        let m =
+            ArchConversion::for_config(Some(&cfg("inkling2_text")), ExpertLayout::Base).unwrap();
         let ck = checkpoint(
             "c",
             vec![tensor(
@@ -592,7 +1111,7 @@ mod tests {
 
     #[test]
     fn an_expert_tensor_no_rule_explains_names_the_nearest_rule() {
-        let m = ArchConversion::for_config(Some(&cfg("qwen3_moe"))).unwrap();
+        let m = ArchConversion::for_config(Some(&cfg("qwen3_moe")), ExpertLayout::Base).unwrap();
         let ck = checkpoint(
             "c",
             vec![

@@ -70,6 +70,22 @@ pub enum DtypeChoice {
     Fixed(DType),
 }
 
+/// Which layout a mixture-of-experts model's expert tensors are written in, for
+/// a model type transformers converts (`arch/conversions.json`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum ExpertLayout {
+    /// The layout of the base's files (per expert unless the base holds packed
+    /// tensors); without base weights, the files' per-expert layout.
+    #[default]
+    Base,
+    /// transformers' in-memory layout, what `model.state_dict()` holds: every
+    /// expert of a layer stacked in one tensor, gate and up concatenated.
+    Packed,
+    /// The files' layout `save_pretrained` writes: one tensor per expert and
+    /// projection.
+    Original,
+}
+
 /// Why a rename rule could not be read (see [`parse_rename`]).
 #[derive(Debug)]
 pub enum RenameError {
@@ -100,6 +116,8 @@ pub struct PlanOptions {
     pub max_shard_size: u64,
     /// Format or architecture mappings, applied in order after the renames.
     pub mappings: Vec<Arc<dyn Mapping>>,
+    /// The layout of expert tensors written.
+    pub layout: ExpertLayout,
 }
 
 impl Default for PlanOptions {
@@ -110,6 +128,7 @@ impl Default for PlanOptions {
             renames: Vec::new(),
             max_shard_size: 5_000_000_000,
             mappings: Vec::new(),
+            layout: ExpertLayout::Base,
         }
     }
 }
@@ -306,7 +325,7 @@ pub fn plan(
 
     cast::apply_dtype_policy(&mut tensors, base, opts.dtype)?;
     report.casts = cast::count_casts(&tensors);
-    let out_dtype = tensors.iter().find(|t| t.dtype.is_float()).map(|t| t.dtype);
+    let out_dtype = cast::model_dtype(&tensors);
     let config = cast::output_config(base.config, out_dtype, base.weights.is_some(), &mut report);
 
     // transformers (v5) sorts the state dict by natural key before splitting it, so
