@@ -231,7 +231,7 @@ mod tests {
         }
         let file_link = tmp.path().join("file_link.pt");
         symlink(&payload, &file_link).unwrap();
-        let scans = scan_paths(&[file_link.clone()]);
+        let scans = scan_paths(std::slice::from_ref(&file_link));
         assert_eq!(scans.len(), 1);
         assert_eq!(scans[0].path, file_link);
         assert!(!scans[0].unsafe_calls.is_empty(), "{scans:?}");
