@@ -487,6 +487,33 @@ mod tests {
         Meeting::open_at(out.clone(), "h1", part(1, 2), &shards, false).unwrap();
     }
 
+    /// The committing part deletes an older output's objects, never a shard of its
+    /// own plan that the older output also had (another part rewrote it); a claim
+    /// given back after a failed commit can be taken again.
+    #[test]
+    fn the_commit_deletes_only_the_older_outputs_objects_and_a_released_claim_is_free() {
+        let mem = Arc::new(InMemory::new());
+        store::register("s3://parts-commit", mem.clone());
+        let out = store::locate(Path::new("s3://parts-commit/out")).unwrap();
+        assert!(create(&out.child("s1.safetensors"), b"old s1".to_vec()).unwrap());
+        assert!(create(&out.child("old.safetensors"), b"old".to_vec()).unwrap());
+        let shards = ["s1.safetensors".to_string()];
+        let a = Meeting::open_at(out.clone(), "h1", part(0, 1), &shards, true).unwrap();
+        assert_eq!(a.mark_done(&[]).unwrap(), Vec::<usize>::new());
+        assert!(a.claim_commit().unwrap());
+        a.release_claim();
+        assert!(a.claim_commit().unwrap());
+        let sink = a.commit_sink().unwrap();
+        crate::write::Sink::commit(Box::new(sink)).unwrap();
+        a.finish().unwrap();
+        let keys: Vec<String> = store::list_all(&out)
+            .unwrap()
+            .into_iter()
+            .map(|(k, _)| k)
+            .collect();
+        assert_eq!(keys, ["s1.safetensors"]);
+    }
+
     fn exactly_one_claims(out: Location) {
         let a = Meeting::open_at(out.clone(), "h1", part(0, 2), &[], false).unwrap();
         let b = Meeting::open_at(out.clone(), "h1", part(1, 2), &[], false).unwrap();
