@@ -475,27 +475,16 @@ mod tests {
         assert!(s.omitted > 0);
     }
 
-    /// The archives of a `.distcp` file found by the block search past a first
-    /// megabyte and a second one, the end record of the last archive across two
-    /// blocks, behind a trailing item of zeros: what the walk from the end finds.
+    /// The archives of a `.distcp` file found by the block search, behind a
+    /// trailing item of zeros, with the end record of the last archive across the
+    /// end of the first search block, or of the second (past two megabytes): what
+    /// the walk from the end finds.
     #[test]
     fn archives_are_found_across_search_blocks() {
         let path = hostile("dcp_payload/__0_0.distcp");
         let walked = scan_file(&path);
         let bytes = std::fs::read(&path).unwrap();
         let last = bytes.windows(4).rposition(|w| w == b"PK\x05\x06").unwrap();
-        // Blocks start at 0, B - 3 and 2B - 6: the signature starts two bytes
-        // before the end of the second block.
-        let boundary = 2 * SEARCH_BLOCK as usize - 3;
-        let mut padded = vec![0u8; boundary - 2 - last];
-        padded.extend_from_slice(&bytes);
-        padded.extend_from_slice(&[0u8; 100]);
-        let dir = tempfile::tempdir().unwrap();
-        let searched_path = dir.path().join("__0_0.distcp");
-        std::fs::write(&searched_path, &padded).unwrap();
-        let searched = scan_file(&searched_path);
-        assert!(searched.problems.is_empty(), "{searched:?}");
-        assert_eq!(searched.pickles, walked.pickles, "{searched:?}");
         let calls = |s: &FileScan| {
             let mut v: Vec<(String, usize)> = s
                 .unsafe_calls
@@ -505,7 +494,21 @@ mod tests {
             v.sort();
             v
         };
-        assert_eq!(calls(&searched), calls(&walked));
+        // Blocks start at 0, B - 3 and 2B - 6: the signature starts one byte before
+        // the end of the first block, or two before the end of the second.
+        let block = SEARCH_BLOCK as usize;
+        for signature_at in [block - 1, 2 * block - 5] {
+            let mut padded = vec![0u8; signature_at - last];
+            padded.extend_from_slice(&bytes);
+            padded.extend_from_slice(&[0u8; 100]);
+            let dir = tempfile::tempdir().unwrap();
+            let searched_path = dir.path().join("__0_0.distcp");
+            std::fs::write(&searched_path, &padded).unwrap();
+            let searched = scan_file(&searched_path);
+            assert!(searched.problems.is_empty(), "{searched:?}");
+            assert_eq!(searched.pickles, walked.pickles, "{searched:?}");
+            assert_eq!(calls(&searched), calls(&walked), "at {signature_at}");
+        }
     }
 
     /// Pickles longer than the first prefix read are read in full (the prefix
