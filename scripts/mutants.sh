@@ -134,9 +134,25 @@ copy_if_changed() { # FROM TO
     cp "$1" "$2"
   fi
 }
+# lib.rs declares each module twice (public under the `internals` feature, private
+# otherwise), and cargo-mutants lists the mutants of a file once per declaration:
+# every mutant would be built and tested twice. In the snapshot the private
+# declarations go through a macro, which cargo-mutants does not expand (the test
+# builds enable `internals`, so they are never compiled there).
+lib=crates/unshard/src/lib.rs
+dedup_lib() { # FROM TO
+  perl -0pe 's/#\[cfg\(not\(feature = "internals"\)\)\]\nmod (\w+);/private_mod!($1);/g;
+    s/^(#!\[deny\(missing_docs\)\]\n)/$1macro_rules! private_mod {\n    (\$m:ident) => {\n        #[cfg(not(feature = "internals"))]\n        mod \$m;\n    };\n}\n/m' "$1" > "$2"
+}
 git ls-files -z --cached --others --exclude-standard |
   while IFS= read -r -d '' f; do
-    if [ -f "$f" ]; then copy_if_changed "$f" "$snapshot/$f"; fi
+    if [ ! -f "$f" ]; then continue; fi
+    if [ "$f" = "$lib" ]; then
+      dedup_lib "$f" "$snapshot.lib.rs"
+      copy_if_changed "$snapshot.lib.rs" "$snapshot/$f"
+    else
+      copy_if_changed "$f" "$snapshot/$f"
+    fi
   done
 (cd "$snapshot" && find . -type f -printf '%P\0') |
   while IFS= read -r -d '' f; do

@@ -452,6 +452,68 @@ mod tests {
         }
     }
 
+    /// Objects already under the output prefix: another plan's output is refused
+    /// without `--force` (and the prefix left as found), and with it its index and
+    /// config go first; the shards this plan's other parts wrote are not foreign.
+    #[test]
+    fn an_older_output_is_refused_unless_forced_and_a_partners_shards_are_not_foreign() {
+        let keys = |out: &Location| -> Vec<String> {
+            let mut k: Vec<String> = store::list_all(out)
+                .unwrap()
+                .into_iter()
+                .map(|(k, _)| k)
+                .collect();
+            k.sort();
+            k
+        };
+        let out = memory_output(Arc::new(InMemory::new()));
+        assert!(create(&out.child("config.json"), b"{}".to_vec()).unwrap());
+        assert!(create(&out.child("old.safetensors"), b"old".to_vec()).unwrap());
+        let err = Meeting::open_at(out.clone(), "h1", part(0, 1), &[], false)
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(err.contains("not empty (2 object(s)"), "{err}");
+        assert_eq!(keys(&out), ["config.json", "old.safetensors"]);
+        Meeting::open_at(out.clone(), "h1", part(0, 1), &[], true).unwrap();
+        assert!(keys(&out).contains(&"old.safetensors".to_string()));
+        assert!(!keys(&out).contains(&"config.json".to_string()));
+
+        let out = memory_output(Arc::new(InMemory::new()));
+        let shards = ["s1.safetensors".to_string(), "s2.safetensors".to_string()];
+        let a = Meeting::open_at(out.clone(), "h1", part(0, 2), &shards, false).unwrap();
+        assert_eq!(a.path(), Path::new("s3://mem/out/.unshard-parts/h1"));
+        assert!(create(&out.child("s1.safetensors"), b"s1".to_vec()).unwrap());
+        Meeting::open_at(out.clone(), "h1", part(1, 2), &shards, false).unwrap();
+    }
+
+    /// The committing part deletes an older output's objects, never a shard of its
+    /// own plan that the older output also had (another part rewrote it); a claim
+    /// given back after a failed commit can be taken again.
+    #[test]
+    fn the_commit_deletes_only_the_older_outputs_objects_and_a_released_claim_is_free() {
+        let mem = Arc::new(InMemory::new());
+        store::register("s3://parts-commit", mem.clone());
+        let out = store::locate(Path::new("s3://parts-commit/out")).unwrap();
+        assert!(create(&out.child("s1.safetensors"), b"old s1".to_vec()).unwrap());
+        assert!(create(&out.child("old.safetensors"), b"old".to_vec()).unwrap());
+        let shards = ["s1.safetensors".to_string()];
+        let a = Meeting::open_at(out.clone(), "h1", part(0, 1), &shards, true).unwrap();
+        assert_eq!(a.mark_done(&[]).unwrap(), Vec::<usize>::new());
+        assert!(a.claim_commit().unwrap());
+        a.release_claim();
+        assert!(a.claim_commit().unwrap());
+        let sink = a.commit_sink().unwrap();
+        crate::write::Sink::commit(Box::new(sink)).unwrap();
+        a.finish().unwrap();
+        let keys: Vec<String> = store::list_all(&out)
+            .unwrap()
+            .into_iter()
+            .map(|(k, _)| k)
+            .collect();
+        assert_eq!(keys, ["s1.safetensors"]);
+    }
+
     fn exactly_one_claims(out: Location) {
         let a = Meeting::open_at(out.clone(), "h1", part(0, 2), &[], false).unwrap();
         let b = Meeting::open_at(out.clone(), "h1", part(1, 2), &[], false).unwrap();

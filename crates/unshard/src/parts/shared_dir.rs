@@ -227,3 +227,153 @@ impl Sink for PartDir {
         Ok(())
     }
 }
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+
+    fn part(index: usize, count: usize) -> Part {
+        Part { index, count }
+    }
+
+    fn names(dir: &Path) -> Vec<String> {
+        let mut v: Vec<String> = std::fs::read_dir(dir)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        v.sort();
+        v
+    }
+
+    /// Writes `bytes` as shard `name` through the sink (not yet published).
+    fn shard(dir: &PartDir, name: &str, bytes: &[u8]) {
+        let f = dir.create_shard(name, bytes.len() as u64).unwrap();
+        f.write_at(bytes, 0).unwrap();
+        f.finish().unwrap();
+    }
+
+    /// The staging directory is `.<out name>.unshard-parts-<hash>` beside the output
+    /// (the current directory for a bare name).
+    #[test]
+    fn the_staging_directory_sits_beside_the_output() {
+        assert_eq!(
+            staging_dir(Path::new("/data/run/merged"), "00ff"),
+            Path::new("/data/run/.merged.unshard-parts-00ff")
+        );
+        assert_eq!(
+            staging_dir(Path::new("merged"), "00ff"),
+            Path::new("./.merged.unshard-parts-00ff")
+        );
+    }
+
+    /// Two parts of one plan: shards stay under temporary names until published,
+    /// each part's marker says who is left, one claim wins, and the commit leaves
+    /// the shards and the small files alone in the output.
+    #[test]
+    fn two_parts_meet_mark_claim_and_commit_once() {
+        let tmp = tempfile::tempdir().unwrap();
+        std::fs::create_dir(tmp.path().join("ckpt")).unwrap();
+        let out = tmp.path().join("out");
+        let a = PartDir::open(&out, "h1", part(0, 2)).unwrap();
+        let b = PartDir::open(&out, "h1", part(1, 2)).unwrap();
+        assert_eq!(a.path(), staging_dir(&out, "h1"));
+        assert_eq!(a.staged_dir(), Some(staging_dir(&out, "h1").as_path()));
+
+        // Two shards of one part written before either is published.
+        shard(&a, "s1.safetensors", b"first");
+        shard(&a, "s2.safetensors", b"second");
+        shard(&b, "s3.safetensors", b"third");
+        assert!(
+            !a.path().join("s1.safetensors").exists(),
+            "a shard present is complete"
+        );
+        a.publish_shards(&["s1.safetensors".into(), "s2.safetensors".into()])
+            .unwrap();
+        b.publish_shards(&["s3.safetensors".into()]).unwrap();
+        let read = |n: &str| std::fs::read(a.path().join(n)).unwrap();
+        assert_eq!(read("s1.safetensors"), b"first");
+        assert_eq!(read("s2.safetensors"), b"second");
+        assert_eq!(read("s3.safetensors"), b"third");
+
+        assert_eq!(a.mark_done().unwrap(), [1]);
+        assert_eq!(b.mark_done().unwrap(), Vec::<usize>::new());
+        assert_eq!(a.mark_done().unwrap(), Vec::<usize>::new());
+        assert!(a.claim_commit().unwrap());
+        assert!(!b.claim_commit().unwrap());
+        assert!(!a.claim_commit().unwrap());
+
+        // The small files, and the bookkeeping the commit removes: the parts'
+        // checksums and a temporary file a killed part left.
+        a.write_file("config.json", b"{}").unwrap();
+        let small = tmp.path().join("tokenizer.json");
+        std::fs::write(&small, b"tok").unwrap();
+        assert!(a.copy_file("tokenizer.json", &small).unwrap());
+        std::fs::write(&small, b"other").unwrap();
+        assert!(!a.copy_file("tokenizer.json", &small).unwrap());
+        std::fs::write(a.path().join(format!("{CHECKSUMS}0-of-2.json")), b"[]").unwrap();
+        std::fs::write(a.path().join(".s9.safetensors.part1.tmp"), b"x").unwrap();
+
+        a.commit(&out, false).unwrap();
+        assert!(!staging_dir(&out, "h1").exists());
+        assert_eq!(
+            names(&out),
+            [
+                "config.json",
+                "s1.safetensors",
+                "s2.safetensors",
+                "s3.safetensors",
+                "tokenizer.json"
+            ]
+        );
+        assert_eq!(std::fs::read(out.join("config.json")).unwrap(), b"{}");
+        assert_eq!(std::fs::read(out.join("tokenizer.json")).unwrap(), b"tok");
+    }
+
+    /// A part of another plan refuses to join, naming the parts done; a part of the
+    /// same plan joins beside other files of the output's directory.
+    #[test]
+    fn a_part_of_another_plan_refuses_to_join() {
+        let tmp = tempfile::tempdir().unwrap();
+        std::fs::create_dir(tmp.path().join("ckpt")).unwrap();
+        std::fs::write(tmp.path().join(".out.notes"), b"").unwrap();
+        let out = tmp.path().join("out");
+        let a = PartDir::open(&out, "h1", part(0, 2)).unwrap();
+        a.mark_done().unwrap();
+        let err = PartDir::open(&out, "h2", part(1, 2))
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(
+            err.contains("another plan (h1; finished: done-0-of-2)"),
+            "{err}"
+        );
+        PartDir::open(&out, "h1", part(1, 2)).unwrap();
+    }
+
+    /// The claim is an exclusive create: any other failure is an error, not a loss.
+    #[test]
+    fn a_claim_that_cannot_be_created_is_an_error() {
+        let tmp = tempfile::tempdir().unwrap();
+        let out = tmp.path().join("out");
+        let a = PartDir::open(&out, "h1", part(0, 1)).unwrap();
+        std::fs::remove_dir(a.path()).unwrap();
+        assert!(a.claim_commit().is_err());
+    }
+
+    /// An output that appeared meanwhile is replaced only with `force`.
+    #[test]
+    fn the_commit_replaces_an_output_only_when_forced() {
+        let tmp = tempfile::tempdir().unwrap();
+        let out = tmp.path().join("out");
+        std::fs::create_dir(&out).unwrap();
+        std::fs::write(out.join("old.safetensors"), b"old").unwrap();
+        let a = PartDir::open(&out, "h1", part(0, 1)).unwrap();
+        a.write_file("config.json", b"{}").unwrap();
+        let err = a.commit(&out, false).unwrap_err().to_string();
+        assert!(err.contains("appeared"), "{err}");
+        assert_eq!(names(&out), ["old.safetensors"]);
+        a.commit(&out, true).unwrap();
+        assert_eq!(names(&out), ["config.json"]);
+    }
+}

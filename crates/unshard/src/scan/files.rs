@@ -402,6 +402,115 @@ mod tests {
         assert_eq!(a, b);
     }
 
+    /// What each file is read as, by its magic and (for a pickle with no magic)
+    /// its name: files the generators wrote.
+    #[test]
+    fn each_file_is_read_as_what_its_bytes_are() {
+        let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures");
+        let dir = tempfile::tempdir().unwrap();
+        let json = dir.path().join("config.json");
+        std::fs::write(&json, b"{\"model_type\": \"llama\"}").unwrap();
+        let metadata = dir.path().join("notes.txt");
+        std::fs::write(&metadata, b"not a pickle").unwrap();
+        for (path, kind) in [
+            (
+                hostile("dcp_payload/__0_0.distcp"),
+                "torch.distributed.checkpoint data file",
+            ),
+            (hostile("clean.pt"), "zip archive"),
+            (
+                root.join("ckpt/llama_policy_legacy.pt"),
+                "legacy torch.save stream",
+            ),
+            (hostile("picklescan/ps_os_anything.pkl"), "pickle"),
+            (json, "not a pickle"),
+            (metadata, "not a pickle"),
+        ] {
+            assert_eq!(scan_file(&path).kind, kind, "{}", path.display());
+        }
+    }
+
+    /// Bare pickles back to back are named by their place; whitespace after the
+    /// last ends the stream, whitespace alone is no pickle.
+    #[test]
+    fn bare_pickles_are_named_by_their_place_and_trailing_whitespace_ends_them() {
+        let payload = std::fs::read(hostile("picklescan/ps_os_anything.pkl")).unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let two = dir.path().join("two.pkl");
+        let mut bytes = payload.clone();
+        bytes.extend_from_slice(&payload);
+        bytes.extend_from_slice(b"\n\n");
+        std::fs::write(&two, &bytes).unwrap();
+        let s = scan_file(&two);
+        assert_eq!(s.pickles, 2, "{s:?}");
+        assert!(s.problems.is_empty(), "{s:?}");
+        let mut entries: Vec<&str> = s.unsafe_calls.iter().map(|c| c.entry.as_str()).collect();
+        entries.dedup();
+        let second = format!("pickle 2 at byte {}", payload.len());
+        assert_eq!(entries, ["pickle", second.as_str()], "{s:?}");
+
+        let blank = dir.path().join("blank.pkl");
+        std::fs::write(&blank, b"\n  \n").unwrap();
+        let s = scan_file(&blank);
+        assert_eq!(s.pickles, 1, "{s:?}");
+        assert!(!s.problems.is_empty(), "{s:?}");
+    }
+
+    /// Findings beyond the per-pickle bound (distinct callables) are counted, not
+    /// listed.
+    #[test]
+    fn findings_past_the_bound_are_counted() {
+        let n = unshard_pickle::audit::MAX_FINDINGS + 44;
+        let mut bytes = b"\x80\x02(".to_vec();
+        for i in 0..n {
+            bytes.extend_from_slice(format!("cevil{i}\nrun\n(tR").as_bytes());
+        }
+        bytes.extend_from_slice(b"l.");
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("many.pkl");
+        std::fs::write(&path, &bytes).unwrap();
+        let s = scan_file(&path);
+        assert!(s.problems.is_empty(), "{:?}", s.problems);
+        assert_eq!(s.unsafe_calls.len() + s.omitted, n, "{}", s.omitted);
+        assert!(s.omitted > 0);
+    }
+
+    /// The archives of a `.distcp` file found by the block search, behind a
+    /// trailing item of zeros, with the end record of the last archive across the
+    /// end of the first search block, or of the second (past two megabytes): what
+    /// the walk from the end finds.
+    #[test]
+    fn archives_are_found_across_search_blocks() {
+        let path = hostile("dcp_payload/__0_0.distcp");
+        let walked = scan_file(&path);
+        let bytes = std::fs::read(&path).unwrap();
+        let last = bytes.windows(4).rposition(|w| w == b"PK\x05\x06").unwrap();
+        let calls = |s: &FileScan| {
+            let mut v: Vec<(String, usize)> = s
+                .unsafe_calls
+                .iter()
+                .map(|c| (c.callable.clone(), c.offset))
+                .collect();
+            v.sort();
+            v
+        };
+        // Blocks start at 0, B - 3 and 2B - 6: the signature starts one byte before
+        // the end of the first block, or two before the end of the second.
+        let block = SEARCH_BLOCK as usize;
+        for signature_at in [block - 1, 2 * block - 5] {
+            let mut padded = vec![0u8; signature_at - last];
+            padded.extend_from_slice(&bytes);
+            padded.extend_from_slice(&[0u8; 100]);
+            let dir = tempfile::tempdir().unwrap();
+            let searched_path = dir.path().join("__0_0.distcp");
+            std::fs::write(&searched_path, &padded).unwrap();
+            let searched = scan_file(&searched_path);
+            assert!(searched.problems.is_empty(), "{searched:?}");
+            assert_eq!(searched.pickles, walked.pickles, "{searched:?}");
+            assert_eq!(calls(&searched), calls(&walked), "at {signature_at}");
+        }
+    }
+
     /// Pickles longer than the first prefix read are read in full (the prefix
     /// doubles), and give what one read of the whole file gives.
     #[test]

@@ -104,3 +104,146 @@ fn walk(path: &Path, depth: usize, out: &mut Vec<FileScan>) {
         walk(&entry, depth + 1, out);
     }
 }
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+
+    fn fixtures(dir: &str) -> PathBuf {
+        Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../../fixtures")
+            .join(dir)
+    }
+
+    /// Regular files below `dir`, counted by the standard library alone.
+    fn count_files(dir: &Path) -> usize {
+        std::fs::read_dir(dir)
+            .unwrap()
+            .map(|e| e.unwrap().path())
+            .map(|p| if p.is_dir() { count_files(&p) } else { 1 })
+            .sum()
+    }
+
+    /// The hostile corpus as `fixtures/gen_hostile.py` describes it: every file
+    /// below the directory is scanned once; what the generator calls unsafe or
+    /// unknown is not clean and names its callables; its clean files are clean; its
+    /// archives with two records of one name are not clean, with no call to report.
+    #[test]
+    fn a_directory_is_walked_and_each_file_judged_as_the_generator_says() {
+        let dir = fixtures("hostile");
+        let scans = scan_paths(std::slice::from_ref(&dir));
+        assert_eq!(scans.len(), count_files(&dir));
+        let text = std::fs::read_to_string(dir.join("manifest.json")).unwrap();
+        let manifest: serde_json::Value = serde_json::from_str(&text).unwrap();
+        let mut seen = 0;
+        for case in manifest["cases"].as_array().unwrap() {
+            let file = case["file"].as_str().unwrap();
+            // A case is a file or a directory (a DCP checkpoint) of several.
+            let case_path = dir.join(file);
+            let of_case: Vec<&FileScan> = scans
+                .iter()
+                .filter(|s| s.path.starts_with(&case_path))
+                .collect();
+            assert!(!of_case.is_empty(), "{file}");
+            let called: Vec<&str> = of_case
+                .iter()
+                .flat_map(|s| s.unsafe_calls.iter().map(|c| c.callable.as_str()))
+                .collect();
+            match case["expect"].as_str().unwrap() {
+                "unsafe" | "unknown" => {
+                    assert!(of_case.iter().any(|s| !s.is_clean()), "{file}");
+                    for want in case["callables"].as_array().unwrap() {
+                        let want = want.as_str().unwrap();
+                        assert!(
+                            called.iter().any(|c| c.contains(want)),
+                            "{file}: {want} not in {called:?}"
+                        );
+                    }
+                }
+                "clean" => {
+                    assert!(of_case.iter().all(|s| s.is_clean()), "{file}: {of_case:?}")
+                }
+                _ => {}
+            }
+            if case["route"]
+                .as_str()
+                .unwrap()
+                .starts_with("duplicate zip entry")
+                || case["route"] == "two data.pkl records"
+            {
+                let s = of_case[0];
+                assert!(called.is_empty(), "{file}: {called:?}");
+                assert!(!s.is_clean(), "{file}: {s:?}");
+                assert!(
+                    s.problems.iter().any(|p| p.contains("two records named")),
+                    "{file}: {s:?}"
+                );
+            }
+            seen += 1;
+        }
+        assert!(seen >= 120, "{seen}");
+    }
+
+    /// A path that does not exist is reported as such, under its name.
+    #[test]
+    fn a_missing_path_is_a_problem_of_its_own() {
+        let dir = tempfile::tempdir().unwrap();
+        let missing = dir.path().join("nope.pt");
+        let scans = scan_paths(std::slice::from_ref(&missing));
+        assert_eq!(scans.len(), 1, "{scans:?}");
+        assert_eq!(scans[0].path, missing);
+        assert_eq!(scans[0].kind, "unreadable");
+        assert!(
+            scans[0].problems[0].starts_with("cannot read it: "),
+            "{scans:?}"
+        );
+        assert!(!scans[0].is_clean());
+    }
+
+    /// A symbolic link given on the command line is followed (to a directory or a
+    /// file); one met inside a directory is followed to a file but not to a
+    /// directory, so a link back up cannot loop the walk. Nothing is scanned below
+    /// the depth limit.
+    #[cfg(unix)]
+    #[test]
+    fn links_are_followed_from_the_command_line_and_to_files_only_inside() {
+        use std::os::unix::fs::symlink;
+        let tmp = tempfile::tempdir().unwrap();
+        let root = tmp.path().join("root");
+        std::fs::create_dir(&root).unwrap();
+        let payload = fixtures("hostile/metrics_os_system.pt");
+        std::fs::copy(&payload, root.join("a.pt")).unwrap();
+        symlink(&payload, root.join("b.pt")).unwrap();
+        symlink(&root, root.join("up")).unwrap();
+        symlink(tmp.path().join("gone"), root.join("dangling.pt")).unwrap();
+        let link = tmp.path().join("link");
+        symlink(&root, &link).unwrap();
+
+        for top in [&root, &link] {
+            let scans = scan_paths(std::slice::from_ref(top));
+            let names: Vec<String> = scans
+                .iter()
+                .map(|s| s.path.file_name().unwrap().to_string_lossy().into_owned())
+                .collect();
+            assert_eq!(names, ["a.pt", "b.pt"], "{scans:?}");
+            assert!(scans.iter().all(|s| !s.is_clean()), "{scans:?}");
+        }
+        let file_link = tmp.path().join("file_link.pt");
+        symlink(&payload, &file_link).unwrap();
+        let scans = scan_paths(std::slice::from_ref(&file_link));
+        assert_eq!(scans.len(), 1);
+        assert_eq!(scans[0].path, file_link);
+        assert!(!scans[0].unsafe_calls.is_empty(), "{scans:?}");
+
+        // 40 levels of directories, a payload at every level.
+        let mut deep = tmp.path().join("deep");
+        for _ in 0..40 {
+            std::fs::create_dir_all(&deep).unwrap();
+            std::fs::copy(&payload, deep.join("x.pt")).unwrap();
+            deep = deep.join("d");
+        }
+        let scans = scan_paths(&[tmp.path().join("deep")]);
+        assert_eq!(scans.len(), MAX_DIR_DEPTH, "{}", scans.len());
+    }
+}
