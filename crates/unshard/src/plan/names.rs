@@ -244,6 +244,56 @@ mod tests {
         assert_eq!(natural_cmp("a..x", "a.7.x"), Ordering::Greater);
     }
 
+    /// transformers' `dot_natural_key` as a sort key, component by component from
+    /// the start: the order the shortcut past a shared prefix must keep.
+    fn dot_natural_key(s: &str) -> Vec<(u8, String, Option<u128>)> {
+        s.split('.')
+            .map(|p| {
+                if !p.is_empty() && p.bytes().all(|c| c.is_ascii_digit()) {
+                    return (0, String::new(), p.parse().ok());
+                }
+                let text = p.trim_end_matches(|c: char| c.is_ascii_digit());
+                (1, text.to_string(), p[text.len()..].parse().ok())
+            })
+            .collect()
+    }
+
+    #[test]
+    fn natural_order_past_a_shared_prefix_is_the_order_from_the_start() {
+        let names = [
+            "m.layers.1",
+            "m.layers.1.x",
+            "m.layers.10.x",
+            "m.layers.9.x",
+            "m.experts.12.w",
+            "m.experts.123.w",
+            "m.experts.129.w",
+            "m.experts.13.w",
+            "m.w1x",
+            "m.w12",
+            "m.w1",
+            "m.w",
+            "m.ab1",
+            "m.ab10",
+            "m.abc10",
+            "m.abd9",
+            "m.",
+            "m",
+            "m.layers.1.mlp.gate_up_proj",
+            "m.layers.1.mlp.gate",
+            "m.layers.1.mlp.gate2",
+        ];
+        for a in names {
+            for b in names {
+                assert_eq!(
+                    natural_cmp(a, b),
+                    dot_natural_key(a).cmp(&dot_natural_key(b)),
+                    "{a} vs {b}"
+                );
+            }
+        }
+    }
+
     #[test]
     fn natural_order_compares_numbers_numerically() {
         let mut v = vec![
@@ -361,5 +411,21 @@ mod tests {
         let mut report = Report::default();
         record_renames(&c, &names(&c), &mut report);
         assert_eq!(report.renamed, [("module.w".to_string(), "w".to_string())]);
+    }
+
+    #[test]
+    fn the_parts_of_a_split_tensor_are_not_listed_as_renames() {
+        let ckpt = checkpoint("c", f32s(&[("packed", &[2]), ("module.v", &[1])]));
+        let mut c = renamed(&ckpt, &[]);
+        // "packed" unpacked into two parts that follow one another, as a mapping
+        // that splits a tensor writes them; "module.v" renamed on its own.
+        let mut second = c[0].clone();
+        c[0].name = "e.0".into();
+        second.name = "e.1".into();
+        c.insert(1, second);
+        c[2].name = "v".into();
+        let mut report = Report::default();
+        record_renames(&c, &names(&c), &mut report);
+        assert_eq!(report.renamed, [("module.v".to_string(), "v".to_string())]);
     }
 }
