@@ -159,6 +159,37 @@ fn parts_run_one_after_another_and_only_the_last_commits() {
     same_dirs(&single, &out);
 }
 
+/// A part refuses an existing output without `--force` before it writes anything,
+/// as a single-process merge does; with `--force` the parts replace it.
+#[test]
+fn a_part_refuses_an_existing_output_without_force() {
+    let args = llama("40KB");
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("out");
+    assert!(merge_cmd(&args, &out).output().unwrap().status.success());
+    let before = std::fs::read(out.join("config.json")).unwrap();
+    let o = merge_cmd(&args, &out)
+        .args(["--part", "0/2"])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success(), "{err}");
+    assert!(err.contains("--force") && err.contains("out"), "{err}");
+    assert_eq!(std::fs::read(out.join("config.json")).unwrap(), before);
+    // Nothing staged beside it: the refusal came before the part's work.
+    assert_eq!(names(tmp.path()), ["out"]);
+    for i in 0..2 {
+        let o = merge_cmd(&args, &out)
+            .args(["--part", &format!("{i}/2"), "--force"])
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    }
+    let single = tmp.path().join("single");
+    assert!(merge_cmd(&args, &single).output().unwrap().status.success());
+    same_dirs(&single, &out);
+}
+
 /// A checkpoint of six 4 MiB float32 tensors, one shard each once in bfloat16.
 fn six_shards(dir: &Path) -> Vec<String> {
     let ckpt: PathBuf = big_checkpoint(dir, 6);
