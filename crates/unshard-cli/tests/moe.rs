@@ -22,6 +22,18 @@ fn unshard<S: AsRef<std::ffi::OsStr>>(args: &[S]) -> Output {
     common::unshard_in(&fixtures(), args)
 }
 
+/// A safetensors file of one float32 tensor of `shape`, every element `value`.
+fn one_f32_tensor(path: &Path, name: &str, shape: &[usize], value: f32) {
+    let n: usize = shape.iter().product();
+    let bytes: Vec<u8> = std::iter::repeat_n(value.to_le_bytes(), n)
+        .flatten()
+        .collect();
+    let view =
+        safetensors::tensor::TensorView::new(safetensors::Dtype::F32, shape.to_vec(), &bytes)
+            .unwrap();
+    safetensors::serialize_to_file([(name, view)], None, path).unwrap();
+}
+
 struct Case {
     name: String,
     checkpoint: String,
@@ -211,11 +223,7 @@ fn experts_the_checkpoint_lacks_come_from_the_base_in_the_layout_written() {
     let tmp = tempfile::tempdir().unwrap();
     // A checkpoint of the final norm alone.
     let ckpt = tmp.path().join("norm.safetensors");
-    let t: Vec<f32> = vec![1.5; 16];
-    let bytes: Vec<u8> = t.iter().flat_map(|x| x.to_le_bytes()).collect();
-    let view =
-        safetensors::tensor::TensorView::new(safetensors::Dtype::F32, vec![16], &bytes).unwrap();
-    safetensors::serialize_to_file([("model.norm.weight", view)], None, &ckpt).unwrap();
+    one_f32_tensor(&ckpt, "model.norm.weight", &[16], 1.5);
     for (base, layout, like) in [
         ("moe/qwen3_moe/base", "packed", "moe/qwen3_moe/base_packed"),
         (
@@ -295,16 +303,12 @@ fn packing_a_checkpoint_that_lacks_an_expert_is_refused_by_name() {
     let tmp = tempfile::tempdir().unwrap();
     // Expert 2's gate projection of layer 0, alone: experts 0 and 1 are missing.
     let ckpt = tmp.path().join("one.safetensors");
-    let t: Vec<f32> = vec![0.5; 24 * 16];
-    let bytes: Vec<u8> = t.iter().flat_map(|x| x.to_le_bytes()).collect();
-    let view = safetensors::tensor::TensorView::new(safetensors::Dtype::F32, vec![24, 16], &bytes)
-        .unwrap();
-    safetensors::serialize_to_file(
-        [("model.layers.0.mlp.experts.2.gate_proj.weight", view)],
-        None,
+    one_f32_tensor(
         &ckpt,
-    )
-    .unwrap();
+        "model.layers.0.mlp.experts.2.gate_proj.weight",
+        &[24, 16],
+        0.5,
+    );
     let out = tmp.path().join("out");
     let o = unshard(&[
         "merge",
@@ -417,17 +421,12 @@ fn a_packed_tensor_that_is_not_a_box_of_the_rule_is_refused_by_name() {
     // gate_up_proj's rows must split into gate and up halves: 47 rows do not.
     let tmp = tempfile::tempdir().unwrap();
     let ckpt = tmp.path().join("odd.safetensors");
-    let t: Vec<f32> = vec![0.5; 2 * 47 * 4];
-    let bytes: Vec<u8> = t.iter().flat_map(|x| x.to_le_bytes()).collect();
-    let view =
-        safetensors::tensor::TensorView::new(safetensors::Dtype::F32, vec![2, 47, 4], &bytes)
-            .unwrap();
-    safetensors::serialize_to_file(
-        [("model.layers.0.mlp.experts.gate_up_proj", view)],
-        None,
+    one_f32_tensor(
         &ckpt,
-    )
-    .unwrap();
+        "model.layers.0.mlp.experts.gate_up_proj",
+        &[2, 47, 4],
+        0.5,
+    );
     let out = tmp.path().join("out");
     let o = unshard(&[
         "merge",
