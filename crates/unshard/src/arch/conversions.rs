@@ -309,19 +309,7 @@ impl Ruleset {
     /// every rename in list order, chained, then the first convert rule (in list
     /// order) whose load regex matches the renamed key.
     pub fn load(&self, name: &str) -> Result<Loaded, Refused> {
-        let mut key = name.to_string();
-        for r in &self.load {
-            match r.kind {
-                Kind::Convert | Kind::PrefixChange | Kind::LayerPairCollapse => continue,
-                Kind::Rename | Kind::IndexOffsetRename => {}
-            }
-            if r.identity {
-                continue;
-            }
-            if let Some(m) = find(r, &key).map_err(|why| refused(r, why))? {
-                key = m.key;
-            }
-        }
+        let key = renames(&self.load, name)?;
         for r in self.load.iter().filter(|r| r.kind == Kind::Convert) {
             let Some(m) = find(r, &key).map_err(|why| refused(r, why))? else {
                 continue;
@@ -390,21 +378,27 @@ impl Ruleset {
 
     /// Every non-convert rule's save side, in reverse list order, chained.
     fn renamed(&self, name: &str) -> Result<String, Refused> {
-        let mut key = name.to_string();
-        for r in self.rules.iter().rev() {
-            match r.kind {
-                Kind::Convert | Kind::PrefixChange | Kind::LayerPairCollapse => continue,
-                Kind::Rename | Kind::IndexOffsetRename => {}
-            }
-            if r.identity {
-                continue;
-            }
-            if let Some(m) = find(r, &key).map_err(|why| refused(r, why))? {
-                key = m.key;
-            }
-        }
-        Ok(key)
+        renames(self.rules.iter().rev(), name)
     }
+}
+
+/// The rename rules of `rules` (in the order given) applied to `name`, chained:
+/// the save side in reverse list order, the load side in list order.
+fn renames<'a>(rules: impl IntoIterator<Item = &'a Rule>, name: &str) -> Result<String, Refused> {
+    let mut key = name.to_string();
+    for r in rules {
+        match r.kind {
+            Kind::Convert | Kind::PrefixChange | Kind::LayerPairCollapse => continue,
+            Kind::Rename | Kind::IndexOffsetRename => {}
+        }
+        if r.identity {
+            continue;
+        }
+        if let Some(m) = find(r, &key).map_err(|why| refused(r, why))? {
+            key = m.key;
+        }
+    }
+    Ok(key)
 }
 
 fn refused(r: &Rule, why: String) -> Refused {
