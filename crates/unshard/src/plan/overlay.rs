@@ -23,22 +23,29 @@ pub(crate) fn overlay(
     if let Some((bw, bmap)) = base {
         check_against_base(&cands, names, keep, bw, bmap)?;
     }
-    let mut tensors: Vec<PlannedTensor> = cands
-        .into_iter()
-        .zip(names)
-        .zip(keep)
-        .filter(|(_, k)| **k)
-        .map(|((c, n), _)| PlannedTensor {
-            name: n.clone(),
-            ..PlannedTensor::from_candidate(c)
-        })
-        .collect();
+    // Sized exactly: one entry per output tensor, tens of thousands for a large
+    // mixture of experts, and a vector grown by doubling holds up to twice that.
+    let mut tensors: Vec<PlannedTensor> = Vec::with_capacity(keep.iter().filter(|k| **k).count());
+    tensors.extend(
+        cands
+            .into_iter()
+            .zip(names)
+            .zip(keep)
+            .filter(|(_, k)| **k)
+            .map(|((c, n), _)| PlannedTensor {
+                name: n.clone(),
+                ..PlannedTensor::from_candidate(c)
+            }),
+    );
     if let Some((bw, _)) = base {
         let have: HashSet<&str> = names.iter().map(String::as_str).collect();
-        for b in &bw.tensors {
-            if have.contains(b.name.as_str()) {
-                continue;
-            }
+        let missing: Vec<&TensorSource> = bw
+            .tensors
+            .iter()
+            .filter(|b| !have.contains(b.name.as_str()))
+            .collect();
+        tensors.reserve_exact(missing.len());
+        for b in missing {
             report.from_base.push(b.name.clone());
             tensors.push(PlannedTensor::from_candidate(Candidate::copy(
                 Origin::Base,

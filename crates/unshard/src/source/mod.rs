@@ -150,7 +150,12 @@ impl std::ops::DerefMut for Pieces {
 }
 
 impl From<Vec<Piece>> for Pieces {
-    fn from(v: Vec<Piece>) -> Pieces {
+    /// Spare capacity is given back: a vector pushed to holds room for four pieces
+    /// after its first, and a tensor has one piece more often than not, so tens of
+    /// thousands of tensors (DeepSeek-V3's experts) would keep four times the memory
+    /// their pieces need for as long as the plan lives.
+    fn from(mut v: Vec<Piece>) -> Pieces {
+        v.shrink_to_fit();
         Pieces(Arc::new(v))
     }
 }
@@ -449,4 +454,27 @@ pub fn config_dir_for(checkpoint: &Path) -> Option<PathBuf> {
     }
     // An HF Trainer `checkpoint-N/` of a DeepSpeed run holds its config.json.
     deepspeed::config_dir_for(checkpoint)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pieces_keep_no_spare_capacity() {
+        let piece = Piece {
+            file: 0,
+            byte_offset: 0,
+            dtype: DType::F32,
+            shape: vec![2],
+            strides: vec![1],
+            global_offset: vec![0],
+            big_endian: false,
+        };
+        let mut v = Vec::new();
+        v.push(piece);
+        assert!(v.capacity() > 1, "a pushed-to vector has spare room");
+        let pieces = Pieces::from(v);
+        assert_eq!(pieces.capacity(), 1);
+    }
 }
