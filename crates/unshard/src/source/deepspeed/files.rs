@@ -380,3 +380,375 @@ fn count_tensors(p: &Pickle, id: NodeId, depth: usize) -> usize {
         _ => 0,
     }
 }
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+    use crate::source::torch::{StorageLoc, Storages};
+
+    /// A Python value, pickled with protocol 2 opcodes.
+    enum Py {
+        None,
+        False,
+        Int(i64),
+        Str(&'static str),
+        Tuple(Vec<Py>),
+        List(Vec<Py>),
+        Dict(Vec<(&'static str, Py)>),
+        /// `module.name(*args)`.
+        Call(&'static str, &'static str, Vec<Py>),
+        /// The class `module.name`.
+        Global(&'static str, &'static str),
+        /// A persistent id (what a storage is pickled as).
+        Pid(Box<Py>),
+    }
+    use Py::*;
+
+    impl Py {
+        fn pickle(&self, out: &mut Vec<u8>) {
+            match self {
+                None => out.push(b'N'),
+                False => out.push(0x89),
+                Int(i) => {
+                    out.extend([0x8a, 8]);
+                    out.extend(i.to_le_bytes());
+                }
+                Str(s) => {
+                    out.push(b'X');
+                    out.extend((s.len() as u32).to_le_bytes());
+                    out.extend(s.as_bytes());
+                }
+                Tuple(v) => {
+                    out.push(b'(');
+                    v.iter().for_each(|x| x.pickle(out));
+                    out.push(b't');
+                }
+                List(v) => {
+                    out.extend(b"](");
+                    v.iter().for_each(|x| x.pickle(out));
+                    out.push(b'e');
+                }
+                Dict(items) => {
+                    out.extend(b"}(");
+                    for (k, v) in items {
+                        Str(k).pickle(out);
+                        v.pickle(out);
+                    }
+                    out.push(b'u');
+                }
+                Call(module, name, args) => {
+                    Global(module, name).pickle(out);
+                    out.push(b'(');
+                    args.iter().for_each(|x| x.pickle(out));
+                    out.extend(b"tR");
+                }
+                Global(module, name) => out.extend(format!("c{module}\n{name}\n").as_bytes()),
+                Pid(v) => {
+                    v.pickle(out);
+                    out.push(b'Q');
+                }
+            }
+        }
+    }
+
+    fn size(dims: &[i64]) -> Py {
+        Tuple(dims.iter().map(|&d| Int(d)).collect())
+    }
+
+    /// A float32 tensor of `shape` and `strides` on the 16-element storage '0'.
+    fn tensor(shape: &[i64], strides: &[i64]) -> Py {
+        let storage = Tuple(vec![
+            Str("storage"),
+            Global("torch", "FloatStorage"),
+            Str("0"),
+            Str("cpu"),
+            Int(16),
+        ]);
+        Call(
+            "torch._utils",
+            "_rebuild_tensor_v2",
+            vec![
+                Pid(Box::new(storage)),
+                Int(0),
+                size(shape),
+                size(strides),
+                False,
+                Dict(vec![]),
+            ],
+        )
+    }
+
+    /// A parsed file holding `root`, and a storage '0' of 16 float32 elements.
+    fn parsed(root: &Py) -> Parsed {
+        let mut bytes = vec![0x80, 2];
+        root.pickle(&mut bytes);
+        bytes.push(b'.');
+        let path = PathBuf::from("rank.pt");
+        let mut storages = Storages::default();
+        storages.insert(
+            "0".into(),
+            StorageLoc {
+                offset: 0,
+                len: 64,
+                inflated: false,
+            },
+        );
+        Parsed {
+            path: path.clone(),
+            blob: Arc::new(Blob::owned(path.clone(), vec![0; 64])),
+            payload: TorchPayload {
+                path,
+                pickle: unshard_pickle::parse(&bytes).unwrap(),
+                storages,
+                big_endian: false,
+                unsafe_calls: Vec::new(),
+                inflated: Vec::new(),
+                inflated_file: Option::None,
+            },
+        }
+    }
+
+    fn root(f: &Parsed) -> NodeId {
+        f.p().root()
+    }
+
+    #[test]
+    fn a_flat_partition_is_contiguous() {
+        let f = parsed(&List(vec![
+            tensor(&[16], &[1]),
+            tensor(&[4, 4], &[4, 1]),
+            // One element: its stride says nothing.
+            tensor(&[1], &[7]),
+            tensor(&[1, 1], &[3, 5]),
+            // Every other element, or a transposed matrix.
+            tensor(&[8], &[2]),
+            tensor(&[4, 4], &[1, 4]),
+        ]));
+        let items = seq_of(f.p(), root(&f)).unwrap().to_vec();
+        for (i, &id) in items.iter().enumerate() {
+            let got = f.flat("p", id, 3);
+            if i < 4 {
+                let flat = got.unwrap();
+                assert_eq!(flat.piece.file, 3);
+                assert_eq!(flat.numel, [16, 16, 1, 1][i]);
+            } else {
+                let e = got.unwrap_err().to_string();
+                assert!(e.contains("is not contiguous"), "{i}: {e}");
+            }
+        }
+    }
+
+    #[test]
+    fn the_two_kinds_of_file_are_told_by_their_keys() {
+        let is_model = |v: Py| is_model_states(parsed(&v).p());
+        let is_optim = |v: Py| is_optim_states(parsed(&v).p());
+        let shapes = || ("param_shapes", List(vec![]));
+        let buffers = || ("buffer_names", List(vec![]));
+        assert!(is_model(Dict(vec![shapes(), buffers()])));
+        assert!(!is_model(Dict(vec![shapes()])));
+        assert!(!is_model(Dict(vec![buffers()])));
+        let osd = |k: &'static str| {
+            Dict(vec![(
+                "optimizer_state_dict",
+                Dict(vec![(k, List(vec![]))]),
+            )])
+        };
+        assert!(is_optim(osd("fp32_flat_groups")));
+        assert!(is_optim(osd("single_partition_of_fp32_groups")));
+        assert!(!is_optim(osd("state")));
+        assert!(!is_optim(Dict(vec![("fp32_flat_groups", List(vec![]))])));
+    }
+
+    fn model(entries: Vec<(&'static str, Py)>) -> Result<ModelStates> {
+        let mut all = vec![
+            ("module", Dict(vec![("w", None), ("b", None)])),
+            ("buffer_names", List(vec![Str("b")])),
+        ];
+        all.extend(entries);
+        model_states(&parsed(&Dict(all)))
+    }
+
+    #[test]
+    fn model_states_of_older_and_newer_files() {
+        // Older DeepSpeed: one param_shapes dict, None where nothing is recorded.
+        let m = model(vec![
+            ("param_shapes", Dict(vec![("w", size(&[2, 3]))])),
+            ("frozen_param_shapes", None),
+            ("frozen_param_fragments", None),
+            ("shared_params", None),
+        ])
+        .unwrap();
+        assert_eq!(m.param_shapes, [vec![("w".to_string(), vec![2, 3])]]);
+        assert!(m.frozen_shapes.is_empty() && m.frozen_fragments.is_empty());
+        assert!(m.shared.is_empty());
+        assert_eq!(m.buffer_names, ["b"]);
+        // Newer: a list of group dicts, and each record present.
+        let m = model(vec![
+            (
+                "param_shapes",
+                List(vec![
+                    Dict(vec![("w", size(&[2, 3]))]),
+                    Dict(vec![("v", size(&[4]))]),
+                ]),
+            ),
+            ("frozen_param_shapes", Dict(vec![("e", size(&[5]))])),
+            ("frozen_param_fragments", Dict(vec![("e", None)])),
+            ("shared_params", Dict(vec![("head", Str("e"))])),
+        ])
+        .unwrap();
+        assert_eq!(m.param_shapes.len(), 2);
+        assert_eq!(m.frozen_shapes, [("e".to_string(), vec![5])]);
+        assert_eq!(m.frozen_fragments.len(), 1);
+        assert_eq!(m.shared, [("head".to_string(), "e".to_string())]);
+        // Anything else is refused.
+        for (key, v, says) in [
+            (
+                "param_shapes",
+                Int(1),
+                "'param_shapes' is not a list of dicts",
+            ),
+            (
+                "frozen_param_shapes",
+                Int(1),
+                "'frozen_param_shapes' is not a dict",
+            ),
+            (
+                "frozen_param_fragments",
+                Int(1),
+                "'frozen_param_fragments' is not a dict",
+            ),
+            ("shared_params", Int(1), "'shared_params' is not a dict"),
+            (
+                "shared_params",
+                Dict(vec![("head", Int(1))]),
+                "holds a non-string",
+            ),
+        ] {
+            let mut entries = vec![("param_shapes", List(vec![]))];
+            entries.retain(|(k, _)| *k != key);
+            entries.push((key, v));
+            let e = model(entries).err().unwrap().to_string();
+            assert!(e.contains(says), "{key}: {e}");
+        }
+    }
+
+    #[test]
+    fn a_shape_of_two_to_the_sixty_elements_is_refused() {
+        let shapes = |n: i64| {
+            model(vec![(
+                "param_shapes",
+                List(vec![Dict(vec![("w", size(&[2, n]))])]),
+            )])
+        };
+        assert_eq!(
+            shapes((1 << 59) - 1).unwrap().param_shapes[0][0].1[1],
+            (1 << 59) - 1
+        );
+        let e = shapes(1 << 59).err().unwrap().to_string();
+        assert!(e.contains("too large"), "{e}");
+    }
+
+    fn optim(entries: Vec<(&'static str, Py)>) -> Result<OptimStates> {
+        optim_states(&parsed(&Dict(vec![(
+            "optimizer_state_dict",
+            Dict(entries),
+        )])))
+    }
+
+    fn moment() -> Py {
+        Call("torch._utils", "_rebuild_tensor_v2", vec![])
+    }
+
+    #[test]
+    fn optim_states_of_each_kind() {
+        // ZeRO-2: the stage as a ZeroStageEnum, one partition count per group.
+        let o = optim(vec![
+            (
+                "zero_stage",
+                Call(
+                    "deepspeed.runtime.zero.config",
+                    "ZeroStageEnum",
+                    vec![Int(2)],
+                ),
+            ),
+            ("partition_count", List(vec![Int(3), Int(4)])),
+            ("single_partition_of_fp32_groups", List(vec![None, None])),
+            (
+                "param_alignment_paddings",
+                List(vec![List(vec![Int(0), Int(2)])]),
+            ),
+            (
+                "base_optimizer_state",
+                Dict(vec![(
+                    "state",
+                    List(vec![moment(), Dict(vec![("m", moment())])]),
+                )]),
+            ),
+        ])
+        .unwrap();
+        assert_eq!((o.stage, o.partition_count), (Some(2), 4));
+        assert_eq!(
+            (o.groups.len(), o.groups_key),
+            (2, "single_partition_of_fp32_groups")
+        );
+        assert_eq!(o.alignment_paddings, Some(vec![vec![0, 2]]));
+        assert_eq!(o.moments, 2);
+        // ZeRO-3: plain ints; no paddings recorded.
+        let o = optim(vec![
+            ("zero_stage", Int(3)),
+            ("partition_count", Int(2)),
+            ("fp32_flat_groups", List(vec![None])),
+            ("param_alignment_paddings", None),
+        ])
+        .unwrap();
+        assert_eq!(
+            (o.stage, o.partition_count, o.groups_key),
+            (Some(3), 2, "fp32_flat_groups")
+        );
+        assert_eq!((o.alignment_paddings, o.moments), (Option::None, 0));
+        for count in [Int(0), List(vec![Int(0)]), Int(-1), None] {
+            let e = optim(vec![
+                ("partition_count", count),
+                ("fp32_flat_groups", List(vec![])),
+            ])
+            .err()
+            .unwrap()
+            .to_string();
+            assert!(
+                e.contains("'partition_count' is missing or not a positive int"),
+                "{e}"
+            );
+        }
+    }
+
+    #[test]
+    fn moments_are_counted_sixteen_levels_deep() {
+        // A tensor under `depth` lists.
+        let nested = |depth: usize| {
+            let mut v = moment();
+            for _ in 0..depth {
+                v = List(vec![v]);
+            }
+            v
+        };
+        let count = |v: Py| {
+            let f = parsed(&v);
+            count_tensors(f.p(), root(&f), 0)
+        };
+        assert_eq!(count(nested(16)), 1);
+        assert_eq!(count(nested(17)), 0);
+        // The same through dicts.
+        let in_dicts = |depth: usize| {
+            let mut v = moment();
+            for _ in 0..depth {
+                v = Dict(vec![("state", v)]);
+            }
+            v
+        };
+        assert_eq!(count(in_dicts(16)), 1);
+        assert_eq!(count(in_dicts(17)), 0);
+        assert_eq!(count(Tuple(vec![nested(3), moment(), Int(1)])), 2);
+        assert_eq!(count(Dict(vec![("a", moment()), ("b", nested(2))])), 2);
+    }
+}

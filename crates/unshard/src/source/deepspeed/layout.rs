@@ -434,6 +434,186 @@ mod tests {
         }
     }
 
+    #[test]
+    fn notes_say_what_was_read_and_what_was_skipped() {
+        let open = |case: &str| open_with(&found(case), usize::MAX).unwrap().0;
+        let has = |c: &Checkpoint, s: &str| c.notes.iter().any(|n| n.contains(s));
+        // (case, frozen fragments read, frozen parameters read from the module, ZeRO-1/2)
+        for (case, fragments, in_module, zero12) in [
+            ("llama_z3_fp16_w3_frozen", true, false, false),
+            ("llama_z3_bf16_w2", false, false, false),
+            ("llama_z1_bf16_w2", false, true, true),
+            ("qwen2_z2_bf16_w3_frozen", true, false, true),
+        ] {
+            let c = open(case);
+            assert_eq!(
+                has(&c, "from frozen_param_fragments"),
+                fragments,
+                "{case}: {:?}",
+                c.notes
+            );
+            assert_eq!(
+                has(&c, "recorded only in the 16-bit module"),
+                in_module,
+                "{case}: {:?}",
+                c.notes
+            );
+            assert_eq!(
+                has(&c, "skipped the module's 16-bit copy"),
+                zero12,
+                "{case}: {:?}",
+                c.notes
+            );
+            // Beside the tag folder: `latest` and DeepSpeed's scripts, not the tag folder.
+            let skipped = c
+                .notes
+                .iter()
+                .find(|n| n.starts_with("skipped (not weights)"));
+            let skipped = skipped.unwrap_or_else(|| panic!("{case}: {:?}", c.notes));
+            assert!(
+                skipped.contains("latest") && skipped.contains("zero_to_fp32.py"),
+                "{skipped}"
+            );
+            assert!(!skipped.contains("global_step1"), "{skipped}");
+        }
+        // The tag folder itself holds nothing else.
+        let c = open("llama_z3_bf16_w2/global_step1");
+        assert!(!has(&c, "skipped (not weights)"), "{:?}", c.notes);
+    }
+
+    /// A tag folder in a temporary directory made of fixture files: `(from, as)`.
+    fn tag_folder(files: &[(&str, &str)]) -> (tempfile::TempDir, Found) {
+        let tmp = tempfile::tempdir().unwrap();
+        let fixtures = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../fixtures");
+        for (from, to) in files {
+            std::fs::copy(fixtures.join(from), tmp.path().join(to)).unwrap();
+        }
+        let f = super::super::find(tmp.path(), &OpenOptions::default())
+            .unwrap()
+            .unwrap();
+        (tmp, f)
+    }
+
+    #[test]
+    fn files_of_two_runs_are_refused() {
+        let z3 = "deepspeed/llama_z3_bf16_w2/global_step1/";
+        let z1 = "deepspeed/llama_z1_bf16_w2/global_step1/";
+        let z2 = "deepspeed/llama_z2_bf16_w2_accelerate/pytorch_model/";
+        let z2g1 = "deepspeed_combos/z2_w2_g1_tied/global_step1/";
+        let optim = |r: usize| format!("bf16_zero_pp_rank_{r}_mp_rank_00_optim_states.pt");
+        let model = |r: usize| format!("zero_pp_rank_{r}_mp_rank_00_model_states.pt");
+        let z3_model = [
+            (format!("{z3}{}", model(0)), model(0)),
+            (format!("{z3}{}", model(1)), model(1)),
+        ];
+        let z12_model = (
+            format!("{z1}mp_rank_00_model_states.pt"),
+            "mp_rank_00_model_states.pt".to_string(),
+        );
+        let cases: Vec<(Vec<(String, String)>, &str)> = vec![
+            // A third rank's file in a run of two.
+            (
+                vec![
+                    (format!("{z3}{}", optim(0)), optim(0)),
+                    (format!("{z3}{}", optim(1)), optim(1)),
+                    (format!("{z3}{}", optim(1)), optim(2)),
+                ],
+                "this file says world size 2",
+            ),
+            // Rank 1's file named as a plain (not BF16) run's.
+            (
+                vec![
+                    (format!("{z3}{}", optim(0)), optim(0)),
+                    (
+                        format!("{z3}{}", optim(1)),
+                        "zero_pp_rank_1_mp_rank_00_optim_states.pt".into(),
+                    ),
+                ],
+                "this file says world size 2",
+            ),
+            // Ranks of a ZeRO-1 and a ZeRO-2 run: the stage alone differs.
+            (
+                vec![
+                    (format!("{z1}{}", optim(0)), optim(0)),
+                    (format!("{z2}{}", optim(1)), optim(1)),
+                    z12_model.clone(),
+                ],
+                "its ZeRO stage or parameter groups differ",
+            ),
+            // Two ZeRO-2 runs, of two parameter groups and of one.
+            (
+                vec![
+                    (format!("{z2}{}", optim(0)), optim(0)),
+                    (format!("{z2g1}{}", optim(1)), optim(1)),
+                    z12_model.clone(),
+                ],
+                "its ZeRO stage or parameter groups differ",
+            ),
+        ];
+        for (i, (files, says)) in cases.into_iter().enumerate() {
+            let mut files = files;
+            if i < 2 {
+                files.extend(z3_model.iter().cloned());
+            }
+            let pairs: Vec<(&str, &str)> = files
+                .iter()
+                .map(|(a, b)| (a.as_str(), b.as_str()))
+                .collect();
+            let (_tmp, f) = tag_folder(&pairs);
+            let e = open_with(&f, usize::MAX).err().unwrap().to_string();
+            assert!(
+                e.contains(says) && e.contains("files of different runs"),
+                "{i}: {e}"
+            );
+        }
+    }
+
+    #[test]
+    fn a_missing_model_states_rank_is_named() {
+        let z3 = "deepspeed/llama_z3_bf16_w2/global_step1/";
+        let name = |kind: &str, r: usize| {
+            format!(
+                "{kind}zero_pp_rank_{r}_mp_rank_00_{}_states.pt",
+                if kind.is_empty() { "model" } else { "optim" }
+            )
+        };
+        let files = [
+            (format!("{z3}{}", name("bf16_", 0)), name("bf16_", 0)),
+            (format!("{z3}{}", name("bf16_", 1)), name("bf16_", 1)),
+            (format!("{z3}{}", name("", 0)), name("", 0)),
+            // Rank 1's model states under rank 2's name.
+            (format!("{z3}{}", name("", 1)), name("", 2)),
+        ];
+        let pairs: Vec<(&str, &str)> = files
+            .iter()
+            .map(|(a, b)| (a.as_str(), b.as_str()))
+            .collect();
+        let (_tmp, f) = tag_folder(&pairs);
+        let e = open_with(&f, usize::MAX).err().unwrap().to_string();
+        assert!(e.contains("rank 1's model-states file is missing"), "{e}");
+    }
+
+    /// A pool of descriptors is made when the files outnumber the budget, and only
+    /// then.
+    #[test]
+    fn a_pool_is_made_for_more_files_than_the_budget() {
+        for (case, files) in [
+            ("llama_z3_fp16_w3_frozen", 6),
+            ("qwen2_z2_bf16_w3_frozen", 4),
+            ("llama_z1_bf16_w2", 3),
+        ] {
+            let f = found(case);
+            let (_, pool, _) = open_with(&f, files).unwrap();
+            assert!(pool.is_none(), "{case}: {files} files, budget {files}");
+            let (_, pool, _) = open_with(&f, files - 1).unwrap();
+            assert!(
+                pool.is_some(),
+                "{case}: {files} files, budget {}",
+                files - 1
+            );
+        }
+    }
+
     /// More rank files than the budget: the same tensors, read through a pool that
     /// never holds more than the budget open, give the same bytes.
     #[test]

@@ -222,3 +222,195 @@ pub fn config_dir_for(checkpoint: &Path) -> Option<PathBuf> {
     let parent = dir.parent()?;
     (is_tag_dir(dir) && with_config(parent)).then(|| parent.to_path_buf())
 }
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+
+    fn touch(dir: &Path, names: &[&str]) {
+        std::fs::create_dir_all(dir).unwrap();
+        for n in names {
+            std::fs::write(dir.join(n), b"").unwrap();
+        }
+    }
+
+    fn fixture(case: &str) -> PathBuf {
+        PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+            .join("../../fixtures/deepspeed")
+            .join(case)
+    }
+
+    #[test]
+    fn rank_files_are_sorted_by_rank_and_the_rest_set_aside() {
+        let tmp = tempfile::tempdir().unwrap();
+        touch(
+            tmp.path(),
+            &[
+                "latest",
+                "mp_rank_00_model_states.pt",
+                "mp_rank_01_model_states.pt",
+                "mp_rank_00_optim_states.pt",
+                "zero_pp_rank_10_mp_rank_00_optim_states.pt",
+                "zero_pp_rank_2_mp_rank_00_optim_states.pt",
+                "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt",
+                "zero_pp_rank_1_mp_rank_00_model_states.pt",
+                // The largest rank believed, and the first one past it.
+                "zero_pp_rank_1048575_mp_rank_00_optim_states.pt",
+                "zero_pp_rank_1048576_mp_rank_00_optim_states.pt",
+            ],
+        );
+        let n = names(tmp.path()).unwrap();
+        assert_eq!(n.model.as_deref(), Some("mp_rank_00_model_states.pt"));
+        let ranks = |v: &[(usize, String)]| v.iter().map(|(r, _)| *r).collect::<Vec<_>>();
+        assert_eq!(ranks(&n.model_ranks), [1]);
+        assert_eq!(ranks(&n.optim), [0, 2, 10, 1_048_575]);
+        assert_eq!(
+            n.other,
+            [
+                "latest",
+                "mp_rank_00_optim_states.pt",
+                "zero_pp_rank_1048576_mp_rank_00_optim_states.pt"
+            ]
+        );
+        assert_eq!(n.model_parallel, ["mp_rank_01_model_states.pt"]);
+    }
+
+    #[test]
+    fn a_latest_file_is_one_short_line() {
+        let tmp = tempfile::tempdir().unwrap();
+        let path = tmp.path().join("latest");
+        // 4096 bytes are taken (the tag, trimmed), one more is refused.
+        let mut text = b"global_step1\n".to_vec();
+        text.resize(4096, b' ');
+        std::fs::write(&path, &text).unwrap();
+        assert_eq!(read_latest(&path).unwrap(), "global_step1");
+        text.push(b' ');
+        std::fs::write(&path, &text).unwrap();
+        let e = read_latest(&path).unwrap_err().to_string();
+        assert!(e.contains("too long"), "{e}");
+    }
+
+    /// A folder with `latest` and a tag folder holding a model-states file.
+    fn checkpoint_dir(latest: &str) -> tempfile::TempDir {
+        let tmp = tempfile::tempdir().unwrap();
+        std::fs::write(tmp.path().join("latest"), latest).unwrap();
+        touch(
+            &tmp.path().join("global_step1"),
+            &["mp_rank_00_model_states.pt"],
+        );
+        tmp
+    }
+
+    fn incomplete(r: Result<Option<Found>>) -> (PathBuf, String, String) {
+        match r {
+            Err(Error::Incomplete { path, msg, hint }) => (path, msg, hint.unwrap_or_default()),
+            other => panic!("not an Incomplete error: {other:?}"),
+        }
+    }
+
+    #[test]
+    fn a_latest_naming_no_folder_of_its_own_is_refused_by_name() {
+        let d = OpenOptions::default();
+        for tag in [
+            "",
+            "global_step1/",
+            "global_step1/.",
+            ".",
+            "..",
+            "global_step7",
+        ] {
+            let tmp = checkpoint_dir(tag);
+            let (path, msg, hint) = incomplete(find(tmp.path(), &d));
+            assert!(
+                msg.contains(&format!(
+                    "'latest' names the tag '{tag}', but there is no such folder"
+                )),
+                "{tag:?}: {msg}"
+            );
+            let want = if tag == "global_step7" {
+                tmp.path().join(tag)
+            } else {
+                tmp.path().join("latest")
+            };
+            assert_eq!(path, want, "{tag:?}");
+            assert!(hint.contains("pass --tag global_step1 (the one"), "{hint}");
+        }
+        let tmp = checkpoint_dir("global_step1");
+        let found = find(tmp.path(), &d).unwrap().unwrap();
+        assert_eq!(found.tag_dir, tmp.path().join("global_step1"));
+    }
+
+    #[test]
+    fn a_tag_folder_without_model_states_is_refused() {
+        let tmp = tempfile::tempdir().unwrap();
+        std::fs::write(tmp.path().join("latest"), "global_step1").unwrap();
+        touch(
+            &tmp.path().join("global_step1"),
+            &["zero_pp_rank_0_mp_rank_00_optim_states.pt"],
+        );
+        let (path, msg, hint) = incomplete(find(tmp.path(), &OpenOptions::default()));
+        assert_eq!(path, tmp.path().join("global_step1"));
+        assert!(msg.contains("holds no *_model_states.pt"), "{msg}");
+        assert!(hint.contains("holds no tag folder"), "{hint}");
+        // With other tag folders, the hint names them.
+        for tag in ["global_step2", "global_step3"] {
+            touch(&tmp.path().join(tag), &["mp_rank_00_model_states.pt"]);
+        }
+        let (path, msg, hint) = incomplete(find(tmp.path(), &OpenOptions::default()));
+        assert_eq!(path, tmp.path().join("global_step1"));
+        assert!(msg.contains("holds no *_model_states.pt"), "{msg}");
+        assert_eq!(hint, "pass --tag with one of: global_step2, global_step3");
+    }
+
+    #[test]
+    fn a_latest_of_something_else_is_not_deepspeed() {
+        let d = OpenOptions::default();
+        let tagged = OpenOptions {
+            tag: Some("global_step1".into()),
+            ..OpenOptions::default()
+        };
+        // `latest` and no tag folder: another tool's file.
+        let tmp = tempfile::tempdir().unwrap();
+        std::fs::write(tmp.path().join("latest"), "global_step1").unwrap();
+        touch(&tmp.path().join("other"), &["weights.bin"]);
+        assert!(find(tmp.path(), &d).unwrap().is_none());
+        // The same with --tag: DeepSpeed's `latest`, its tag folder missing.
+        let (_, msg, hint) = incomplete(find(tmp.path(), &tagged));
+        assert!(
+            msg.contains("there is no tag folder 'global_step1'"),
+            "{msg}"
+        );
+        assert!(hint.contains("holds no tag folder"), "{hint}");
+        // Neither `latest` nor a tag folder, with --tag.
+        let tmp = tempfile::tempdir().unwrap();
+        touch(&tmp.path().join("other"), &["weights.bin"]);
+        assert!(find(tmp.path(), &tagged).unwrap().is_none());
+    }
+
+    #[test]
+    fn a_trainer_checkpoint_holds_the_config() {
+        let trainer = fixture("llama_trainer_z3_w2");
+        let tag = trainer.join("global_step1");
+        assert_eq!(config_dir_for(&trainer), Some(trainer.clone()));
+        assert_eq!(config_dir_for(&tag), Some(trainer.clone()));
+        let file = tag.join("zero_pp_rank_0_mp_rank_00_model_states.pt");
+        assert_eq!(config_dir_for(&file), Some(trainer.clone()));
+        // A tag folder without a config beside it.
+        assert_eq!(
+            config_dir_for(&fixture("llama_z3_bf16_w2/global_step1")),
+            None
+        );
+        // config.json alone, or beside `latest` with a folder that is no tag folder.
+        let tmp = tempfile::tempdir().unwrap();
+        touch(tmp.path(), &["config.json"]);
+        touch(&tmp.path().join("global_step1"), &["weights.bin"]);
+        assert_eq!(config_dir_for(tmp.path()), None);
+        touch(tmp.path(), &["latest"]);
+        assert_eq!(config_dir_for(tmp.path()), Some(tmp.path().to_path_buf()));
+        assert_eq!(config_dir_for(&tmp.path().join("global_step1")), None);
+        let tmp = tempfile::tempdir().unwrap();
+        touch(tmp.path(), &["latest"]);
+        assert_eq!(config_dir_for(tmp.path()), None);
+    }
+}

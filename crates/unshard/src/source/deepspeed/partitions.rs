@@ -356,8 +356,74 @@ pub(super) fn frozen(
 }
 
 #[cfg(test)]
+#[allow(clippy::unwrap_used)]
 mod tests {
-    use super::unpadded_misfit;
+    use super::*;
+    use crate::dtype::DType;
+    use crate::source::Piece;
+
+    /// ZeRO-1/2 ranks whose one group's saved partitions hold `lengths` elements.
+    fn ranks(lengths: &[u64]) -> Vec<RankOptim> {
+        lengths
+            .iter()
+            .enumerate()
+            .map(|(r, &numel)| RankOptim {
+                path: PathBuf::from(format!("rank{r}.pt")),
+                states: OptimStates {
+                    stage: Some(2),
+                    partition_count: lengths.len() as u64,
+                    groups: Vec::new(),
+                    groups_key: "single_partition_of_fp32_groups",
+                    alignment_paddings: None,
+                    moments: 0,
+                },
+                flats: vec![Flat {
+                    piece: Piece {
+                        file: r,
+                        byte_offset: 0,
+                        dtype: DType::F32,
+                        shape: vec![numel],
+                        strides: vec![1],
+                        global_offset: vec![0],
+                        big_endian: false,
+                    },
+                    numel,
+                }],
+            })
+            .collect()
+    }
+
+    fn zero12(shape: &[u64], lengths: &[u64]) -> Result<HashMap<String, TensorSource>> {
+        let dir = PathBuf::from("tag");
+        let ctx = Ctx {
+            dir: &dir,
+            world: lengths.len(),
+            stage_label: "ZeRO-2".into(),
+        };
+        let model = ModelStates {
+            module: Vec::new(),
+            buffer_names: Vec::new(),
+            param_shapes: vec![vec![("w".into(), shape.to_vec())]],
+            frozen_shapes: Vec::new(),
+            frozen_fragments: Vec::new(),
+            shared: Vec::new(),
+            version: None,
+        };
+        let mut built = HashMap::new();
+        zero12_params(&ctx, &model, &ranks(lengths), &mut built)?;
+        Ok(built)
+    }
+
+    /// DeepSpeed pads a group to a multiple of twice the world size: 5 elements
+    /// over 3 ranks are 6, 2 a rank. More than that padding is a mismatch.
+    #[test]
+    fn a_group_is_padded_to_twice_the_world_size() {
+        let built = zero12(&[5], &[2, 2, 2]).unwrap();
+        let files: Vec<usize> = built["w"].pieces.iter().map(|p| p.file).collect();
+        assert_eq!(files, [0, 1, 2]);
+        let e = zero12(&[5], &[4, 4, 4]).err().unwrap().to_string();
+        assert!(e.contains("do not belong together"), "{e}");
+    }
 
     #[test]
     fn saved_partitions_are_full_then_one_short_then_empty() {

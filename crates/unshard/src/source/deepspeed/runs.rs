@@ -110,6 +110,7 @@ mod tests {
         );
         for (o, s) in &bx {
             let n: u64 = s.iter().product();
+            assert!(n > 0, "{shape:?} {a} {b}: an empty box in {bx:?}");
             for i in 0..n {
                 let mut rem = i;
                 let mut flat = 0;
@@ -141,6 +142,11 @@ mod tests {
     #[test]
     fn a_run_of_whole_rows_is_one_box() {
         assert_eq!(boxes(&[4, 3], 3, 9), vec![(vec![1, 0], vec![2, 3])]);
+        // The tail of row 0 and the head of row 1: no whole row between them.
+        assert_eq!(
+            boxes(&[4, 3], 2, 4),
+            vec![(vec![0, 2], vec![1, 1]), (vec![1, 0], vec![1, 1])]
+        );
         assert_eq!(
             boxes(&[4, 3], 2, 7),
             vec![
