@@ -400,6 +400,22 @@ impl Drop for BucketSink {
         if self.committed.load(Ordering::SeqCst) {
             return;
         }
+        let left = self.undo();
+        if let Some(warning) = self.left_behind(&left) {
+            // A drop has no caller to return this to, and leaving objects behind
+            // unannounced is worse than a line on stderr.
+            #[allow(clippy::print_stderr)]
+            {
+                eprint!("{warning}");
+            }
+        }
+    }
+}
+
+impl BucketSink {
+    /// Aborts the open uploads and deletes what this run wrote (unless it keeps
+    /// what it completed); what could not be removed, each with how to remove it.
+    fn undo(&self) -> Vec<String> {
         let mut undo = std::mem::take(&mut *lock(&self.undo));
         if self.keep_completed {
             undo.written.clear();
@@ -417,7 +433,7 @@ impl Drop for BucketSink {
         let bucket_a = bucket.clone();
         // Each request is retried as long as any (`UNSHARD_RETRY_SECONDS`), so a
         // cleanup that starts during an outage still completes when it ends.
-        let left = block_on(async move {
+        block_on(async move {
             let mut left = Vec::new();
             for (key, id) in &undo.open {
                 if let Err(e) = store::again(|| multipart.abort_multipart(key, id)).await {
@@ -440,22 +456,23 @@ impl Drop for BucketSink {
                 }
             }
             left
-        });
-        if !left.is_empty() {
-            // A drop has no caller to return this to, and leaving objects behind
-            // unannounced is worse than a line on stderr.
-            #[allow(clippy::print_stderr)]
-            {
-                eprintln!(
-                    "warning: the failed run's cleanup in {} could not remove {} item(s):",
-                    self.dest.url.display(),
-                    left.len()
-                );
-                for l in &left {
-                    eprintln!("  - {l}");
-                }
-            }
+        })
+    }
+
+    /// The warning about what a failed run's cleanup left, if it left anything.
+    fn left_behind(&self, left: &[String]) -> Option<String> {
+        if left.is_empty() {
+            return None;
         }
+        let mut out = format!(
+            "warning: the failed run's cleanup in {} could not remove {} item(s):\n",
+            self.dest.url.display(),
+            left.len()
+        );
+        for l in left {
+            out.push_str(&format!("  - {l}\n"));
+        }
+        Some(out)
     }
 }
 
@@ -595,3 +612,6 @@ fn hostname() -> String {
         .map(|s| s.trim().to_string())
         .unwrap_or_default()
 }
+
+#[cfg(test)]
+mod tests;

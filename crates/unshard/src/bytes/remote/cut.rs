@@ -3,6 +3,7 @@
 #![allow(clippy::unwrap_used)]
 
 use std::future::Future;
+use std::sync::Arc;
 
 use futures_util::stream::BoxStream;
 use object_store::memory::InMemory;
@@ -12,6 +13,32 @@ use object_store::{
     CopyOptions, GetOptions, GetResult, ListResult, MultipartId, MultipartUpload, ObjectMeta,
     ObjectStore, ObjectStoreExt, PutMultipartOptions, PutOptions, PutPayload, PutResult,
 };
+
+/// Requests to refuse, by kind: how many to let through first, then how many to
+/// refuse.
+type Refusals = std::sync::Mutex<Vec<(&'static str, usize, usize)>>;
+
+/// Whether this request of `kind` is to be refused, by `refused` (see [`Cut::refuse`]).
+fn refusing(refused: &Refusals, kind: &str) -> bool {
+    let mut refused = refused.lock().unwrap();
+    let Some((_, skip, n)) = refused.iter_mut().find(|(k, _, n)| *k == kind && *n > 0) else {
+        return false;
+    };
+    if *skip > 0 {
+        *skip -= 1;
+        return false;
+    }
+    *n -= 1;
+    true
+}
+
+/// The error a refused request fails with: a server's answer, not retried.
+fn refusal(kind: &str) -> object_store::Error {
+    object_store::Error::PermissionDenied {
+        path: kind.into(),
+        source: "refused by the test store".into(),
+    }
+}
 
 /// The in-memory store behind a connection that is cut, as a restarting server's
 /// or a broken network path's is: the first requests of some kinds fail with a
@@ -26,7 +53,9 @@ pub(crate) struct Cut {
     pub(crate) cut: std::sync::Mutex<Vec<&'static str>>,
     /// Requests to answer with an error, by kind: how many to let through first,
     /// then how many to refuse.
-    refused: std::sync::Mutex<Vec<(&'static str, usize, usize)>>,
+    refused: Arc<Refusals>,
+    /// Objects written and deleted, in order (`put KEY`, `delete KEY`).
+    pub(crate) log: Arc<std::sync::Mutex<Vec<String>>>,
     /// Multipart uploads created, and those completed or aborted.
     pub(crate) uploads: std::sync::Mutex<(Vec<MultipartId>, Vec<MultipartId>)>,
 }
@@ -39,13 +68,14 @@ impl std::fmt::Display for Cut {
 
 impl Cut {
     /// A store that cuts, per `(kind, count, after)`, the first `count` requests of
-    /// `kind` (`put`, `get`, `head`, `put_part`, `complete`), after the work if `after`.
+    /// `kind` (`put`, `get`, `head`, `put_part`, `complete`, `abort`), after the work if `after`.
     pub(crate) fn new(plan: &[(&'static str, usize, bool)]) -> Cut {
         Cut {
             inner: InMemory::new(),
             left: std::sync::Mutex::new(plan.to_vec()),
             cut: std::sync::Mutex::default(),
-            refused: std::sync::Mutex::default(),
+            refused: Arc::default(),
+            log: Arc::default(),
             uploads: std::sync::Mutex::default(),
         }
     }
@@ -58,16 +88,7 @@ impl Cut {
 
     /// Whether this request of `kind` is to be refused.
     fn refusing(&self, kind: &'static str) -> bool {
-        let mut refused = self.refused.lock().unwrap();
-        let Some((_, skip, n)) = refused.iter_mut().find(|(k, _, n)| *k == kind && *n > 0) else {
-            return false;
-        };
-        if *skip > 0 {
-            *skip -= 1;
-            return false;
-        }
-        *n -= 1;
-        true
+        refusing(&self.refused, kind)
     }
 
     /// Cuts the next `n` requests of `kind` too (after the work if `after`).
@@ -103,10 +124,7 @@ impl Cut {
         work: impl Future<Output = object_store::Result<T>>,
     ) -> object_store::Result<T> {
         if self.refusing(kind) {
-            return Err(object_store::Error::PermissionDenied {
-                path: kind.into(),
-                source: "refused by the test store".into(),
-            });
+            return Err(refusal(kind));
         }
         match self.take(kind) {
             Some(false) => Err(Cut::error()),
@@ -127,7 +145,11 @@ impl ObjectStore for Cut {
         p: PutPayload,
         o: PutOptions,
     ) -> object_store::Result<PutResult> {
-        self.call("put", self.inner.put_opts(k, p, o)).await
+        let done = self.call("put", self.inner.put_opts(k, p, o)).await;
+        if done.is_ok() {
+            self.log.lock().unwrap().push(format!("put {k}"));
+        }
+        done
     }
     async fn put_multipart_opts(
         &self,
@@ -144,7 +166,23 @@ impl ObjectStore for Cut {
         &self,
         keys: BoxStream<'static, object_store::Result<Key>>,
     ) -> BoxStream<'static, object_store::Result<Key>> {
-        self.inner.delete_stream(keys)
+        use futures_util::StreamExt as _;
+        let (refused, log) = (self.refused.clone(), self.log.clone());
+        let keys = keys
+            .map(move |k| match k {
+                Ok(_) if refusing(&refused, "delete") => Err(refusal("delete")),
+                k => k,
+            })
+            .boxed();
+        self.inner
+            .delete_stream(keys)
+            .map(move |k| {
+                if let Ok(k) = &k {
+                    log.lock().unwrap().push(format!("delete {k}"));
+                }
+                k
+            })
+            .boxed()
     }
     fn list(&self, prefix: Option<&Key>) -> BoxStream<'static, object_store::Result<ObjectMeta>> {
         self.inner.list(prefix)
@@ -190,7 +228,8 @@ impl MultipartStore for Cut {
         done
     }
     async fn abort_multipart(&self, k: &Key, id: &MultipartId) -> object_store::Result<()> {
-        self.inner.abort_multipart(k, id).await?;
+        self.call("abort", self.inner.abort_multipart(k, id))
+            .await?;
         self.uploads.lock().unwrap().1.push(id.clone());
         Ok(())
     }
