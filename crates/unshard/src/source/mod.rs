@@ -471,8 +471,13 @@ mod tests {
             global_offset: vec![0],
             big_endian: false,
         };
-        let mut v = Vec::new();
-        v.push(piece);
+        // Built the way readers build them; `vec![piece]` would be sized exactly.
+        #[allow(clippy::vec_init_then_push)]
+        let v = {
+            let mut v = Vec::new();
+            v.push(piece);
+            v
+        };
         assert!(v.capacity() > 1, "a pushed-to vector has spare room");
         let pieces = Pieces::from(v);
         assert_eq!(pieces.capacity(), 1);
