@@ -145,15 +145,18 @@ impl ArchConversion {
     /// [`ExpertLayout::Packed`], its packed tensors cut per expert for
     /// [`ExpertLayout::Original`]. Pieces still point into the base's files.
     pub fn read_base(&self, base: &mut Checkpoint) -> Result<()> {
-        let cands: Vec<Candidate> = base
-            .tensors
-            .iter()
-            .map(|t| Candidate::copy(Origin::Base, t))
-            .collect();
+        // Built only for a layout that rearranges the base: a base of DeepSeek-V3's
+        // size has tens of thousands of tensors.
+        let cands = |base: &Checkpoint| -> Vec<Candidate> {
+            base.tensors
+                .iter()
+                .map(|t| Candidate::copy(Origin::Base, t))
+                .collect()
+        };
         let (out, applied) = match self.layout {
             ExpertLayout::Base => return Ok(()),
             ExpertLayout::Packed => {
-                let (out, p) = self.pack(cands, "base")?;
+                let (out, p) = self.pack(cands(base), "base")?;
                 if p.from == 0 && p.renamed == 0 {
                     return Ok(());
                 }
@@ -167,10 +170,10 @@ impl ArchConversion {
                 )
             }
             ExpertLayout::Original => {
-                if !cands.iter().any(|c| self.rules.is_packed(&c.name)) {
+                if !base.tensors.iter().any(|t| self.rules.is_packed(&t.name)) {
                     return Ok(());
                 }
-                let (out, _, applied) = self.unpack(cands, "base")?;
+                let (out, _, applied) = self.unpack(cands(base), "base")?;
                 (out, applied)
             }
         };

@@ -119,7 +119,7 @@ pub fn open_blob(blob: Arc<Blob>, opts: &OpenOptions) -> Result<Checkpoint> {
     }
     if safetensors::looks_like_safetensors(&head, blob.len()) {
         let header = safetensors::read_header_from(&blob)?;
-        let tensors = safetensors::sources(0, &header);
+        let tensors = safetensors::sources(0, header.data_start, header.tensors);
         return Ok(Checkpoint {
             format: Format::Safetensors,
             path: path.to_path_buf(),

@@ -161,7 +161,7 @@ impl HfDir {
             match format {
                 WeightFormat::Safetensors => {
                     let header = safetensors::read_header_from(&blob)?;
-                    tensors.extend(safetensors::sources(id, &header));
+                    tensors.extend(safetensors::sources(id, header.data_start, header.tensors));
                 }
                 WeightFormat::TorchBin => {
                     let mut payload = if legacy::is_legacy(&blob.head(64)?) {

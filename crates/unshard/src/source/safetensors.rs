@@ -358,22 +358,23 @@ mod json {
     }
 }
 
-/// Describes every tensor of a safetensors file as a one-piece source.
-pub fn sources(file: FileId, header: &Header) -> Vec<TensorSource> {
-    header
-        .tensors
-        .iter()
+/// Describes every tensor of a safetensors file as a one-piece source, taking the
+/// parsed header's entries (`data_start` and `tensors` of [`Header`]) by value.
+pub fn sources(
+    file: FileId,
+    data_start: u64,
+    tensors: Vec<(String, DType, Vec<u64>, u64, u64)>,
+) -> Vec<TensorSource> {
+    tensors
+        .into_iter()
         .map(|(name, dtype, shape, begin, _)| TensorSource {
-            name: name.clone(),
-            dtype: *dtype,
-            shape: shape.clone(),
             pieces: vec![Piece {
                 file,
-                byte_offset: header.data_start + begin,
-                dtype: *dtype,
-                shape: shape.clone(),
-                strides: contiguous_strides(shape),
+                byte_offset: data_start + begin,
+                dtype,
+                strides: contiguous_strides(&shape),
                 global_offset: vec![0; shape.len()],
+                shape: shape.clone(),
                 big_endian: false,
             }]
             .into(),
@@ -381,6 +382,9 @@ pub fn sources(file: FileId, header: &Header) -> Vec<TensorSource> {
                 file,
                 key: name.clone(),
             }),
+            name,
+            dtype,
+            shape,
             layout: None,
         })
         .collect()
@@ -427,7 +431,7 @@ mod tests {
         let blob = Blob::owned("x".into(), f.clone());
         assert_eq!(header_bytes(&blob).unwrap(), f[..168]);
         assert_eq!(read_header_from(&blob).unwrap().tensors, h.tensors);
-        let s = sources(3, &h);
+        let s = sources(3, h.data_start, h.tensors);
         let at: Vec<(&str, usize, u64)> = s
             .iter()
             .map(|t| (t.name.as_str(), t.pieces[0].file, t.pieces[0].byte_offset))
