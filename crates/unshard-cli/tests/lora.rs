@@ -252,6 +252,120 @@ fn adapter_errors_show_the_flags_to_pass() {
     }
 }
 
+/// A copy of the fixture adapter `name` in a new folder, its config changed by `edit`
+/// and its weights by `weights` (given each tensor's name and bytes).
+fn edited_adapter(
+    dir: &std::path::Path,
+    name: &str,
+    edit: impl FnOnce(&mut serde_json::Value),
+    weights: impl Fn(&str, &mut Vec<u8>),
+) -> std::path::PathBuf {
+    let src = fixtures().join("lora/adapters").join(name);
+    let adapter = dir.join(name);
+    std::fs::create_dir(&adapter).unwrap();
+    let bytes = std::fs::read(src.join("adapter_model.safetensors")).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let data: Vec<(String, safetensors::Dtype, Vec<usize>, Vec<u8>)> = st
+        .tensors()
+        .into_iter()
+        .map(|(n, v)| {
+            let mut b = v.data().to_vec();
+            weights(&n, &mut b);
+            (n, v.dtype(), v.shape().to_vec(), b)
+        })
+        .collect();
+    let views: Vec<(String, safetensors::tensor::TensorView<'_>)> = data
+        .iter()
+        .map(|(n, d, s, b)| {
+            let v = safetensors::tensor::TensorView::new(*d, s.clone(), b).unwrap();
+            (n.clone(), v)
+        })
+        .collect();
+    safetensors::serialize_to_file(views, None, &adapter.join("adapter_model.safetensors"))
+        .unwrap();
+    let mut cfg: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(src.join("adapter_config.json")).unwrap()).unwrap();
+    edit(&mut cfg);
+    std::fs::write(adapter.join("adapter_config.json"), cfg.to_string()).unwrap();
+    adapter
+}
+
+/// An adapter saved before training holds `lora_B` all zero (peft initialises it
+/// so): with a non-zero `lora_alpha` and `lora_A` the fuse still changes nothing,
+/// and that is said as loudly as a zero alpha.
+#[test]
+fn an_untrained_adapter_warns_that_the_output_is_the_base() {
+    let dir = tempfile::tempdir().unwrap();
+    let adapter = edited_adapter(
+        dir.path(),
+        "llama_lora",
+        |_| {},
+        |n, b| {
+            if n.contains("lora_B") {
+                b.fill(0);
+            }
+        },
+    );
+    let out = dir.path().join("out");
+    let r = unshard(&[
+        "merge",
+        adapter.to_str().unwrap(),
+        "--base",
+        &fx("models/llama-bf16"),
+        "--output",
+        out.to_str().unwrap(),
+        "--quiet",
+    ]);
+    let stderr = String::from_utf8_lossy(&r.stderr);
+    assert!(r.status.success(), "{stderr}");
+    assert!(
+        stderr.contains("warning: THE OUTPUT IS THE BASE MODEL UNCHANGED"),
+        "{stderr}"
+    );
+    // The unchanged fixture adapter, trained, gives no such warning.
+    let out2 = dir.path().join("out2");
+    let r = unshard(&[
+        "merge",
+        &fx("lora/adapters/llama_lora"),
+        "--base",
+        &fx("models/llama-bf16"),
+        "--output",
+        out2.to_str().unwrap(),
+        "--quiet",
+    ]);
+    let stderr = String::from_utf8_lossy(&r.stderr);
+    assert!(r.status.success(), "{stderr}");
+    assert!(!stderr.contains("UNCHANGED"), "{stderr}");
+}
+
+/// The adapter's note counts its rank and alpha patterns when only one kind is
+/// set (peft accepts a `rank_pattern` without an `alpha_pattern`).
+#[test]
+fn the_note_counts_rank_patterns_without_alpha_patterns() {
+    let dir = tempfile::tempdir().unwrap();
+    let adapter = edited_adapter(
+        dir.path(),
+        "llama_patterns",
+        |cfg| cfg["alpha_pattern"] = serde_json::json!({}),
+        |_, _| {},
+    );
+    let out = dir.path().join("out");
+    let r = unshard(&[
+        "merge",
+        adapter.to_str().unwrap(),
+        "--base",
+        &fx("models/llama-bf16"),
+        "--output",
+        out.to_str().unwrap(),
+    ]);
+    let stderr = String::from_utf8_lossy(&r.stderr);
+    assert!(r.status.success(), "{stderr}");
+    assert!(
+        stderr.contains(", 2 rank and 0 alpha pattern(s);"),
+        "{stderr}"
+    );
+}
+
 /// verl's merger writes `lora_alpha: 0`: fusing with that config gives the base
 /// again, and unshard says so loudly.
 #[test]

@@ -107,3 +107,42 @@ fn write_safetensors(
     file.sync_all().map_err(io)?;
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+    use crate::source::test_input::MemInput;
+
+    /// Every length of header, whatever its remainder by 8, is padded with spaces so
+    /// that the data starts 8-byte aligned (what the safetensors package writes and
+    /// what a reader that maps the file expects), and the data follows unchanged.
+    #[test]
+    fn the_data_starts_8_byte_aligned_for_every_header_length() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut remainders = std::collections::BTreeSet::new();
+        for len in 1..=8 {
+            let name = "w".repeat(len);
+            let mut input = MemInput::default();
+            let t = input.tensor(&name, &[1.5, -2.0], &[2]);
+            let files = input.checkpoint().files;
+            let path = dir.path().join(format!("{len}.safetensors"));
+            write_safetensors(&path, &[(name.clone(), &t)], &files).unwrap();
+            let bytes = std::fs::read(&path).unwrap();
+            let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+            assert_eq!((8 + n) % 8, 0, "header of {n} bytes for '{name}'");
+            let head = std::str::from_utf8(&bytes[8..8 + n]).unwrap();
+            let json = head.trim_end_matches(' ');
+            remainders.insert(json.len() % 8);
+            let parsed: Value = serde_json::from_str(json).unwrap();
+            assert_eq!(parsed[&name]["data_offsets"], serde_json::json!([0, 8]));
+            let data: Vec<u8> = [1.5f32, -2.0]
+                .iter()
+                .flat_map(|v| v.to_le_bytes())
+                .collect();
+            assert_eq!(bytes[8 + n..], data[..]);
+        }
+        // The names above give headers of every remainder, padded or not.
+        assert_eq!(remainders.len(), 8);
+    }
+}
