@@ -290,6 +290,27 @@ fn edited_adapter(
     adapter
 }
 
+/// Merges `adapter` onto the bf16 Llama fixture into `out`, asserts it succeeded,
+/// and gives what it printed on stderr.
+fn merge_onto_llama(adapter: &str, out: &std::path::Path, quiet: bool) -> String {
+    let base = fx("models/llama-bf16");
+    let mut args = vec![
+        "merge",
+        adapter,
+        "--base",
+        &base,
+        "--output",
+        out.to_str().unwrap(),
+    ];
+    if quiet {
+        args.push("--quiet");
+    }
+    let r = unshard(&args);
+    let stderr = String::from_utf8_lossy(&r.stderr).into_owned();
+    assert!(r.status.success(), "{stderr}");
+    stderr
+}
+
 /// An adapter saved before training holds `lora_B` all zero (peft initialises it
 /// so): with a non-zero `lora_alpha` and `lora_A` the fuse still changes nothing,
 /// and that is said as loudly as a zero alpha.
@@ -307,34 +328,14 @@ fn an_untrained_adapter_warns_that_the_output_is_the_base() {
         },
     );
     let out = dir.path().join("out");
-    let r = unshard(&[
-        "merge",
-        adapter.to_str().unwrap(),
-        "--base",
-        &fx("models/llama-bf16"),
-        "--output",
-        out.to_str().unwrap(),
-        "--quiet",
-    ]);
-    let stderr = String::from_utf8_lossy(&r.stderr);
-    assert!(r.status.success(), "{stderr}");
+    let stderr = merge_onto_llama(adapter.to_str().unwrap(), &out, true);
     assert!(
         stderr.contains("warning: THE OUTPUT IS THE BASE MODEL UNCHANGED"),
         "{stderr}"
     );
     // The unchanged fixture adapter, trained, gives no such warning.
     let out2 = dir.path().join("out2");
-    let r = unshard(&[
-        "merge",
-        &fx("lora/adapters/llama_lora"),
-        "--base",
-        &fx("models/llama-bf16"),
-        "--output",
-        out2.to_str().unwrap(),
-        "--quiet",
-    ]);
-    let stderr = String::from_utf8_lossy(&r.stderr);
-    assert!(r.status.success(), "{stderr}");
+    let stderr = merge_onto_llama(&fx("lora/adapters/llama_lora"), &out2, true);
     assert!(!stderr.contains("UNCHANGED"), "{stderr}");
 }
 
@@ -350,16 +351,7 @@ fn the_note_counts_rank_patterns_without_alpha_patterns() {
         |_, _| {},
     );
     let out = dir.path().join("out");
-    let r = unshard(&[
-        "merge",
-        adapter.to_str().unwrap(),
-        "--base",
-        &fx("models/llama-bf16"),
-        "--output",
-        out.to_str().unwrap(),
-    ]);
-    let stderr = String::from_utf8_lossy(&r.stderr);
-    assert!(r.status.success(), "{stderr}");
+    let stderr = merge_onto_llama(adapter.to_str().unwrap(), &out, false);
     assert!(
         stderr.contains(", 2 rank and 0 alpha pattern(s);"),
         "{stderr}"
@@ -371,30 +363,14 @@ fn the_note_counts_rank_patterns_without_alpha_patterns() {
 #[test]
 fn alpha_zero_warns_that_the_output_is_the_base() {
     let dir = tempfile::tempdir().unwrap();
-    let src = fixtures().join("lora/adapters/llama_lora");
-    let adapter = dir.path().join("adapter");
-    std::fs::create_dir(&adapter).unwrap();
-    std::fs::copy(
-        src.join("adapter_model.safetensors"),
-        adapter.join("adapter_model.safetensors"),
-    )
-    .unwrap();
-    let mut cfg: serde_json::Value =
-        serde_json::from_slice(&std::fs::read(src.join("adapter_config.json")).unwrap()).unwrap();
-    cfg["lora_alpha"] = serde_json::json!(0);
-    std::fs::write(adapter.join("adapter_config.json"), cfg.to_string()).unwrap();
+    let adapter = edited_adapter(
+        dir.path(),
+        "llama_lora",
+        |cfg| cfg["lora_alpha"] = serde_json::json!(0),
+        |_, _| {},
+    );
     let out = dir.path().join("out");
-    let r = unshard(&[
-        "merge",
-        adapter.to_str().unwrap(),
-        "--base",
-        &fx("models/llama-bf16"),
-        "--output",
-        out.to_str().unwrap(),
-        "--quiet",
-    ]);
-    let stderr = String::from_utf8_lossy(&r.stderr);
-    assert!(r.status.success(), "{stderr}");
+    let stderr = merge_onto_llama(adapter.to_str().unwrap(), &out, true);
     assert!(
         stderr.contains("warning: THE OUTPUT IS THE BASE MODEL UNCHANGED"),
         "{stderr}"
