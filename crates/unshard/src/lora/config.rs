@@ -474,4 +474,36 @@ mod tests {
         let e = config(serde_json::json!({"lora_alpha": null})).unwrap_err();
         assert!(e.to_string().contains("lora_alpha"), "{e}");
     }
+
+    #[test]
+    fn variant_fields_are_refused_only_when_set() {
+        use serde_json::json;
+        // peft writes them at their defaults: null, false, empty.
+        for (field, default, set) in [
+            ("layer_replication", json!([]), json!([[0, 2]])),
+            (
+                "trainable_token_indices",
+                json!({}),
+                json!({"embed_tokens": [0]}),
+            ),
+            ("target_parameters", json!(""), json!("experts")),
+            ("layers_to_transform", json!(null), json!(0)),
+        ] {
+            let quote = format!("'{field}'");
+            assert!(config(json!({ field: default })).is_ok(), "{field}");
+            let e = config(json!({ field: set })).unwrap_err();
+            assert!(e.to_string().contains(&quote), "{e}");
+        }
+    }
+
+    #[test]
+    fn ranks_are_positive_integers() {
+        use serde_json::json;
+        for extra in [json!({"r": 0}), json!({"rank_pattern": {"q_proj": 0}})] {
+            let e = config(extra.clone()).unwrap_err();
+            assert!(e.to_string().contains("positive integer"), "{extra}: {e}");
+        }
+        let c = config(json!({"r": 1, "rank_pattern": {"q_proj": 1}})).unwrap();
+        assert_eq!((c.r, c.rank_for("q_proj")), (1, 1));
+    }
 }

@@ -242,4 +242,22 @@ mod tests {
         ));
         assert!(!looks_like_peft("model.layers.0.self_attn.q_proj.weight"));
     }
+
+    #[test]
+    fn a_saved_copy_has_a_module_before_the_marker_and_an_adapter_and_a_parameter_after() {
+        assert_eq!(
+            classify("model.layers.0.mlp.modules_to_save.default.weight"),
+            PeftName::SavedCopy {
+                name: "model.layers.0.mlp.weight".into(),
+                adapter: "default".into()
+            }
+        );
+        // Anything shorter is not peft's spelling: the name is kept as it is.
+        for name in [
+            "modules_to_save.default.weight",
+            "lm_head.modules_to_save.default",
+        ] {
+            assert_eq!(classify(name), PeftName::Base(name.into()));
+        }
+    }
 }
