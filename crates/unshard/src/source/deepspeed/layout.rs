@@ -482,7 +482,7 @@ mod tests {
     }
 
     /// A tag folder in a temporary directory made of fixture files: `(from, as)`.
-    fn tag_folder(files: &[(&str, &str)]) -> (tempfile::TempDir, Found) {
+    fn tag_folder(files: &[(String, String)]) -> (tempfile::TempDir, Found) {
         let tmp = tempfile::tempdir().unwrap();
         let fixtures = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../fixtures");
         for (from, to) in files {
@@ -550,16 +550,11 @@ mod tests {
                 "its ZeRO stage or parameter groups differ",
             ),
         ];
-        for (i, (files, says)) in cases.into_iter().enumerate() {
-            let mut files = files;
+        for (i, (mut files, says)) in cases.into_iter().enumerate() {
             if i < 2 {
                 files.extend(z3_model.iter().cloned());
             }
-            let pairs: Vec<(&str, &str)> = files
-                .iter()
-                .map(|(a, b)| (a.as_str(), b.as_str()))
-                .collect();
-            let (_tmp, f) = tag_folder(&pairs);
+            let (_tmp, f) = tag_folder(&files);
             let e = open_with(&f, usize::MAX).err().unwrap().to_string();
             assert!(
                 e.contains(says) && e.contains("files of different runs"),
@@ -584,11 +579,7 @@ mod tests {
             // Rank 1's model states under rank 2's name.
             (format!("{z3}{}", name("", 1)), name("", 2)),
         ];
-        let pairs: Vec<(&str, &str)> = files
-            .iter()
-            .map(|(a, b)| (a.as_str(), b.as_str()))
-            .collect();
-        let (_tmp, f) = tag_folder(&pairs);
+        let (_tmp, f) = tag_folder(&files);
         let e = open_with(&f, usize::MAX).err().unwrap().to_string();
         assert!(e.contains("rank 1's model-states file is missing"), "{e}");
     }
