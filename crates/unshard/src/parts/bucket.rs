@@ -346,7 +346,6 @@ fn other_plan(out: &Path, dir: &Location, hash: &str, other: &str, part: Part) -
 #[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
-    use std::io::{Read, Write};
     use std::sync::Arc;
 
     use object_store::memory::InMemory;
@@ -355,39 +354,10 @@ mod tests {
 
     use crate::bytes::remote::cut::Cut;
 
-    /// `s3://<bucket>/out` in a new bucket on the test server (`UNSHARD_TEST_S3_ENDPOINT`,
-    /// a moto_server `.ci/run` starts). The tests that call this are `#[ignore]`d; run
-    /// with `--ignored`, a missing server is a failure.
+    /// `s3://<bucket>/out` in a new bucket on the test server
+    /// ([`crate::bytes::remote::cut::server_bucket`]).
     fn test_output(bucket: &str) -> Location {
-        let ep = match std::env::var("UNSHARD_TEST_S3_ENDPOINT") {
-            Ok(e) if !e.is_empty() => e,
-            _ => panic!(
-                "no S3 test server: start moto_server and set UNSHARD_TEST_S3_ENDPOINT=http://127.0.0.1:PORT (docs/testing.md)"
-            ),
-        };
-        let bucket = format!("{bucket}-{}", std::process::id());
-        let hostport = ep.trim_start_matches("http://").trim_end_matches('/');
-        let mut s = std::net::TcpStream::connect(hostport).unwrap();
-        write!(
-            s,
-            "PUT /{bucket} HTTP/1.1\r\nHost: {hostport}\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
-        )
-        .unwrap();
-        let mut answer = String::new();
-        s.read_to_string(&mut answer).unwrap();
-        assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
-        let _ = rustls::crypto::ring::default_provider().install_default();
-        let s3 = Arc::new(
-            object_store::aws::AmazonS3Builder::new()
-                .with_endpoint(&ep)
-                .with_allow_http(true)
-                .with_bucket_name(&bucket)
-                .with_region("us-east-1")
-                .with_access_key_id("test")
-                .with_secret_access_key("test")
-                .build()
-                .unwrap(),
-        );
+        let (bucket, s3) = crate::bytes::remote::cut::server_bucket(bucket);
         Location {
             store: s3.clone(),
             multipart: Some(s3),

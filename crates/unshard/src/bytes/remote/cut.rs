@@ -1,5 +1,6 @@
-//! A test store: the in-memory store behind a connection that cuts requests, for
-//! the retry tests of the readers, the bucket sink and the parts' meeting.
+//! A test store: the in-memory store (or a real server's) behind a connection that
+//! cuts requests, for the retry tests of the readers, the bucket sink and the parts'
+//! meeting.
 #![allow(clippy::unwrap_used)]
 
 use std::future::Future;
@@ -13,6 +14,11 @@ use object_store::{
     CopyOptions, GetOptions, GetResult, ListResult, MultipartId, MultipartUpload, ObjectMeta,
     ObjectStore, ObjectStoreExt, PutMultipartOptions, PutOptions, PutPayload, PutResult,
 };
+
+/// A store with multipart uploads: the in-memory one, or a server's.
+pub(crate) trait Backing: ObjectStore + MultipartStore {}
+
+impl<S: ObjectStore + MultipartStore> Backing for S {}
 
 /// Requests to refuse, by kind: how many to let through first, then how many to
 /// refuse.
@@ -46,7 +52,7 @@ fn refusal(kind: &str) -> object_store::Error {
 /// the work or after (the answer lost on the way back).
 #[derive(Debug)]
 pub(crate) struct Cut {
-    pub(crate) inner: InMemory,
+    pub(crate) inner: Arc<dyn Backing>,
     /// Requests still to cut, by kind, and whether after the work.
     left: std::sync::Mutex<Vec<(&'static str, usize, bool)>>,
     /// Requests cut so far, by kind.
@@ -70,8 +76,13 @@ impl Cut {
     /// A store that cuts, per `(kind, count, after)`, the first `count` requests of
     /// `kind` (`put`, `get`, `head`, `put_part`, `complete`, `abort`), after the work if `after`.
     pub(crate) fn new(plan: &[(&'static str, usize, bool)]) -> Cut {
+        Cut::over(Arc::new(InMemory::new()), plan)
+    }
+
+    /// The same in front of `inner`.
+    pub(crate) fn over(inner: Arc<dyn Backing>, plan: &[(&'static str, usize, bool)]) -> Cut {
         Cut {
-            inner: InMemory::new(),
+            inner,
             left: std::sync::Mutex::new(plan.to_vec()),
             cut: std::sync::Mutex::default(),
             refused: Arc::default(),
@@ -233,4 +244,39 @@ impl MultipartStore for Cut {
         self.uploads.lock().unwrap().1.push(id.clone());
         Ok(())
     }
+}
+
+/// A new bucket on the test server (`UNSHARD_TEST_S3_ENDPOINT`, a moto_server
+/// `.ci/run` starts), named `NAME-PID`. The tests that call this are `#[ignore]`d;
+/// run with `--ignored`, a missing server is a failure.
+pub(crate) fn server_bucket(name: &str) -> (String, Arc<object_store::aws::AmazonS3>) {
+    use std::io::{Read, Write};
+    let ep = match std::env::var("UNSHARD_TEST_S3_ENDPOINT") {
+        Ok(e) if !e.is_empty() => e,
+        _ => panic!(
+            "no S3 test server: start moto_server and set UNSHARD_TEST_S3_ENDPOINT=http://127.0.0.1:PORT (docs/testing.md)"
+        ),
+    };
+    let bucket = format!("{name}-{}", std::process::id());
+    let hostport = ep.trim_start_matches("http://").trim_end_matches('/');
+    let mut s = std::net::TcpStream::connect(hostport).unwrap();
+    write!(
+        s,
+        "PUT /{bucket} HTTP/1.1\r\nHost: {hostport}\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+    )
+    .unwrap();
+    let mut answer = String::new();
+    s.read_to_string(&mut answer).unwrap();
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let s3 = object_store::aws::AmazonS3Builder::new()
+        .with_endpoint(&ep)
+        .with_allow_http(true)
+        .with_bucket_name(&bucket)
+        .with_region("us-east-1")
+        .with_access_key_id("test")
+        .with_secret_access_key("test")
+        .build()
+        .unwrap();
+    (bucket, Arc::new(s3))
 }

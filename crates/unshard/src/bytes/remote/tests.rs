@@ -243,7 +243,7 @@ const FAMILIES: &[Family] = &[
 ];
 
 /// Copies a local file, or a folder recursively, to `key` in `mem`.
-fn upload(mem: &InMemory, local: &std::path::Path, key: &str) {
+fn upload(mem: &dyn ObjectStore, local: &std::path::Path, key: &str) {
     if local.is_dir() {
         for e in std::fs::read_dir(local).unwrap() {
             let e = e.unwrap();
@@ -507,7 +507,7 @@ fn requests_cut_off_by_the_network_are_made_again() {
     store::register("s3://cut-in", input.clone());
     store::register("s3://cut-out", output.clone());
     upload(
-        &input.inner,
+        input.inner.as_ref(),
         &fixtures.join("ckpt/llama_policy.pt"),
         "ckpt/policy.pt",
     );

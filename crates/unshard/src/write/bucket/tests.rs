@@ -16,9 +16,19 @@ use crate::write::{Sink, WINDOW_BYTES};
 
 const W: usize = WINDOW_BYTES as usize;
 
-/// A new test store, registered as `s3://NAME`.
+thread_local! {
+    /// Whether this thread's tests run against the test server instead of memory.
+    static ON_SERVER: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// A new test store, registered as `s3://NAME`: the in-memory store, or a new
+/// bucket on the test server when [`every_test_against_a_real_server`] runs.
 fn bucket(name: &str) -> Arc<Cut> {
-    let cut = Arc::new(Cut::new(&[]));
+    let cut = Arc::new(if ON_SERVER.get() {
+        Cut::over(crate::bytes::remote::cut::server_bucket(name).1, &[])
+    } else {
+        Cut::new(&[])
+    });
     store::register(&format!("s3://{name}"), cut.clone());
     cut
 }
@@ -596,4 +606,71 @@ fn a_merge_cancelled_mid_upload_leaves_nothing() {
     );
     assert!(keys(&cut).is_empty(), "{:?}", keys(&cut));
     assert!(open_uploads(&cut).is_empty());
+}
+
+/// Every test above against a real S3-compatible server (moto_server, which
+/// `.ci/run` starts; docs/testing.md), each in a new bucket: the conditional
+/// writes, multipart uploads and deletes the sink relies on, as a server does them.
+#[test]
+#[ignore = "needs moto_server on UNSHARD_TEST_S3_ENDPOINT (see docs/testing.md)"]
+fn every_test_against_a_real_server() {
+    ON_SERVER.set(true);
+    let tests: [(&str, fn()); 13] = [
+        (
+            "the_run_manifest_names_the_run_and_each_file_before_it_is_written",
+            the_run_manifest_names_the_run_and_each_file_before_it_is_written,
+        ),
+        (
+            "the_commit_writes_the_index_then_the_config_last",
+            the_commit_writes_the_index_then_the_config_last,
+        ),
+        (
+            "small_files_keep_their_last_bytes_and_copies_do_not_overwrite",
+            small_files_keep_their_last_bytes_and_copies_do_not_overwrite,
+        ),
+        (
+            "each_block_is_one_part_in_any_order_and_other_writes_are_refused",
+            each_block_is_one_part_in_any_order_and_other_writes_are_refused,
+        ),
+        (
+            "a_shard_of_more_than_ten_thousand_parts_is_refused",
+            a_shard_of_more_than_ten_thousand_parts_is_refused,
+        ),
+        (
+            "a_sink_dropped_before_its_commit_leaves_nothing",
+            a_sink_dropped_before_its_commit_leaves_nothing,
+        ),
+        (
+            "a_parts_sink_keeps_its_completed_shards_when_asked",
+            a_parts_sink_keeps_its_completed_shards_when_asked,
+        ),
+        (
+            "a_refused_cleanup_names_what_it_left_and_how_to_remove_it",
+            a_refused_cleanup_names_what_it_left_and_how_to_remove_it,
+        ),
+        (
+            "the_advice_for_what_is_left_is_in_each_stores_tool",
+            the_advice_for_what_is_left_is_in_each_stores_tool,
+        ),
+        (
+            "a_prefix_is_taken_empty_or_forced_over_an_earlier_output_only",
+            a_prefix_is_taken_empty_or_forced_over_an_earlier_output_only,
+        ),
+        (
+            "a_forced_commit_replaces_the_earlier_output",
+            a_forced_commit_replaces_the_earlier_output,
+        ),
+        (
+            "a_refused_completion_fails_though_an_older_object_has_the_size",
+            a_refused_completion_fails_though_an_older_object_has_the_size,
+        ),
+        (
+            "a_merge_cancelled_mid_upload_leaves_nothing",
+            a_merge_cancelled_mid_upload_leaves_nothing,
+        ),
+    ];
+    for (name, test) in tests {
+        eprintln!("against the server: {name}");
+        test();
+    }
 }
