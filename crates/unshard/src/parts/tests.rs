@@ -85,9 +85,10 @@ impl Progress for Stages {
 /// Two parts into a local directory, one after the other: the first writes its
 /// shards into the staging directory that `staging_dir` names beside the output,
 /// says so once they are published and before its done-marker, and waits for the
-/// second; the second commits the one-process output (its `unshard.json` with every
-/// shard's checksum) and leaves no staging directory. One part alone writes every
-/// shard and commits at once.
+/// second, which a part of another plan cannot be; the second commits the
+/// one-process output (its `unshard.json` with every shard's checksum) and leaves no
+/// staging directory, and a part started again is refused the existing output. One
+/// part alone writes every shard and commits at once.
 #[test]
 fn parts_into_a_directory_meet_beside_it_and_give_the_one_process_output() {
     let tmp = tempfile::tempdir().unwrap();
@@ -117,6 +118,21 @@ fn parts_into_a_directory_meet_beside_it_and_give_the_one_process_output() {
     }
     assert!(!names.iter().any(|n| n.starts_with("done-")), "{names:?}");
 
+    // A part of another plan (another shard size) does not join, and leaves the
+    // staging directory as it found it.
+    let other = MergeOptions {
+        plan: crate::plan::PlanOptions {
+            max_shard_size: 60_000,
+            ..Default::default()
+        },
+        ..opts.clone()
+    };
+    let err = merge_part(&other, Part { index: 1, count: 2 }, &NoProgress)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("another plan"), "{err}");
+    assert!(first.staging.is_dir() && !out.exists());
+
     let second = merge_part(&opts, Part { index: 1, count: 2 }, &NoProgress).unwrap();
     assert!(second.committed);
     assert!(second.waiting_for.is_empty());
@@ -127,6 +143,11 @@ fn parts_into_a_directory_meet_beside_it_and_give_the_one_process_output() {
     );
     assert!(!first.staging.exists());
     assert!(files(&out) == expected, "two parts differ from one process");
+    // The output now exists: a part refuses it without `force` before any work,
+    // leaving nothing staged beside it.
+    let err = merge_part(&opts, Part { index: 0, count: 2 }, &NoProgress).unwrap_err();
+    assert!(matches!(err, Error::OutputExists { .. }), "{err}");
+    assert!(!first.staging.exists());
 
     let alone = tmp.path().join("alone");
     let one = merge_part(
