@@ -345,3 +345,6 @@ pub fn plan_hash(
 pub fn staging_dir(out: &Path, hash: &str) -> PathBuf {
     shared_dir::staging_dir(out, hash)
 }
+
+#[cfg(test)]
+mod tests;

@@ -201,6 +201,71 @@ mod tests {
         assert!(!scans[0].is_clean());
     }
 
+    /// A directory that cannot be listed is reported under its path as an
+    /// unreadable directory, with the reason, and is not clean. Listing needs a file
+    /// descriptor, so a process that has none left cannot list any directory, root
+    /// included (permission bits do not stop root). That process is this test binary
+    /// run again on this test alone, with a variable naming the directory: it lowers
+    /// its own limit on open files, which the other tests do not share.
+    #[cfg(unix)]
+    #[test]
+    fn a_directory_that_cannot_be_listed_is_reported_as_such() {
+        const DIR: &str = "UNSHARD_TEST_SCAN_UNLISTABLE";
+        if let Some(dir) = std::env::var_os(DIR) {
+            let dir = PathBuf::from(dir);
+            let mut lim = libc::rlimit {
+                rlim_cur: 0,
+                rlim_max: 0,
+            };
+            // SAFETY: getrlimit only writes the struct it is given.
+            assert_eq!(unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) }, 0);
+            // The lowest free descriptor: with the limit there, no file opens.
+            let free = {
+                use std::os::fd::AsRawFd;
+                std::fs::File::open("/dev/null").unwrap().as_raw_fd()
+            };
+            let none_left = libc::rlimit {
+                rlim_cur: libc::rlim_t::try_from(free).unwrap(),
+                rlim_max: lim.rlim_max,
+            };
+            // SAFETY: setrlimit only reads the struct it is given.
+            assert_eq!(
+                unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &none_left) },
+                0
+            );
+            let scans = scan_paths(std::slice::from_ref(&dir));
+            // SAFETY: as above.
+            assert_eq!(unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &lim) }, 0);
+            let emfile = std::io::Error::from_raw_os_error(libc::EMFILE);
+            assert_eq!(scans.len(), 1, "{scans:?}");
+            assert_eq!(scans[0].path, dir);
+            assert_eq!(scans[0].kind, "unreadable directory");
+            assert_eq!(scans[0].problems, [format!("cannot list it: {emfile}")]);
+            assert!(!scans[0].is_clean());
+            return;
+        }
+        let tmp = tempfile::tempdir().unwrap();
+        std::fs::copy(
+            fixtures("hostile/metrics_os_system.pt"),
+            tmp.path().join("a.pt"),
+        )
+        .unwrap();
+        let module = module_path!().split_once("::").unwrap().1;
+        let name = format!("{module}::a_directory_that_cannot_be_listed_is_reported_as_such");
+        let o = std::process::Command::new(std::env::current_exe().unwrap())
+            .args([name.as_str(), "--exact", "--test-threads=1"])
+            .env(DIR, tmp.path())
+            .output()
+            .unwrap();
+        let stdout = String::from_utf8_lossy(&o.stdout);
+        assert!(
+            o.status.success(),
+            "{stdout}{}",
+            String::from_utf8_lossy(&o.stderr)
+        );
+        assert!(stdout.contains("test result: ok. 1 passed"), "{stdout}");
+    }
+
     /// A symbolic link given on the command line is followed (to a directory or a
     /// file); one met inside a directory is followed to a file but not to a
     /// directory, so a link back up cannot loop the walk. Nothing is scanned below
