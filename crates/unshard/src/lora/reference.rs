@@ -213,6 +213,44 @@ mod tests {
     }
 
     #[test]
+    fn ulps_of_the_other_float_dtypes() {
+        assert_eq!(ulp(DType::F64, 1.0), 2f64.powi(-52));
+        assert_eq!(ulp(DType::F8E4M3, 1.0), 2f64.powi(-3));
+        assert_eq!(ulp(DType::F8E4M3, 1e-9), 2f64.powi(-9));
+        assert_eq!(ulp(DType::F8E5M2, 1.0), 2f64.powi(-2));
+        assert_eq!(ulp(DType::F8E5M2, 1e-9), 2f64.powi(-16));
+        assert_eq!(ulp(DType::I32, 1.0), 0.0);
+    }
+
+    #[test]
+    fn the_tolerance_grows_with_the_magnitude() {
+        // One float32 ulp at 4 (2^-21), plus 8 unit roundoffs of 4 (8 * 2^-24 * 4).
+        assert_eq!(
+            tolerance(1.0, 4.0, 8.0, DType::F32),
+            2f64.powi(-21) + 2f64.powi(-19)
+        );
+        // At the larger of the magnitude and the value.
+        assert_eq!(
+            tolerance(-4.0, 1.0, 8.0, DType::F32),
+            2f64.powi(-21) + 2f64.powi(-19)
+        );
+    }
+
+    #[test]
+    fn nan_is_only_within_tolerance_of_nan() {
+        assert!(within_tolerance(f64::NAN, f64::NAN, 1.0, 8.0, DType::F32));
+        assert!(!within_tolerance(f64::NAN, 1.0, 1.0, 8.0, DType::F32));
+        assert!(!within_tolerance(1.0, f64::NAN, 1.0, 8.0, DType::F32));
+        assert!(within_tolerance(
+            f64::INFINITY,
+            f64::INFINITY,
+            1.0,
+            8.0,
+            DType::F32
+        ));
+    }
+
+    #[test]
     fn the_magnitude_is_the_larger_of_the_weight_and_the_summed_products() {
         // One element, rank 2: B@A = 3 * 2 + (-1) * 5 = 1, its products' sizes 6 + 5.
         let e = evaluate(&Operands {
@@ -271,6 +309,31 @@ mod tests {
             assert_eq!(e.values, [6.0, 2.0], "{layout:?}");
             // Before the factors (2, 1/2): max(|W|, |B A|) = (2, 5).
             assert_eq!(e.magnitude, [4.0, 2.5], "{layout:?}");
+        }
+        // Channels of two values, no update: norms 5 and 10, scaled to 10 and 5.
+        // nn.Linear's channels are the rows, Conv1D's the columns.
+        let cases = [
+            (Layout::Linear, [3.0, 4.0, 6.0, 8.0], [6.0, 8.0, 3.0, 4.0]),
+            (
+                Layout::FanInFanOut,
+                [3.0, 6.0, 4.0, 8.0],
+                [6.0, 3.0, 8.0, 4.0],
+            ),
+        ];
+        for (layout, w, fused) in cases {
+            let e = evaluate(&Operands {
+                layout,
+                w: &w,
+                rows: 2,
+                cols: 2,
+                a: &[0.0, 0.0],
+                b: &[0.0, 0.0],
+                rank: 1,
+                scale: 1.0,
+                dora_magnitude: Some(&[10.0, 5.0]),
+            });
+            assert_eq!(e.values, fused, "{layout:?}");
+            assert_eq!(e.magnitude, fused, "{layout:?}");
         }
     }
 
