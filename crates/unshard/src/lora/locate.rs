@@ -174,3 +174,50 @@ pub fn config_for_checkpoint(
         AdapterRemedy::ConfigNotFound,
     ))
 }
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+
+    /// What `save_pretrained` leaves for one adapter (the contents do not matter here).
+    fn adapter(dir: &Path) {
+        std::fs::create_dir_all(dir).unwrap();
+        std::fs::write(dir.join(CONFIG_FILE), "{}").unwrap();
+        std::fs::write(dir.join(WEIGHT_FILES[0]), "").unwrap();
+    }
+
+    #[test]
+    fn an_adapter_at_the_top_or_in_a_subdirectory_makes_an_adapter_directory() {
+        let top = tempfile::tempdir().unwrap();
+        assert!(!is_adapter_dir(top.path()));
+        adapter(top.path());
+        assert!(is_adapter_dir(top.path()));
+        let sub = tempfile::tempdir().unwrap();
+        adapter(&sub.path().join("second"));
+        assert!(is_adapter_dir(sub.path()));
+    }
+
+    #[test]
+    fn the_adapter_named_is_the_one_selected() {
+        let dir = tempfile::tempdir().unwrap();
+        adapter(dir.path());
+        adapter(&dir.path().join("second"));
+        for name in ["default", "second"] {
+            assert_eq!(select_in_dir(dir.path(), Some(name)).unwrap().name, name);
+        }
+        let e = select_in_dir(dir.path(), None).unwrap_err();
+        assert!(
+            e.to_string()
+                .contains("holds several adapters: default, second"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn a_directory_without_an_adapter_says_what_it_lacks() {
+        let dir = tempfile::tempdir().unwrap();
+        let e = select_in_dir(dir.path(), None).unwrap_err();
+        assert!(e.to_string().contains("no adapter here"), "{e}");
+    }
+}

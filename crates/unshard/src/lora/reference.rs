@@ -213,6 +213,131 @@ mod tests {
     }
 
     #[test]
+    fn ulps_of_the_other_float_dtypes() {
+        assert_eq!(ulp(DType::F64, 1.0), 2f64.powi(-52));
+        assert_eq!(ulp(DType::F8E4M3, 1.0), 2f64.powi(-3));
+        assert_eq!(ulp(DType::F8E4M3, 1e-9), 2f64.powi(-9));
+        assert_eq!(ulp(DType::F8E5M2, 1.0), 2f64.powi(-2));
+        assert_eq!(ulp(DType::F8E5M2, 1e-9), 2f64.powi(-16));
+        assert_eq!(ulp(DType::I32, 1.0), 0.0);
+    }
+
+    #[test]
+    fn the_tolerance_grows_with_the_magnitude() {
+        // One float32 ulp at 4 (2^-21), plus 8 unit roundoffs of 4 (8 * 2^-24 * 4).
+        assert_eq!(
+            tolerance(1.0, 4.0, 8.0, DType::F32),
+            2f64.powi(-21) + 2f64.powi(-19)
+        );
+        // At the larger of the magnitude and the value.
+        assert_eq!(
+            tolerance(-4.0, 1.0, 8.0, DType::F32),
+            2f64.powi(-21) + 2f64.powi(-19)
+        );
+    }
+
+    #[test]
+    fn nan_is_only_within_tolerance_of_nan() {
+        assert!(within_tolerance(f64::NAN, f64::NAN, 1.0, 8.0, DType::F32));
+        assert!(!within_tolerance(f64::NAN, 1.0, 1.0, 8.0, DType::F32));
+        assert!(!within_tolerance(1.0, f64::NAN, 1.0, 8.0, DType::F32));
+        assert!(within_tolerance(
+            f64::INFINITY,
+            f64::INFINITY,
+            1.0,
+            8.0,
+            DType::F32
+        ));
+    }
+
+    #[test]
+    fn the_magnitude_is_the_larger_of_the_weight_and_the_summed_products() {
+        // One element, rank 2: B@A = 3 * 2 + (-1) * 5 = 1, its products' sizes 6 + 5.
+        let e = evaluate(&Operands {
+            layout: Layout::Linear,
+            w: &[-4.0],
+            rows: 1,
+            cols: 1,
+            a: &[2.0, 5.0],
+            b: &[3.0, -1.0],
+            rank: 2,
+            scale: 0.5,
+            dora_magnitude: None,
+        });
+        assert_eq!(e.values, [-3.5]);
+        assert_eq!(e.magnitude, [0.5 * 11.0]);
+        assert_eq!(e.float32_roundoffs, 6.0);
+        assert!(e.allows(0, -3.5, DType::F32));
+        assert!(!e.allows(0, -3.5 + 2f64.powi(-10), DType::F32));
+    }
+
+    #[test]
+    fn every_element_has_its_own_magnitude() {
+        // W [2, 2] = 0, rank 1, A = (1, -2), B = (3, 4): W' = B A.
+        let e = evaluate(&Operands {
+            layout: Layout::Linear,
+            w: &[0.0; 4],
+            rows: 2,
+            cols: 2,
+            a: &[1.0, -2.0],
+            b: &[3.0, 4.0],
+            rank: 1,
+            scale: 1.0,
+            dora_magnitude: None,
+        });
+        assert_eq!(e.values, [3.0, -6.0, 4.0, -8.0]);
+        assert_eq!(e.magnitude, [3.0, 6.0, 4.0, 8.0]);
+    }
+
+    #[test]
+    fn dora_scales_each_output_channel_to_its_magnitude() {
+        // Two output channels of one input each: W + B A = (2, 5) + (1, -1) = (3, 4),
+        // the norm of each channel is its one value, scaled to the magnitudes (6, 2).
+        // nn.Linear stores it [out, in] = [2, 1], Conv1D [in, out] = [1, 2].
+        for (layout, rows, cols) in [(Layout::Linear, 2, 1), (Layout::FanInFanOut, 1, 2)] {
+            let e = evaluate(&Operands {
+                layout,
+                w: &[2.0, 5.0],
+                rows,
+                cols,
+                a: &[1.0],
+                b: &[1.0, -1.0],
+                rank: 1,
+                scale: 1.0,
+                dora_magnitude: Some(&[6.0, 2.0]),
+            });
+            assert_eq!(e.values, [6.0, 2.0], "{layout:?}");
+            // Before the factors (2, 1/2): max(|W|, |B A|) = (2, 5).
+            assert_eq!(e.magnitude, [4.0, 2.5], "{layout:?}");
+        }
+        // Channels of two values, no update: norms 5 and 10, scaled to 10 and 5.
+        // nn.Linear's channels are the rows, Conv1D's the columns.
+        let cases = [
+            (Layout::Linear, [3.0, 4.0, 6.0, 8.0], [6.0, 8.0, 3.0, 4.0]),
+            (
+                Layout::FanInFanOut,
+                [3.0, 6.0, 4.0, 8.0],
+                [6.0, 3.0, 8.0, 4.0],
+            ),
+        ];
+        for (layout, w, fused) in cases {
+            let e = evaluate(&Operands {
+                layout,
+                w: &w,
+                rows: 2,
+                cols: 2,
+                a: &[0.0, 0.0],
+                b: &[0.0, 0.0],
+                rank: 1,
+                scale: 1.0,
+                dora_magnitude: Some(&[10.0, 5.0]),
+            });
+            assert_eq!(e.values, fused, "{layout:?}");
+            assert_eq!(e.magnitude, fused, "{layout:?}");
+        }
+    }
+
+    #[test]
     fn conv1d_update_is_the_transpose() {
         // W = 0 [in=2, out=1]; A [1, 2] = (1, 2); B [1, 1] = 3: W' = 3 * (1, 2)^T.
         let e = evaluate(&Operands {
