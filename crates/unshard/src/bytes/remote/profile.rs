@@ -359,9 +359,11 @@ source_profile = default
         let p = h.load().unwrap().unwrap();
         assert_eq!(p.keys, Some(("AKIDCONF".into(), "confsecret".into(), None)));
         assert_eq!(p.endpoint.as_deref(), Some("https://s3.example.com"));
+        // An https endpoint needs no plain-http switch, and a profile that does not
+        // ask for virtual-hosted requests gets none.
         assert!(!settings(&p, &h.env())
             .iter()
-            .any(|(k, _)| *k == "aws_allow_http"));
+            .any(|(k, _)| *k == "aws_allow_http" || *k == "aws_virtual_hosted_style_request"));
     }
 
     #[test]
@@ -418,7 +420,7 @@ source_profile = default
 
     #[test]
     fn sections_keys_and_sub_keys_parse_as_configparser_does() {
-        let s = parse("top = ignored\n[a]\nk = v = w\n  indented = x\nempty =\n  sub = 1\n  other=2\nnext = 3\n[ b ]\nK=4\n");
+        let s = parse("top = ignored\n[a]\n# c1 = hash\n; c2 = semicolon\nk = v = w\n  indented = x\nempty =\n  sub = 1\n  other=2\nnext = 3\n[ b ]\nK=4\n");
         assert_eq!(s["a"]["k"], "v = w");
         // An indented line under a key with a value is not a sub-key here.
         assert!(!s["a"].contains_key("k.indented") && !s["a"].contains_key("indented"));
@@ -427,5 +429,19 @@ source_profile = default
         assert_eq!(s["a"]["next"], "3");
         assert_eq!(s["b"]["k"], "4");
         assert_eq!(s.len(), 2);
+        // Comment lines are skipped even when they hold an `=`.
+        assert!(
+            !s["a"].contains_key("# c1") && !s["a"].contains_key("; c2"),
+            "{s:?}"
+        );
+    }
+
+    #[test]
+    fn a_file_that_cannot_be_read_is_an_error_naming_it() {
+        let h = Home::new(CREDENTIALS, CONFIG);
+        let dir = h.dir.path().join(".aws");
+        let h = h.with("AWS_SHARED_CREDENTIALS_FILE", dir.to_str().unwrap());
+        let e = h.load().unwrap_err();
+        assert!(e.to_string().contains(dir.to_str().unwrap()), "{e}");
     }
 }

@@ -645,3 +645,234 @@ fn cut_requests_are_tried_again_only_until_the_time_is_over() {
     assert!(matches!(r, Err(object_store::Error::NotFound { .. })));
     assert_eq!(tries.load(std::sync::atomic::Ordering::SeqCst), 1);
 }
+
+/// A plain HTTP server on 127.0.0.1 that answers each connection with the next of
+/// `answers` (status line, body), then with 404; what it was asked (the request
+/// lines) is in the returned list.
+fn http_server(
+    answers: Vec<(&'static str, &'static [u8])>,
+) -> (String, Arc<std::sync::Mutex<Vec<String>>>) {
+    use std::io::{BufRead, Write};
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let base = format!("http://{}", listener.local_addr().unwrap());
+    let asked = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let log = asked.clone();
+    std::thread::spawn(move || {
+        let mut answers = answers.into_iter();
+        for conn in listener.incoming() {
+            let Ok(mut conn) = conn else { continue };
+            let mut reader = std::io::BufReader::new(conn.try_clone().unwrap());
+            let mut line = String::new();
+            let _ = reader.read_line(&mut line);
+            log.lock().unwrap().push(line.trim_end().to_string());
+            loop {
+                let mut header = String::new();
+                match reader.read_line(&mut header) {
+                    Ok(n) if n > 0 && header != "\r\n" => {}
+                    _ => break,
+                }
+            }
+            let (status, body) = answers.next().unwrap_or(("404 Not Found", b""));
+            let head = format!(
+                "HTTP/1.1 {status}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+                body.len()
+            );
+            let _ = conn.write_all(head.as_bytes());
+            let _ = conn.write_all(body);
+        }
+    });
+    (base, asked)
+}
+
+/// An `http://` URL is read through a plain-HTTP client (allowed because the URL
+/// says http), without multipart uploads, and a server error (503) is retried by
+/// that client until the object comes.
+#[test]
+fn a_plain_http_url_is_read_and_its_server_errors_retried() {
+    let (base, asked) = http_server(vec![
+        ("503 Service Unavailable", b""),
+        ("200 OK", b"hello over http"),
+    ]);
+    let loc = store::locate(std::path::Path::new(&format!("{base}/files/x.bin"))).unwrap();
+    assert!(loc.multipart.is_none());
+    assert_eq!(
+        loc.url,
+        std::path::PathBuf::from(format!("{base}/files/x.bin"))
+    );
+    let got = store::get_whole(&loc).unwrap();
+    assert_eq!(got.as_deref(), Some(&b"hello over http"[..]));
+    let asked = asked.lock().unwrap().clone();
+    assert_eq!(asked.len(), 2, "{asked:?}");
+    assert!(
+        asked.iter().all(|l| l.starts_with("GET /files/x.bin ")),
+        "{asked:?}"
+    );
+    // The 404 that follows is no object, not an error.
+    assert_eq!(store::get_whole(&loc).unwrap(), None);
+    assert_eq!(store::head(&loc).unwrap(), None);
+}
+
+/// Object-store errors keep their kind as I/O errors (a missing object stays
+/// `NotFound`, a refused write `AlreadyExists`, a refused login `PermissionDenied`),
+/// and an S3, GCS or Azure endpoint given as http:// names the variable that
+/// allows it.
+#[test]
+fn store_errors_keep_their_kind_and_plain_http_names_its_variable() {
+    use std::io::ErrorKind;
+    let kind =
+        |e: object_store::Error| match store::io_error("read", std::path::Path::new("s3://b/k"), e)
+        {
+            crate::error::Error::Io { source, .. } => source.kind(),
+            other => panic!("{other}"),
+        };
+    let src = || -> Box<dyn std::error::Error + Send + Sync> { "test".into() };
+    let path = || "k".to_string();
+    assert_eq!(
+        kind(object_store::Error::NotFound {
+            path: path(),
+            source: src()
+        }),
+        ErrorKind::NotFound
+    );
+    assert_eq!(
+        kind(object_store::Error::AlreadyExists {
+            path: path(),
+            source: src()
+        }),
+        ErrorKind::AlreadyExists
+    );
+    assert_eq!(
+        kind(object_store::Error::Precondition {
+            path: path(),
+            source: src()
+        }),
+        ErrorKind::AlreadyExists
+    );
+    assert_eq!(
+        kind(object_store::Error::PermissionDenied {
+            path: path(),
+            source: src()
+        }),
+        ErrorKind::PermissionDenied
+    );
+    assert_eq!(
+        kind(object_store::Error::Unauthenticated {
+            path: path(),
+            source: src()
+        }),
+        ErrorKind::PermissionDenied
+    );
+    assert_eq!(
+        kind(object_store::Error::Generic {
+            store: "t",
+            source: src()
+        }),
+        ErrorKind::Other
+    );
+    // The URL is named without its user info and query.
+    let e = store::io_error(
+        "read",
+        std::path::Path::new("s3://AKID:PASSWORD@b/k?sig=SIGNATURE"),
+        object_store::Error::NotFound {
+            path: path(),
+            source: src(),
+        },
+    );
+    assert_eq!(e.to_string(), "cannot read s3://b/k");
+    // A client that refuses plain http, as one built for an https endpoint does.
+    let https_only = object_store::http::HttpBuilder::new()
+        .with_url("http://127.0.0.1:1")
+        .with_retry(object_store::RetryConfig {
+            max_retries: 0,
+            ..Default::default()
+        })
+        .build()
+        .unwrap();
+    for (url, var) in [
+        ("s3://b/k", "AWS_ALLOW_HTTP"),
+        ("gs://b/k", "GOOGLE_ALLOW_HTTP"),
+        ("az://c/k", "AZURE_ALLOW_HTTP"),
+    ] {
+        let e = store::block_on(https_only.get(&"k".into())).unwrap_err();
+        let e = store::io_error("read", std::path::Path::new(url), e);
+        let shown = format!("{e}: {}", std::error::Error::source(&e).unwrap());
+        assert!(shown.contains(&format!("set {var}=true")), "{url}: {shown}");
+    }
+}
+
+/// Each kind of store URL gets a client of its kind from the environment (building
+/// one makes no request): S3, GCS and Azure with multipart uploads, keyed by the
+/// path below the bucket; what is no object store URL is refused with the forms to
+/// write.
+#[test]
+fn each_store_url_gets_its_client_and_other_urls_are_refused() {
+    for url in [
+        "s3://locate-s3/a/b.bin",
+        "gs://locate-gcs/a/b.bin",
+        "abfss://container@account.dfs.core.windows.net/a/b.bin",
+    ] {
+        let loc = store::locate(std::path::Path::new(url)).unwrap_or_else(|e| panic!("{url}: {e}"));
+        assert!(loc.multipart.is_some(), "{url}");
+        assert_eq!(loc.key.as_ref(), "a/b.bin", "{url}");
+    }
+    // A store the environment does not configure (an Azure container without an
+    // account) is refused with where credentials come from.
+    let Err(e) = store::locate(std::path::Path::new("az://container/a/b.bin")) else {
+        panic!("{} was located", "az://container/a/b.bin");
+    };
+    assert!(
+        e.to_string().contains("object store configuration")
+            && e.hint()
+                .unwrap_or_default()
+                .contains("AZURE_STORAGE_ACCOUNT_NAME"),
+        "{e}"
+    );
+    for url in ["ftp://host/x.bin", "not a url"] {
+        let Err(e) = store::locate(std::path::Path::new(url)) else {
+            panic!("{} was located", url);
+        };
+        assert!(
+            e.hint().unwrap_or_default().contains("s3://bucket/key"),
+            "{url}: {e}"
+        );
+    }
+}
+
+/// By default a request whose connection is cut keeps being made again for longer
+/// than a second (an outage of a few seconds is outlasted).
+#[test]
+fn a_request_cut_for_more_than_a_second_is_made_again_by_default() {
+    let start = Instant::now();
+    let tries = std::sync::atomic::AtomicUsize::new(0);
+    let r = store::block_on(store::again(|| {
+        tries.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        let cut = start.elapsed() < Duration::from_millis(1300);
+        async move {
+            if cut {
+                Err(Cut::error())
+            } else {
+                Ok(())
+            }
+        }
+    }));
+    assert!(r.is_ok(), "given up after {:?}", start.elapsed());
+    assert!(tries.load(std::sync::atomic::Ordering::SeqCst) > 1);
+}
+
+/// Once a prefix is listed, its listing answers whether an object below it is
+/// there: no HEAD request is made (here every HEAD is refused, which would say no).
+#[test]
+fn a_listed_prefix_answers_for_its_objects() {
+    let cut = Arc::new(Cut::new(&[]));
+    store::register("s3://listed-prefix", cut.clone());
+    store::block_on(
+        cut.inner
+            .put(&"d/a.bin".into(), PutPayload::from(vec![1u8; 3])),
+    )
+    .unwrap();
+    let path = |p: &str| std::path::PathBuf::from(format!("s3://listed-prefix/{p}"));
+    assert!(crate::bytes::fs::is_dir(&path("d")));
+    cut.refuse("head", 0, usize::MAX);
+    assert!(crate::bytes::fs::is_file(&path("d/a.bin")));
+    assert!(!crate::bytes::fs::is_file(&path("d/b.bin")));
+}
