@@ -37,7 +37,9 @@ pub(crate) fn display_path<S: serde::Serializer>(
 
 /// A URL without what must never be shown or written: the user info
 /// (`user:password@`), the query (`?X-Amz-Signature=...`, a SAS token) and the
-/// fragment. `None` when `text` is not a URL or has none of them.
+/// fragment. `None` when `text` is not a URL or has none of them. The container of
+/// an Azure Data Lake or Blob URL (`abfss://container@account...`) stands where
+/// user info would, and is kept.
 pub fn redact_url(text: &str) -> Option<String> {
     let (scheme, rest) = text.split_once("://")?;
     if scheme.is_empty()
@@ -49,10 +51,24 @@ pub fn redact_url(text: &str) -> Option<String> {
     }
     let auth_end = rest.find(['/', '?', '#']).unwrap_or(rest.len());
     let (authority, tail) = rest.split_at(auth_end);
-    let host = authority.rsplit_once('@').map_or(authority, |(_, h)| h);
+    let host = match authority.rsplit_once('@') {
+        Some((container, _)) if is_container(scheme, container) => authority,
+        Some((_, host)) => host,
+        None => authority,
+    };
     let path = tail.split(['?', '#']).next().unwrap_or("");
     let clean = format!("{scheme}://{host}{path}");
     (clean != text).then_some(clean)
+}
+
+/// Whether `user_info` of a `scheme` URL is an Azure container name (letters,
+/// digits and hyphens), not a user and a password.
+fn is_container(scheme: &str, user_info: &str) -> bool {
+    ["abfs", "abfss", "wasb", "wasbs"].contains(&scheme.to_ascii_lowercase().as_str())
+        && !user_info.is_empty()
+        && user_info
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || c == '-')
 }
 
 /// [`redact_url`], or the text unchanged.
@@ -102,6 +118,15 @@ mod tests {
             ("s3://bucket/key", None),
             ("/local/dir?x", None),
             ("az://u@container?sig=1", Some("az://container")),
+            (
+                "abfss://ckpt@acct.dfs.core.windows.net/run/x?sig=1",
+                Some("abfss://ckpt@acct.dfs.core.windows.net/run/x"),
+            ),
+            ("abfss://ckpt@acct.dfs.core.windows.net/run/x", None),
+            (
+                "wasbs://u:pw@acct.blob.core.windows.net/c",
+                Some("wasbs://acct.blob.core.windows.net/c"),
+            ),
         ];
         for (given, want) in cases {
             assert_eq!(redact_url(given).as_deref(), want, "{given}");
