@@ -548,6 +548,44 @@ mod tests {
     use std::sync::mpsc;
     use std::time::Duration;
 
+    /// Hints that are not a block's take at most half the limit between them, held
+    /// bytes of blocks included; what is given back leaves the count and, for a
+    /// block's bytes, that thread's share, which goes when it reaches nothing.
+    #[test]
+    fn hints_take_at_most_half_and_what_is_given_back_is_counted_out() {
+        let budget = Budget::new(100);
+        let me = std::thread::current().id();
+        assert!(budget.try_take(50), "half the limit fits");
+        assert!(!budget.try_take(1), "past half");
+        assert_eq!(budget.lock().bytes, 50);
+        assert!(budget.lock().by_thread.is_empty(), "a hint is no thread's");
+        budget.give(50, None);
+        assert_eq!(budget.lock().bytes, 0);
+        assert!(!budget.try_take(51), "more than half at once");
+        assert!(budget.try_take(1));
+        budget.give(1, None);
+
+        assert!(budget.take_for_block(70));
+        assert!(
+            !budget.try_take(1),
+            "a block's bytes count against the half"
+        );
+        budget.give(30, Some(me));
+        {
+            let used = budget.lock();
+            assert_eq!((used.bytes, used.by_thread.get(&me)), (40, Some(&40)));
+        }
+        assert!(!budget.try_take(11));
+        assert!(budget.try_take(10));
+        budget.give(10, None);
+        budget.give(40, Some(me));
+        let used = budget.lock();
+        assert_eq!(used.bytes, 0);
+        assert!(used.by_thread.is_empty(), "{:?}", used.by_thread);
+        drop(used);
+        assert_eq!(budget.peak(), 70);
+    }
+
     /// Two blocks that each read two objects hold part of the budget for their first
     /// one, and each wants more for its second than is left: the later to ask reads
     /// its second object without fetching ahead (no other block is working, so
