@@ -548,6 +548,41 @@ mod tests {
     use std::sync::mpsc;
     use std::time::Duration;
 
+    /// A span is fetched ahead when it is not empty, at most `MAX_AHEAD` long, inside
+    /// the object, and not inside a fetch already started.
+    #[test]
+    fn a_span_is_wanted_when_short_inside_the_object_and_not_started() {
+        use super::{wanted, Ahead, Slot, MAX_AHEAD};
+        let budget: &'static Budget = Box::leak(Box::new(Budget::new(1000)));
+        let none: [Ahead; 0] = [];
+        assert!(wanted(&none, 100, 0, 100), "the whole object");
+        assert!(!wanted(&none, 100, 10, 10), "empty");
+        assert!(!wanted(&none, 100, 20, 10), "reversed");
+        assert!(!wanted(&none, 100, 50, 101), "past the end");
+        let big = 2 * MAX_AHEAD;
+        assert!(wanted(&none, big, 1, MAX_AHEAD + 1), "MAX_AHEAD long");
+        assert!(!wanted(&none, big, 0, MAX_AHEAD + 1), "longer");
+        assert!(budget.try_take(40));
+        let started = [Ahead {
+            start: 10,
+            end: 50,
+            slot: std::sync::Arc::new(Slot::default()),
+            block: false,
+            budget,
+            owner: None,
+        }];
+        assert!(!wanted(&started, 100, 10, 50), "the span started");
+        assert!(!wanted(&started, 100, 20, 30), "inside it");
+        assert!(wanted(&started, 100, 9, 50), "from before it");
+        assert!(wanted(&started, 100, 10, 51), "past its end");
+        drop(started);
+        assert_eq!(
+            budget.lock().bytes,
+            0,
+            "a dropped fetch gives its bytes back"
+        );
+    }
+
     /// Hints that are not a block's take at most half the limit between them, held
     /// bytes of blocks included; what is given back leaves the count and, for a
     /// block's bytes, that thread's share, which goes when it reaches nothing.
