@@ -268,7 +268,7 @@ pub(crate) fn server_bucket(name: &str) -> (String, Arc<object_store::aws::Amazo
     let mut answer = String::new();
     s.read_to_string(&mut answer).unwrap();
     assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
-    let _ = rustls::crypto::ring::default_provider().install_default();
+    crate::bytes::remote::store::install_crypto();
     let s3 = object_store::aws::AmazonS3Builder::new()
         .with_endpoint(&ep)
         .with_allow_http(true)

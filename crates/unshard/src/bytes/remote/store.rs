@@ -305,7 +305,7 @@ fn bad_url(p: &Path, why: &str) -> Error {
 }
 
 /// TLS uses rustls with ring; the provider is installed once for the process.
-fn install_crypto() {
+pub(crate) fn install_crypto() {
     static DONE: OnceLock<()> = OnceLock::new();
     DONE.get_or_init(|| {
         let _ = rustls::crypto::ring::default_provider().install_default();

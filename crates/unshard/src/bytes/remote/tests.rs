@@ -725,50 +725,43 @@ fn store_errors_keep_their_kind_and_plain_http_names_its_variable() {
             crate::error::Error::Io { source, .. } => source.kind(),
             other => panic!("{other}"),
         };
-    let src = || -> Box<dyn std::error::Error + Send + Sync> { "test".into() };
+    type Source = Box<dyn std::error::Error + Send + Sync>;
+    let src = || -> Source { "test".into() };
     let path = || "k".to_string();
-    assert_eq!(
-        kind(object_store::Error::NotFound {
-            path: path(),
-            source: src()
-        }),
-        ErrorKind::NotFound
-    );
-    assert_eq!(
-        kind(object_store::Error::AlreadyExists {
-            path: path(),
-            source: src()
-        }),
-        ErrorKind::AlreadyExists
-    );
-    assert_eq!(
-        kind(object_store::Error::Precondition {
-            path: path(),
-            source: src()
-        }),
-        ErrorKind::AlreadyExists
-    );
-    assert_eq!(
-        kind(object_store::Error::PermissionDenied {
-            path: path(),
-            source: src()
-        }),
-        ErrorKind::PermissionDenied
-    );
-    assert_eq!(
-        kind(object_store::Error::Unauthenticated {
-            path: path(),
-            source: src()
-        }),
-        ErrorKind::PermissionDenied
-    );
-    assert_eq!(
-        kind(object_store::Error::Generic {
-            store: "t",
-            source: src()
-        }),
-        ErrorKind::Other
-    );
+    use object_store::Error as E;
+    type AboutAPath = fn(String, Source) -> E;
+    let about_a_path: [(AboutAPath, ErrorKind); 5] = [
+        (
+            |path, source| E::NotFound { path, source },
+            ErrorKind::NotFound,
+        ),
+        (
+            |path, source| E::AlreadyExists { path, source },
+            ErrorKind::AlreadyExists,
+        ),
+        (
+            |path, source| E::Precondition { path, source },
+            ErrorKind::AlreadyExists,
+        ),
+        (
+            |path, source| E::PermissionDenied { path, source },
+            ErrorKind::PermissionDenied,
+        ),
+        (
+            |path, source| E::Unauthenticated { path, source },
+            ErrorKind::PermissionDenied,
+        ),
+    ];
+    for (error, want) in about_a_path {
+        let e = error(path(), src());
+        let shown = e.to_string();
+        assert_eq!(kind(e), want, "{shown}");
+    }
+    let generic = E::Generic {
+        store: "t",
+        source: src(),
+    };
+    assert_eq!(kind(generic), ErrorKind::Other);
     // The URL is named without its user info and query.
     let e = store::io_error(
         "read",
@@ -780,6 +773,7 @@ fn store_errors_keep_their_kind_and_plain_http_names_its_variable() {
     );
     assert_eq!(e.to_string(), "cannot read s3://b/k");
     // A client that refuses plain http, as one built for an https endpoint does.
+    store::install_crypto();
     let https_only = object_store::http::HttpBuilder::new()
         .with_url("http://127.0.0.1:1")
         .with_retry(object_store::RetryConfig {
