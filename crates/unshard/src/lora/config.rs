@@ -396,20 +396,28 @@ fn is_set(v: &Value) -> bool {
     }
 }
 
+/// A LoRA config of the fields of `layers`, each laid over the ones before it, as
+/// `adapter_config.json` would hold them (tests).
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+pub(crate) fn from_layers(layers: &[Value]) -> Result<AdapterConfig> {
+    let mut map = serde_json::Map::new();
+    map.insert("peft_type".into(), "LORA".into());
+    for layer in layers {
+        for (k, v) in layer.as_object().unwrap() {
+            map.insert(k.clone(), v.clone());
+        }
+    }
+    AdapterConfig::from_map(Path::new("adapter_config.json"), map)
+}
+
 #[cfg(test)]
 #[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
 
     fn config(extra: Value) -> Result<AdapterConfig> {
-        let mut raw = serde_json::json!({"peft_type": "LORA", "r": 8, "lora_alpha": 16});
-        for (k, v) in extra.as_object().unwrap() {
-            raw[k] = v.clone();
-        }
-        let Value::Object(map) = raw else {
-            unreachable!()
-        };
-        AdapterConfig::from_map(Path::new("adapter_config.json"), map)
+        from_layers(&[serde_json::json!({"r": 8, "lora_alpha": 16}), extra])
     }
 
     #[test]

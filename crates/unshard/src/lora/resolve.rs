@@ -443,17 +443,12 @@ mod tests {
 
     use super::*;
     use crate::dtype::DType;
+    use crate::lora::config::from_layers;
     use crate::plan::testing::{checkpoint, tensor};
 
+    /// A config of rank 2 with `extra`.
     fn config(extra: Value) -> AdapterConfig {
-        let mut raw = json!({"peft_type": "LORA", "r": 2, "lora_alpha": 4});
-        for (k, v) in extra.as_object().unwrap() {
-            raw[k] = v.clone();
-        }
-        let Value::Object(map) = raw else {
-            unreachable!()
-        };
-        AdapterConfig::from_map(Path::new("adapter_config.json"), map).unwrap()
+        from_layers(&[json!({"r": 2, "lora_alpha": 4}), extra]).unwrap()
     }
 
     /// A fuse of rank 2 whose layout comes from the layer's class: `nn.Linear`.
@@ -575,12 +570,10 @@ mod tests {
         checkpoint("adapter_model.safetensors", t)
     }
 
+    /// [`config`] on `q` and `emb`, with `extra`.
     fn on_q(extra: Value) -> AdapterConfig {
-        let mut c = json!({"target_modules": ["q", "emb"]});
-        for (k, v) in extra.as_object().unwrap() {
-            c[k] = v.clone();
-        }
-        config(c)
+        let on = json!({"target_modules": ["q", "emb"]});
+        from_layers(&[json!({"r": 2, "lora_alpha": 4}), on, extra]).unwrap()
     }
 
     fn refusal(ckpt: &Checkpoint, extra: Value) -> String {
