@@ -128,7 +128,7 @@ fn a_dcp_checkpoint_in_a_store_merges_bit_exactly() {
 }
 
 /// The request counters are global: tests that read them run one at a time.
-static COUNTED: std::sync::Mutex<()> = std::sync::Mutex::new(());
+pub(super) static COUNTED: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
 /// One checkpoint of each family the readers know, as the fixtures hold it.
 struct Family {

@@ -371,7 +371,9 @@ impl ObjectSource {
 
     /// The bytes at `offset` from a fetch started by a hint, if one covers them.
     fn take_ahead(&self, offset: u64, buf: &mut [u8]) -> bool {
-        let end = offset + buf.len() as u64;
+        let Some(end) = offset.checked_add(buf.len() as u64) else {
+            return false;
+        };
         let slot = {
             let ahead = self.ahead.lock().unwrap_or_else(|e| e.into_inner());
             match ahead.iter().find(|a| a.start <= offset && end <= a.end) {
@@ -542,135 +544,4 @@ impl ByteSource for ObjectSource {
 }
 
 #[cfg(test)]
-#[allow(clippy::unwrap_used)]
-mod tests {
-    use super::Budget;
-    use std::sync::mpsc;
-    use std::time::Duration;
-
-    /// A span is fetched ahead when it is not empty, at most `MAX_AHEAD` long, inside
-    /// the object, and not inside a fetch already started.
-    #[test]
-    fn a_span_is_wanted_when_short_inside_the_object_and_not_started() {
-        use super::{wanted, Ahead, Slot, MAX_AHEAD};
-        let budget: &'static Budget = Box::leak(Box::new(Budget::new(1000)));
-        let none: [Ahead; 0] = [];
-        assert!(wanted(&none, 100, 0, 100), "the whole object");
-        assert!(!wanted(&none, 100, 10, 10), "empty");
-        assert!(!wanted(&none, 100, 20, 10), "reversed");
-        assert!(!wanted(&none, 100, 50, 101), "past the end");
-        let big = 2 * MAX_AHEAD;
-        assert!(wanted(&none, big, 1, MAX_AHEAD + 1), "MAX_AHEAD long");
-        assert!(!wanted(&none, big, 0, MAX_AHEAD + 1), "longer");
-        assert!(budget.try_take(40));
-        let started = [Ahead {
-            start: 10,
-            end: 50,
-            slot: std::sync::Arc::new(Slot::default()),
-            block: false,
-            budget,
-            owner: None,
-        }];
-        assert!(!wanted(&started, 100, 10, 50), "the span started");
-        assert!(!wanted(&started, 100, 20, 30), "inside it");
-        assert!(wanted(&started, 100, 9, 50), "from before it");
-        assert!(wanted(&started, 100, 10, 51), "past its end");
-        drop(started);
-        assert_eq!(
-            budget.lock().bytes,
-            0,
-            "a dropped fetch gives its bytes back"
-        );
-    }
-
-    /// Hints that are not a block's take at most half the limit between them, held
-    /// bytes of blocks included; what is given back leaves the count and, for a
-    /// block's bytes, that thread's share, which goes when it reaches nothing.
-    #[test]
-    fn hints_take_at_most_half_and_what_is_given_back_is_counted_out() {
-        let budget = Budget::new(100);
-        let me = std::thread::current().id();
-        assert!(budget.try_take(50), "half the limit fits");
-        assert!(!budget.try_take(1), "past half");
-        assert_eq!(budget.lock().bytes, 50);
-        assert!(budget.lock().by_thread.is_empty(), "a hint is no thread's");
-        budget.give(50, None);
-        assert_eq!(budget.lock().bytes, 0);
-        assert!(!budget.try_take(51), "more than half at once");
-        assert!(budget.try_take(1));
-        budget.give(1, None);
-
-        assert!(budget.take_for_block(70));
-        assert!(
-            !budget.try_take(1),
-            "a block's bytes count against the half"
-        );
-        budget.give(30, Some(me));
-        {
-            let used = budget.lock();
-            assert_eq!((used.bytes, used.by_thread.get(&me)), (40, Some(&40)));
-        }
-        assert!(!budget.try_take(11));
-        assert!(budget.try_take(10));
-        budget.give(10, None);
-        budget.give(40, Some(me));
-        let used = budget.lock();
-        assert_eq!(used.bytes, 0);
-        assert!(used.by_thread.is_empty(), "{:?}", used.by_thread);
-        drop(used);
-        assert_eq!(budget.peak(), 70);
-    }
-
-    /// Two blocks that each read two objects hold part of the budget for their first
-    /// one, and each wants more for its second than is left: the later to ask reads
-    /// its second object without fetching ahead (no other block is working, so
-    /// waiting would be for ever), and the earlier gets its bytes once the later is
-    /// done. Neither waits for the other.
-    #[test]
-    fn blocks_holding_part_of_the_budget_never_wait_for_each_other() {
-        let budget: &'static Budget = Box::leak(Box::new(Budget::new(100)));
-        let (holds, a_holds) = mpsc::channel();
-        let (b_holds_tx, b_holds) = mpsc::channel();
-        let (said, answers) = mpsc::channel();
-        let said_b = said.clone();
-        let a = std::thread::spawn(move || {
-            let me = std::thread::current().id();
-            assert!(budget.take_for_block(60));
-            holds.send(()).unwrap();
-            b_holds.recv().unwrap();
-            let second = budget.take_for_block(30);
-            said.send(("a", second)).unwrap();
-            budget.give(if second { 90 } else { 60 }, Some(me));
-        });
-        let b = std::thread::spawn(move || {
-            let me = std::thread::current().id();
-            a_holds.recv().unwrap();
-            assert!(budget.take_for_block(40));
-            b_holds_tx.send(()).unwrap();
-            // Until the first block waits for its second object's bytes.
-            while budget.lock().waiting_holders == 0 {
-                std::thread::sleep(Duration::from_millis(1));
-            }
-            let second = budget.take_for_block(30);
-            said_b.send(("b", second)).unwrap();
-            budget.give(if second { 70 } else { 40 }, Some(me));
-        });
-        let wait = Duration::from_secs(20);
-        let first = answers.recv_timeout(wait);
-        assert_eq!(
-            first,
-            Ok(("b", false)),
-            "the later block waited for the earlier"
-        );
-        let second = answers.recv_timeout(wait);
-        assert_eq!(
-            second,
-            Ok(("a", true)),
-            "the earlier block never got its bytes"
-        );
-        a.join().unwrap();
-        b.join().unwrap();
-        assert_eq!(budget.lock().bytes, 0);
-        assert_eq!(budget.peak(), 100);
-    }
-}
+mod tests;
