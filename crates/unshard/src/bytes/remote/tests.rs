@@ -101,7 +101,7 @@ fn each_block_reads_its_tensors_with_one_request() {
 fn a_dcp_checkpoint_in_a_store_merges_bit_exactly() {
     let mem = Arc::new(InMemory::new());
     store::register("s3://dcp-gets", mem.clone());
-    let fixtures = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures");
+    let fixtures = crate::fixtures();
     for e in std::fs::read_dir(fixtures.join("sharded/llama_w8_dcp")).unwrap() {
         let e = e.unwrap();
         let key = format!("ckpt/{}", e.file_name().to_string_lossy());
@@ -282,7 +282,7 @@ fn tree(dir: &std::path::Path) -> std::collections::BTreeMap<String, Vec<u8>> {
 fn every_fixture_family_merges_from_a_store_as_from_disk() {
     // Its requests would count in the request-counting test's figures.
     let _one_at_a_time = COUNTED.lock().unwrap_or_else(|e| e.into_inner());
-    let fixtures = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures");
+    let fixtures = crate::fixtures();
     let fixtures = fixtures.canonicalize().unwrap();
     let mem = Arc::new(InMemory::new());
     store::register("s3://families", mem.clone());
@@ -363,7 +363,7 @@ fn every_fixture_family_merges_from_a_store_as_from_disk() {
 fn secrets_in_a_url_are_never_written() {
     let mem = Arc::new(InMemory::new());
     store::register("s3://secret-urls", mem.clone());
-    let fixtures = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures");
+    let fixtures = crate::fixtures();
     upload(
         &mem,
         &fixtures.join("ckpt/llama_policy.pt"),
@@ -495,7 +495,7 @@ fn bytes_fetched_ahead_never_exceed_the_budget() {
 #[test]
 fn requests_cut_off_by_the_network_are_made_again() {
     let _one_at_a_time = COUNTED.lock().unwrap_or_else(|e| e.into_inner());
-    let fixtures = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures");
+    let fixtures = crate::fixtures();
     let plan = [
         ("get", 2, false),
         ("put_part", 2, false),
@@ -573,7 +573,7 @@ fn requests_cut_off_by_the_network_are_made_again() {
 #[test]
 fn a_merge_refused_mid_upload_leaves_nothing_in_the_store() {
     let _one_at_a_time = COUNTED.lock().unwrap_or_else(|e| e.into_inner());
-    let fixtures = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures");
+    let fixtures = crate::fixtures();
     for (kind, skip) in [("put_part", 1), ("complete", 1), ("put", 2)] {
         let output = Arc::new(Cut::new(&[]));
         output.refuse(kind, skip, 1);

@@ -52,11 +52,21 @@ pub const READERS: usize = 32;
 pub fn readers() -> usize {
     static N: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
     *N.get_or_init(|| {
-        std::env::var("UNSHARD_REMOTE_READERS")
-            .ok()
-            .and_then(|v| v.trim().parse::<usize>().ok())
-            .map_or(READERS, |n| n.clamp(1, 256))
+        let n = setting("UNSHARD_REMOTE_READERS", READERS as u64, 1..=256);
+        usize::try_from(n).unwrap_or(READERS)
     })
+}
+
+/// The environment variable `name` as a whole number inside `bounds` (clamped),
+/// or `default` when it is unset or not a whole number.
+fn setting(name: &str, default: u64, bounds: std::ops::RangeInclusive<u64>) -> u64 {
+    parse_setting(std::env::var(name).ok().as_deref(), default, bounds)
+}
+
+fn parse_setting(value: Option<&str>, default: u64, bounds: std::ops::RangeInclusive<u64>) -> u64 {
+    value
+        .and_then(|v| v.trim().parse::<u64>().ok())
+        .map_or(default, |n| n.clamp(*bounds.start(), *bounds.end()))
 }
 
 /// Ranges closer than this are fetched by one request.
@@ -72,12 +82,7 @@ pub const AHEAD_BYTES: u64 = 64 << 20;
 /// for a fast link far away, where more bytes must be on the way to fill it.
 pub fn ahead_limit() -> u64 {
     static N: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
-    *N.get_or_init(|| {
-        std::env::var("UNSHARD_REMOTE_AHEAD_MIB")
-            .ok()
-            .and_then(|v| v.trim().parse::<u64>().ok())
-            .map_or(AHEAD_BYTES, |n| n.clamp(64, 65536) << 20)
-    })
+    *N.get_or_init(|| setting("UNSHARD_REMOTE_AHEAD_MIB", AHEAD_BYTES >> 20, 64..=65536) << 20)
 }
 /// The longest span one hint fetches ahead (a block's input read from float64).
 /// At most half of [`ahead_limit`], so that a block always fits beside what hints

@@ -63,6 +63,15 @@ fn reads_return_the_objects_bytes_and_refuse_what_lies_past_its_end() {
     let len = 3 * GAP + 5;
     let (src, body) = object("source-reads", len, leak(1 << 20));
     assert_eq!(src.len(), len);
+    assert_eq!(
+        src.readers(),
+        super::readers(),
+        "the workers for a remote input"
+    );
+    assert_eq!(
+        format!("{src:?}"),
+        format!("ObjectSource {{ url: \"s3://source-reads/obj\", len: {len} }}")
+    );
     let at = |offset: u64, n: usize| &body[offset as usize..offset as usize + n];
     for (offset, n) in [(0, 10), (len - 1, 1), (GAP + 3, 1000)] {
         let mut buf = vec![0u8; n];
@@ -104,6 +113,7 @@ fn reads_return_the_objects_bytes_and_refuse_what_lies_past_its_end() {
             gets(|| src.read_ranges(&mut [(0, &mut first[..]), (offset, &mut buf[..])]));
         let e = r.expect_err("a range past the end").to_string();
         assert!(e.contains("s3://source-reads/obj"), "{e}");
+        assert!(e.contains(&format!("{n} bytes at byte {offset}")), "{e}");
         assert_eq!(made.0, 0, "{e}");
     }
 }
@@ -146,17 +156,31 @@ fn a_block_is_fetched_once_per_run_and_let_go_when_done() {
         3,
         "a block's fetch is kept until it is done"
     );
-    let ((), made) = gets(|| src.will_need_together(&block[1..]));
-    assert_eq!(made.0, 0, "a run already fetched");
-    assert_eq!(used(), 1250);
-    src.done_with(&block);
-    assert_eq!(held(&src), [(0, 50, false)]);
-    assert_eq!(used(), 50);
-    // A hint's span goes with its last read.
+    // A hint's span goes with its last read, and only it (the block's run that
+    // starts where it does stays).
     let mut buf = [0u8; 50];
     let (r, made) = gets(|| src.read_at(0, &mut buf));
     r.unwrap();
     assert_eq!((buf.as_slice(), made.0), (&body[..50], 0));
+    assert_eq!(held(&src), [(0, 200, true), (far, far + 1000, true)]);
+    assert_eq!(used(), 1200);
+    let ((), made) = gets(|| src.will_need_together(&block[1..]));
+    assert_eq!(made.0, 0, "a run already fetched");
+    assert_eq!(used(), 1200);
+    src.will_need(300, 10);
+    src.done_with(&block);
+    assert_eq!(held(&src), [(300, 310, false)], "done_with drops no hint");
+    assert_eq!(used(), 10);
+    src.release(0, len);
+    assert_eq!((held(&src), used()), (vec![], 0));
+
+    // Two blocks whose runs start at the same byte: each is let go by its own.
+    src.will_need_together(&[(0, 100)]);
+    src.will_need_together(&[(0, 200)]);
+    assert_eq!(held(&src), [(0, 100, true), (0, 200, true)]);
+    src.done_with(&[(0, 100)]);
+    assert_eq!(held(&src), [(0, 200, true)]);
+    src.done_with(&[(0, 200)]);
     assert_eq!((held(&src), used()), (vec![], 0));
 
     // Cut at the end of the object, and let go by the same ranges.
@@ -348,4 +372,29 @@ fn blocks_holding_part_of_the_budget_never_wait_for_each_other() {
     b.join().unwrap();
     assert_eq!(budget.lock().bytes, 0);
     assert_eq!(budget.peak(), 100);
+}
+
+/// The settings: a whole number clamped to its bounds, the default when unset or
+/// not a number; unset, the defaults the docs give (32 workers, 64 MiB ahead).
+#[test]
+fn settings_are_clamped_whole_numbers_and_default_when_unset() {
+    use super::{ahead_limit, parse_setting, readers};
+    for (value, want) in [
+        (None, 32),
+        (Some("8"), 8),
+        (Some(" 100\n"), 100),
+        (Some("0"), 1),
+        (Some("300"), 256),
+        (Some("-4"), 32),
+        (Some("16 MiB"), 32),
+        (Some(""), 32),
+    ] {
+        assert_eq!(parse_setting(value, 32, 1..=256), want, "{value:?}");
+    }
+    if std::env::var_os("UNSHARD_REMOTE_READERS").is_none() {
+        assert_eq!(readers(), 32);
+    }
+    if std::env::var_os("UNSHARD_REMOTE_AHEAD_MIB").is_none() {
+        assert_eq!(ahead_limit(), 64 << 20);
+    }
 }
