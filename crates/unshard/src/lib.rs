@@ -185,3 +185,9 @@ pub use source::{
 pub use stats::TensorStats;
 pub use verify::{verify, FirstDiff, Mismatch, Problem, VerifyReport};
 pub use write::{NoProgress, Progress, ShardFile, Sink, StagingDir};
+
+/// The repository's `fixtures/` folder, which the unit tests read.
+#[cfg(test)]
+pub(crate) fn fixtures() -> std::path::PathBuf {
+    std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures")
+}

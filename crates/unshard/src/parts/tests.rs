@@ -9,15 +9,11 @@ use std::sync::Mutex;
 use super::*;
 use crate::write::NoProgress;
 
-fn fixtures() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures")
-}
-
 /// The Llama fixture onto its base, in shards of 40 kB: more shards than parts.
 fn llama(output: PathBuf) -> MergeOptions {
     MergeOptions {
-        checkpoint: fixtures().join("ckpt/llama_policy.pt"),
-        base: Some(fixtures().join("models/llama-bf16")),
+        checkpoint: crate::fixtures().join("ckpt/llama_policy.pt"),
+        base: Some(crate::fixtures().join("models/llama-bf16")),
         output,
         plan: crate::plan::PlanOptions {
             max_shard_size: 40_000,

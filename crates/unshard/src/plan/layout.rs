@@ -107,10 +107,7 @@ mod tests {
 
     /// The config transformers 5.24 writes for fixtures' tiny Llama (2 layers, vocab 251).
     fn llama_config() -> Map<String, Value> {
-        let path = concat!(
-            env!("CARGO_MANIFEST_DIR"),
-            "/../../fixtures/models/llama-config-only/config.json"
-        );
+        let path = crate::fixtures().join("models/llama-config-only/config.json");
         serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap()
     }
 

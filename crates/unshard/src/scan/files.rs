@@ -360,9 +360,7 @@ mod tests {
     use super::*;
 
     fn hostile(name: &str) -> std::path::PathBuf {
-        Path::new(env!("CARGO_MANIFEST_DIR"))
-            .join("../../fixtures/hostile")
-            .join(name)
+        crate::fixtures().join("hostile").join(name)
     }
 
     /// The archives of a `.distcp` file are found from its end by their records,
@@ -406,7 +404,7 @@ mod tests {
     /// its name: files the generators wrote.
     #[test]
     fn each_file_is_read_as_what_its_bytes_are() {
-        let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures");
+        let root = crate::fixtures();
         let dir = tempfile::tempdir().unwrap();
         let json = dir.path().join("config.json");
         std::fs::write(&json, b"{\"model_type\": \"llama\"}").unwrap();
@@ -515,8 +513,7 @@ mod tests {
     /// doubles), and give what one read of the whole file gives.
     #[test]
     fn a_stream_of_pickles_longer_than_the_first_read_is_read_in_full() {
-        let src = Path::new(env!("CARGO_MANIFEST_DIR"))
-            .join("../../fixtures/ckpt/llama_policy_legacy.pt");
+        let src = crate::fixtures().join("ckpt/llama_policy_legacy.pt");
         let whole = scan_file_with(&src, u64::MAX);
         assert_eq!(whole.pickles, 5, "{whole:?}");
         assert!(whole.problems.is_empty(), "{whole:?}");

@@ -110,12 +110,6 @@ fn walk(path: &Path, depth: usize, out: &mut Vec<FileScan>) {
 mod tests {
     use super::*;
 
-    fn fixtures(dir: &str) -> PathBuf {
-        Path::new(env!("CARGO_MANIFEST_DIR"))
-            .join("../../fixtures")
-            .join(dir)
-    }
-
     /// Regular files below `dir`, counted by the standard library alone.
     fn count_files(dir: &Path) -> usize {
         std::fs::read_dir(dir)
@@ -131,7 +125,7 @@ mod tests {
     /// archives with two records of one name are not clean, with no call to report.
     #[test]
     fn a_directory_is_walked_and_each_file_judged_as_the_generator_says() {
-        let dir = fixtures("hostile");
+        let dir = crate::fixtures().join("hostile");
         let scans = scan_paths(std::slice::from_ref(&dir));
         assert_eq!(scans.len(), count_files(&dir));
         let text = std::fs::read_to_string(dir.join("manifest.json")).unwrap();
@@ -246,7 +240,7 @@ mod tests {
         }
         let tmp = tempfile::tempdir().unwrap();
         std::fs::copy(
-            fixtures("hostile/metrics_os_system.pt"),
+            crate::fixtures().join("hostile/metrics_os_system.pt"),
             tmp.path().join("a.pt"),
         )
         .unwrap();
@@ -277,7 +271,7 @@ mod tests {
         let tmp = tempfile::tempdir().unwrap();
         let root = tmp.path().join("root");
         std::fs::create_dir(&root).unwrap();
-        let payload = fixtures("hostile/metrics_os_system.pt");
+        let payload = crate::fixtures().join("hostile/metrics_os_system.pt");
         std::fs::copy(&payload, root.join("a.pt")).unwrap();
         symlink(&payload, root.join("b.pt")).unwrap();
         symlink(&root, root.join("up")).unwrap();

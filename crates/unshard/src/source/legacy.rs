@@ -222,8 +222,7 @@ mod tests {
     /// the same storages as when they fit; a truncated file is still an error.
     #[test]
     fn pickles_longer_than_the_first_read_are_read_in_full() {
-        let path = Path::new(env!("CARGO_MANIFEST_DIR"))
-            .join("../../fixtures/ckpt/llama_policy_legacy.pt");
+        let path = crate::fixtures().join("ckpt/llama_policy_legacy.pt");
         let data = std::fs::read(&path).unwrap();
         let blob = Blob::owned(path.clone(), data.clone());
         let whole = read_legacy_with(&blob, u64::MAX).unwrap();

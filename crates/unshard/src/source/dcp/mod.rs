@@ -390,7 +390,7 @@ mod tests {
     /// or with the ends `open` reads.
     #[test]
     fn archives_read_whole_or_record_by_record_give_the_same_tensors() {
-        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/sharded/llama_w3_dcp");
+        let dir = crate::fixtures().join("sharded/llama_w3_dcp");
         let opts = OpenOptions::default();
         let tuned = |ends, templates| {
             let t = Tuning {
@@ -421,7 +421,7 @@ mod tests {
     /// Reading the files ahead changes nothing read: the same pieces, the same bytes.
     #[test]
     fn reading_ahead_gives_the_same_tensors() {
-        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/sharded/llama_w8_dcp");
+        let dir = crate::fixtures().join("sharded/llama_w8_dcp");
         let opts = OpenOptions::default();
         let with = |readahead| Tuning {
             readahead,
@@ -443,7 +443,7 @@ mod tests {
     /// demand, never more than allowed at once, and every tensor reads the same.
     #[test]
     fn files_beyond_the_open_limit_are_opened_on_demand() {
-        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/sharded/llama_w3_dcp");
+        let dir = crate::fixtures().join("sharded/llama_w3_dcp");
         let opts = OpenOptions::default();
         let max_open = |max_open| Tuning {
             max_open,
@@ -475,7 +475,7 @@ mod tests {
     /// parsing each gives, and most of the eight ranks' archives are taken that way.
     #[test]
     fn archives_like_a_parsed_one_give_the_pieces_parsing_gives() {
-        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/sharded/llama_w8_dcp");
+        let dir = crate::fixtures().join("sharded/llama_w8_dcp");
         let opts = OpenOptions::default();
         let with = |templates| Tuning {
             templates,
@@ -519,7 +519,7 @@ mod tests {
     /// threads, are those one thread builds: the same order, pieces and layouts.
     #[test]
     fn tensors_built_on_two_threads_are_those_built_on_one() {
-        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/sharded/llama_w8_dcp");
+        let dir = crate::fixtures().join("sharded/llama_w8_dcp");
         let threads = |build_threads| Tuning {
             build_threads,
             ..Tuning::default()
@@ -563,7 +563,7 @@ mod tests {
         tmp: &Path,
         change: impl FnOnce(&mut [u8]),
     ) -> (PathBuf, std::ops::Range<usize>) {
-        let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/sharded/llama_w8_dcp");
+        let src = crate::fixtures().join("sharded/llama_w8_dcp");
         let dir = tmp.join("dcp");
         std::fs::create_dir_all(&dir).unwrap();
         for e in std::fs::read_dir(src).unwrap() {

@@ -352,7 +352,7 @@ mod tests {
     /// a smaller budget, only `.metadata` and the first rank files.
     #[test]
     fn a_directory_is_read_ahead_within_the_budget() {
-        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/sharded/llama_w3_dcp");
+        let dir = crate::fixtures().join("sharded/llama_w3_dcp");
         let len = |n: &str| std::fs::metadata(dir.join(n)).unwrap().len();
         let meta = len(".metadata");
         let ranks: Vec<u64> = (0..3).map(|r| len(&format!("__{r}_0.distcp"))).collect();

@@ -396,7 +396,6 @@ fn mixed(dir: &Path, what: &str, f: &Parsed) -> Error {
 #[cfg(test)]
 #[allow(clippy::unwrap_used)]
 mod tests {
-    use std::path::PathBuf;
 
     use super::*;
     use crate::dtype::DType;
@@ -404,9 +403,7 @@ mod tests {
     use crate::source::OpenOptions;
 
     fn found(case: &str) -> Found {
-        let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-            .join("../../fixtures/deepspeed")
-            .join(case);
+        let path = crate::fixtures().join("deepspeed").join(case);
         super::super::find(&path, &OpenOptions::default())
             .unwrap()
             .unwrap()
@@ -484,7 +481,7 @@ mod tests {
     /// A tag folder in a temporary directory made of fixture files: `(from, as)`.
     fn tag_folder(files: &[(String, String)]) -> (tempfile::TempDir, Found) {
         let tmp = tempfile::tempdir().unwrap();
-        let fixtures = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../fixtures");
+        let fixtures = crate::fixtures();
         for (from, to) in files {
             std::fs::copy(fixtures.join(from), tmp.path().join(to)).unwrap();
         }

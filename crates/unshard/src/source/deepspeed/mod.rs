@@ -236,9 +236,7 @@ mod tests {
     }
 
     fn fixture(case: &str) -> PathBuf {
-        PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-            .join("../../fixtures/deepspeed")
-            .join(case)
+        crate::fixtures().join("deepspeed").join(case)
     }
 
     #[test]

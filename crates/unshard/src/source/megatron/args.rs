@@ -213,9 +213,7 @@ mod tests {
     use super::*;
 
     fn fixture(case: &str) -> PathBuf {
-        Path::new(env!("CARGO_MANIFEST_DIR"))
-            .join("../../fixtures/megatron/ckpt")
-            .join(case)
+        crate::fixtures().join("megatron/ckpt").join(case)
     }
 
     /// The arguments of every place a save keeps them, against the fixtures'
@@ -275,7 +273,7 @@ mod tests {
 
     #[test]
     fn a_directory_without_arguments_has_none() {
-        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/megatron/base/llama");
+        let dir = crate::fixtures().join("megatron/base/llama");
         assert_eq!(read(&dir).unwrap(), None);
     }
 }

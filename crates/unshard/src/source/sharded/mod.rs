@@ -742,9 +742,7 @@ mod tests {
     use super::*;
 
     fn open_fixture(name: &str) -> (Checkpoint, Reused) {
-        let dir = Path::new(env!("CARGO_MANIFEST_DIR"))
-            .join("../../fixtures")
-            .join(name);
+        let dir = crate::fixtures().join(name);
         let set = find_rank_files(&dir).unwrap().unwrap();
         open_counted(&set, &OpenOptions::default()).unwrap_or_else(|e| panic!("{name}: {e}"))
     }

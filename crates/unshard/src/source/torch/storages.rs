@@ -176,15 +176,15 @@ impl RecordTable {
 #[cfg(test)]
 #[allow(clippy::unwrap_used)]
 mod tests {
-    use std::path::{Path, PathBuf};
+    use std::path::PathBuf;
 
     use super::super::{read_zip_file, read_zip_file_as_template, TemplateReader};
     use crate::source::zip::ZipIndex;
     use crate::source::Blob;
 
     fn rank_file(r: usize) -> (PathBuf, Vec<u8>) {
-        let path = Path::new(env!("CARGO_MANIFEST_DIR"))
-            .join("../../fixtures/sharded/llama_w2_ranks")
+        let path = crate::fixtures()
+            .join("sharded/llama_w2_ranks")
             .join(format!("model_world_size_2_rank_{r}.pt"));
         let data = std::fs::read(&path).unwrap();
         (path, data)

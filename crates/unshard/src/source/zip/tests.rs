@@ -83,8 +83,7 @@ impl crate::source::ByteSource for Counting {
 fn a_torch_archive_is_indexed_in_a_few_reads_that_skip_the_data() {
     use crate::source::ByteSource;
     use std::sync::atomic::Ordering::Relaxed;
-    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../../fixtures/ckpt/llama_policy.pt");
+    let path = crate::fixtures().join("ckpt/llama_policy.pt");
     let file = crate::source::LocalFile::open(&path).expect("fixture");
     let len = file.len();
     let counting = std::sync::Arc::new(Counting(file, Default::default(), Default::default()));

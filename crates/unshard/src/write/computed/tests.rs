@@ -1,6 +1,5 @@
 //! Computed tensors written a block at a time give the whole-tensor values.
 #![allow(clippy::unwrap_used)]
-use std::path::Path;
 
 use crate::cancel::Cancel;
 use crate::dtype;
@@ -156,7 +155,7 @@ fn fused_rows_cut_by_blocks_equal_the_whole_tensor_fuse() {
 /// blocks (each tensor whole in one block).
 #[test]
 fn lora_fixtures_give_the_same_bytes_whatever_the_blocks() {
-    let fixtures = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures");
+    let fixtures = crate::fixtures();
     let text = std::fs::read_to_string(fixtures.join("lora/cases.json")).unwrap();
     let cases: serde_json::Value = serde_json::from_str(&text).unwrap();
     let mut checked = 0;

@@ -6,13 +6,9 @@ use std::path::{Path, PathBuf};
 
 use super::*;
 
-fn fixtures() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures")
-}
-
 /// Every DCP `.metadata` fixture written by torch.
 fn metadata_files() -> Vec<PathBuf> {
-    let f = fixtures();
+    let f = crate::fixtures();
     [
         "sharded/llama_w2_dcp",
         "sharded/llama_w3_dcp",
@@ -108,7 +104,7 @@ fn streaming_reads_what_torch_writes_as_the_full_reader_does() {
 /// everywhere in this file but its last batch.
 #[test]
 fn a_pickle_read_in_two_halves_reads_as_in_one() {
-    let path = fixtures().join("sharded/wide_metadata_batches/.metadata");
+    let path = crate::fixtures().join("sharded/wide_metadata_batches/.metadata");
     let blob = crate::bytes::fs::open(&path).unwrap();
     let model = Keep::Model {
         key: None,
@@ -146,7 +142,7 @@ fn a_pickle_read_in_two_halves_reads_as_in_one() {
 /// full reader alike), and neither panics.
 #[test]
 fn one_thread_and_two_agree_on_changed_bytes() {
-    let path = fixtures().join("sharded/wide_metadata_batches/.metadata");
+    let path = crate::fixtures().join("sharded/wide_metadata_batches/.metadata");
     let raw = std::fs::read(&path).unwrap();
     let len = raw.len() as u64;
     let mut state = 0x9e37_79b9_7f4a_7c15u64;
@@ -189,7 +185,7 @@ fn one_thread_and_two_agree_on_changed_bytes() {
 /// land on the right chunks.
 #[test]
 fn optimizer_chunks_are_dropped_and_model_chunks_keep_their_items() {
-    let path = fixtures().join("sharded/llama_w2_dcp_with_optim/.metadata");
+    let path = crate::fixtures().join("sharded/llama_w2_dcp_with_optim/.metadata");
     let keep = Keep::Model {
         key: None,
         optimizer_keys: &["optim"],
@@ -221,7 +217,7 @@ fn optimizer_chunks_are_dropped_and_model_chunks_keep_their_items() {
 /// fickling injects one) is reported, not skipped.
 #[test]
 fn a_pickle_with_other_calls_is_left_to_the_full_reader() {
-    let good = fixtures().join("sharded/llama_w2_dcp/.metadata");
+    let good = crate::fixtures().join("sharded/llama_w2_dcp/.metadata");
     let raw = std::fs::read(&good).unwrap();
     // PROTO 4, FRAME n: then the injected call, then the rest of the pickle.
     assert_eq!(&raw[..3], b"\x80\x04\x95");

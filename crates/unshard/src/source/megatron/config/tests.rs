@@ -7,17 +7,13 @@ use serde_json::{Map, Value};
 use super::*;
 use crate::source::megatron::args;
 
-fn fixtures() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/megatron")
-}
-
 fn json(path: &Path) -> Value {
     serde_json::from_slice(&std::fs::read(path).unwrap()).unwrap()
 }
 
 /// `(case, checkpoint dir, base dir)` of every fixture case.
 fn cases() -> Vec<(String, PathBuf, PathBuf)> {
-    let root = fixtures();
+    let root = crate::fixtures().join("megatron");
     let cases = json(&root.join("cases.json"));
     cases["cases"]
         .as_object()
@@ -109,7 +105,7 @@ fn derived_configs_match_the_ones_transformers_wrote() {
 /// holding an `os.system` call, read as data and reported (`unsafe`).
 #[test]
 fn derived_configs_of_arguments_alone_match_transformers() {
-    let root = fixtures().join("args");
+    let root = crate::fixtures().join("megatron/args");
     let (mut derived_seen, mut refused_seen) = (0, 0);
     for e in std::fs::read_dir(&root).unwrap() {
         let dir = e.unwrap().path();
@@ -141,7 +137,7 @@ fn derived_configs_of_arguments_alone_match_transformers() {
 
 #[test]
 fn the_warnings_say_what_was_derived_and_that_the_vocabulary_is_padded() {
-    let d = derived(&fixtures().join("ckpt/llama_tp2_padded_vocab"));
+    let d = derived(&crate::fixtures().join("megatron/ckpt/llama_tp2_padded_vocab"));
     assert_eq!(d.warnings.len(), 2, "{:?}", d.warnings);
     assert!(
         d.warnings[0].contains("common.pt") && d.warnings[0].contains("as a llama model"),
@@ -172,7 +168,7 @@ fn the_warning_names_the_training_s_tokenizer_when_the_arguments_do() {
 }
 
 fn llama_args() -> TrainingArgs {
-    args::read(&fixtures().join("ckpt/llama_tp2/iter_0000100"))
+    args::read(&crate::fixtures().join("megatron/ckpt/llama_tp2/iter_0000100"))
         .unwrap()
         .unwrap()
 }

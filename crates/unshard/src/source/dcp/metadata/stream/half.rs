@@ -338,8 +338,7 @@ mod tests {
     use crate::source::dcp::metadata::stream::prepass::pre_pass;
 
     fn fixture() -> Blob {
-        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
-            .join("../../fixtures/sharded/wide_metadata_batches/.metadata");
+        let path = crate::fixtures().join("sharded/wide_metadata_batches/.metadata");
         crate::bytes::fs::open(&path).unwrap()
     }
 

@@ -52,10 +52,6 @@ fn split_everywhere_agrees(blob: &Blob, cuts: &[CutAt], what: &str) -> usize {
     met
 }
 
-fn fixtures() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures")
-}
-
 /// Every `.metadata` among the fixtures.
 fn metadata_files(dir: &Path, out: &mut Vec<PathBuf>) {
     for entry in std::fs::read_dir(dir).unwrap() {
@@ -74,7 +70,7 @@ fn metadata_files(dir: &Path, out: &mut Vec<PathBuf>) {
 #[test]
 fn the_pre_pass_split_at_any_frame_finds_what_one_walk_finds() {
     let mut files = Vec::new();
-    metadata_files(&fixtures(), &mut files);
+    metadata_files(&crate::fixtures(), &mut files);
     assert!(files.len() >= 10, "{files:?}");
     for path in files {
         let blob = crate::bytes::fs::open(&path).unwrap();
@@ -96,7 +92,7 @@ fn the_pre_pass_split_at_any_frame_finds_what_one_walk_finds() {
 /// anything): the split finds what one walk finds, or both give up, at every frame.
 #[test]
 fn the_pre_pass_split_agrees_on_changed_bytes() {
-    let path = fixtures().join("sharded/wide_metadata_batches/.metadata");
+    let path = crate::fixtures().join("sharded/wide_metadata_batches/.metadata");
     let raw = std::fs::read(&path).unwrap();
     let frames: Vec<u64> = frames::starts(&blob(raw.clone())).collect();
     let mut changes: Vec<(usize, u8)> = Vec::new();
@@ -306,7 +302,7 @@ fn a_tail_inside_an_opcode_is_not_taken() {
         }
     }
     // The same in what torch writes, a byte or a few after each frame's start.
-    let path = fixtures().join("sharded/wide_metadata_batches/.metadata");
+    let path = crate::fixtures().join("sharded/wide_metadata_batches/.metadata");
     let b = crate::bytes::fs::open(&path).unwrap();
     let one = found(pre_pass_split(&b, Some(CutAt::Balanced), None).map(|(p, _)| p));
     for from in frames::starts(&b).skip(1) {
