@@ -63,6 +63,7 @@ fn setting(name: &str, default: u64, bounds: std::ops::RangeInclusive<u64>) -> u
     parse_setting(std::env::var(name).ok().as_deref(), default, bounds)
 }
 
+/// What [`setting`] makes of a variable's value (`None` when unset).
 fn parse_setting(value: Option<&str>, default: u64, bounds: std::ops::RangeInclusive<u64>) -> u64 {
     value
         .and_then(|v| v.trim().parse::<u64>().ok())
