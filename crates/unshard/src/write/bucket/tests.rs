@@ -621,61 +621,29 @@ fn every_test_against_a_real_server() {
     }
 }
 
+/// `(name, test)` for each test function given, its name taken from the function.
+macro_rules! named {
+    ($($test:ident),* $(,)?) => {
+        [$((stringify!($test), $test as fn())),*]
+    };
+}
+
 /// The tests [`every_test_against_a_real_server`] runs: every other test of this
 /// module ([`the_server_run_lists_every_test_of_this_module`] says so).
-const ON_A_SERVER: [(&str, fn()); 13] = [
-    (
-        "the_run_manifest_names_the_run_and_each_file_before_it_is_written",
-        the_run_manifest_names_the_run_and_each_file_before_it_is_written,
-    ),
-    (
-        "the_commit_writes_the_index_then_the_config_last",
-        the_commit_writes_the_index_then_the_config_last,
-    ),
-    (
-        "small_files_keep_their_last_bytes_and_copies_do_not_overwrite",
-        small_files_keep_their_last_bytes_and_copies_do_not_overwrite,
-    ),
-    (
-        "each_block_is_one_part_in_any_order_and_other_writes_are_refused",
-        each_block_is_one_part_in_any_order_and_other_writes_are_refused,
-    ),
-    (
-        "a_shard_of_more_than_ten_thousand_parts_is_refused",
-        a_shard_of_more_than_ten_thousand_parts_is_refused,
-    ),
-    (
-        "a_sink_dropped_before_its_commit_leaves_nothing",
-        a_sink_dropped_before_its_commit_leaves_nothing,
-    ),
-    (
-        "a_parts_sink_keeps_its_completed_shards_when_asked",
-        a_parts_sink_keeps_its_completed_shards_when_asked,
-    ),
-    (
-        "a_refused_cleanup_names_what_it_left_and_how_to_remove_it",
-        a_refused_cleanup_names_what_it_left_and_how_to_remove_it,
-    ),
-    (
-        "the_advice_for_what_is_left_is_in_each_stores_tool",
-        the_advice_for_what_is_left_is_in_each_stores_tool,
-    ),
-    (
-        "a_prefix_is_taken_empty_or_forced_over_an_earlier_output_only",
-        a_prefix_is_taken_empty_or_forced_over_an_earlier_output_only,
-    ),
-    (
-        "a_forced_commit_replaces_the_earlier_output",
-        a_forced_commit_replaces_the_earlier_output,
-    ),
-    (
-        "a_refused_completion_fails_though_an_older_object_has_the_size",
-        a_refused_completion_fails_though_an_older_object_has_the_size,
-    ),
-    (
-        "a_merge_cancelled_mid_upload_leaves_nothing",
-        a_merge_cancelled_mid_upload_leaves_nothing,
-    ),
+const ON_A_SERVER: [(&str, fn()); 13] = named![
+    the_run_manifest_names_the_run_and_each_file_before_it_is_written,
+    the_commit_writes_the_index_then_the_config_last,
+    small_files_keep_their_last_bytes_and_copies_do_not_overwrite,
+    each_block_is_one_part_in_any_order_and_other_writes_are_refused,
+    a_shard_of_more_than_ten_thousand_parts_is_refused,
+    a_sink_dropped_before_its_commit_leaves_nothing,
+    a_parts_sink_keeps_its_completed_shards_when_asked,
+    a_refused_cleanup_names_what_it_left_and_how_to_remove_it,
+    the_advice_for_what_is_left_is_in_each_stores_tool,
+    a_prefix_is_taken_empty_or_forced_over_an_earlier_output_only,
+    a_forced_commit_replaces_the_earlier_output,
+    a_refused_completion_fails_though_an_older_object_has_the_size,
+    a_merge_cancelled_mid_upload_leaves_nothing,
 ];
 
 /// A test added to this module without being added to [`ON_A_SERVER`] would run
