@@ -282,8 +282,7 @@ fn tree(dir: &std::path::Path) -> std::collections::BTreeMap<String, Vec<u8>> {
 fn every_fixture_family_merges_from_a_store_as_from_disk() {
     // Its requests would count in the request-counting test's figures.
     let _one_at_a_time = COUNTED.lock().unwrap_or_else(|e| e.into_inner());
-    let fixtures = crate::fixtures();
-    let fixtures = fixtures.canonicalize().unwrap();
+    let fixtures = crate::fixtures().canonicalize().unwrap();
     let mem = Arc::new(InMemory::new());
     store::register("s3://families", mem.clone());
     let dir = tempfile::tempdir().unwrap();

@@ -396,7 +396,6 @@ fn mixed(dir: &Path, what: &str, f: &Parsed) -> Error {
 #[cfg(test)]
 #[allow(clippy::unwrap_used)]
 mod tests {
-
     use super::*;
     use crate::dtype::DType;
     use crate::read::read_tensor;
