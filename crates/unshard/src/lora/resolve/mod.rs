@@ -392,7 +392,7 @@ fn fuse_of(path: &Path, config: &AdapterConfig, module: String, f: Factors) -> R
     let rank = config.rank_for(&module);
     let a_rank = a.shape.first().copied();
     let b_rank = b.shape.get(1).copied();
-    if a.shape.len() != 2 || b.shape.len() != 2 || a_rank != Some(rank) || b_rank != Some(rank) {
+    if a_rank != Some(rank) || b_rank != Some(rank) {
         return Err(err(
             format!(
                 "the config gives rank {rank}, but lora_A is {:?} and lora_B is {:?}",
